@@ -1,0 +1,61 @@
+"""minifloat: bit-exact FP8 / FP6 / FP4 formats and low-precision training tools for PyTorch.
+
+Example:
+    >>> import torch, minifloat
+    >>> codes = minifloat.encode(torch.tensor([0.1, 1.0, 500.0]), "e4m3")
+    >>> minifloat.decode(codes, "e4m3").tolist()
+    [0.1015625, 1.0, 448.0]
+"""
+
+from minifloat.codec import decode, encode, value_table
+from minifloat.errors import (
+    CodeRangeError,
+    DTypeError,
+    MinifloatError,
+    PackingError,
+    RoundingError,
+    UnknownFormatError,
+)
+from minifloat.formats import (
+    E2M1,
+    E2M3,
+    E3M2,
+    E4M3,
+    E5M2,
+    E8M0,
+    FORMATS,
+    FloatFormat,
+    NaNEncoding,
+    get_format,
+)
+from minifloat.packing import pack, packed_nbytes, unpack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # formats
+    "FloatFormat",
+    "NaNEncoding",
+    "FORMATS",
+    "get_format",
+    "E4M3",
+    "E5M2",
+    "E3M2",
+    "E2M3",
+    "E2M1",
+    "E8M0",
+    # codecs and packing
+    "encode",
+    "decode",
+    "value_table",
+    "pack",
+    "unpack",
+    "packed_nbytes",
+    # errors
+    "MinifloatError",
+    "UnknownFormatError",
+    "DTypeError",
+    "CodeRangeError",
+    "PackingError",
+    "RoundingError",
+]

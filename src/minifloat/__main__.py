@@ -1,0 +1,5 @@
+import sys
+
+from minifloat.cli import main
+
+sys.exit(main())

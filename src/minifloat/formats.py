@@ -1,0 +1,259 @@
+"""Element formats: the only place bit layouts are written.
+
+A format is data: (exponent bits, mantissa bits, bias, sign, inf/NaN encoding, zero). Every
+other property — max, min normal, min subnormal, epsilon, the MX `emax`, the code of the
+largest finite value — is derived from those, never typed a second time (the approach of
+ml_dtypes). Tables printed by the CLI and numbers in the docs come from these objects.
+
+Example:
+    >>> import minifloat
+    >>> fmt = minifloat.get_format("float8_e4m3fn")
+    >>> fmt.name, fmt.max, fmt.min_subnormal
+    ('e4m3', 448.0, 0.001953125)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from minifloat.errors import UnknownFormatError
+
+
+class NaNEncoding(str, enum.Enum):
+    """How a format spells NaN."""
+
+    NONE = "none"
+    """No NaN code at all (FP6, FP4)."""
+    IEEE = "ieee"
+    """Exponent all ones with a non-zero mantissa is NaN; with a zero mantissa it is inf."""
+    ALL_ONES = "all_ones"
+    """Only the all-ones magnitude is NaN (E4M3 "fn": S.1111.111; E8M0: 0xFF)."""
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A binary floating-point format of at most 8 bits.
+
+    Attributes:
+        name: canonical short name, e.g. ``"e4m3"``.
+        exp_bits: exponent field width.
+        man_bits: explicit mantissa bits (the implicit leading one is not counted).
+        bias: exponent bias.
+        has_inf: whether the format encodes ±inf (IEEE-style formats only).
+        nan: how NaN is encoded.
+        signed: whether there is a sign bit (E8M0 has none).
+        has_zero: whether exponent field 0 means zero/subnormal; when False (E8M0) it is an
+            ordinary exponent and the format has no zero.
+        aliases: other accepted spellings (ml_dtypes / torch dtype names).
+        torch_dtype: name of the matching ``torch`` dtype, if torch has one.
+        role: one line on what the format is for.
+    """
+
+    name: str
+    exp_bits: int
+    man_bits: int
+    bias: int
+    has_inf: bool
+    nan: NaNEncoding
+    signed: bool = True
+    has_zero: bool = True
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+    torch_dtype: str | None = field(default=None, compare=False)
+    role: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.bits <= 8, f"{self.name}: {self.bits} bits"
+        assert not self.has_inf or self.nan is NaNEncoding.IEEE, "inf only with IEEE NaNs"
+
+    # --- bit layout -------------------------------------------------------------------
+    @property
+    def bits(self) -> int:
+        """Total width in bits."""
+        return int(self.signed) + self.exp_bits + self.man_bits
+
+    @property
+    def num_codes(self) -> int:
+        return 1 << self.bits
+
+    @property
+    def sign_mask(self) -> int:
+        """The sign bit of a code (0 for unsigned formats)."""
+        return 1 << (self.bits - 1) if self.signed else 0
+
+    @property
+    def magnitude_mask(self) -> int:
+        return (1 << (self.exp_bits + self.man_bits)) - 1
+
+    @property
+    def max_code(self) -> int:
+        """Magnitude code of the largest finite value."""
+        if self.nan is NaNEncoding.IEEE:  # the top exponent is reserved for inf/NaN
+            return (((1 << self.exp_bits) - 2) << self.man_bits) | ((1 << self.man_bits) - 1)
+        if self.nan is NaNEncoding.ALL_ONES:  # only the all-ones magnitude is NaN
+            return self.magnitude_mask - 1
+        return self.magnitude_mask
+
+    @property
+    def nan_code(self) -> int | None:
+        """Positive canonical NaN code (the one ml_dtypes produces), or None."""
+        if self.nan is NaNEncoding.IEEE:  # quiet NaN: top mantissa bit set
+            return (((1 << self.exp_bits) - 1) << self.man_bits) | (1 << (self.man_bits - 1))
+        if self.nan is NaNEncoding.ALL_ONES:
+            return self.magnitude_mask
+        return None
+
+    @property
+    def inf_code(self) -> int | None:
+        """Positive infinity code, or None."""
+        return ((1 << self.exp_bits) - 1) << self.man_bits if self.has_inf else None
+
+    # --- derived values ---------------------------------------------------------------
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal value (subnormals share its quantum)."""
+        return 1 - self.bias if self.has_zero else -self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest normal value: the ``emax_elem`` of the OCP MX scale rule."""
+        return (self.max_code >> self.man_bits) - self.bias
+
+    @property
+    def max(self) -> float:
+        frac = (self.max_code & ((1 << self.man_bits) - 1)) / (1 << self.man_bits)
+        return math.ldexp(1.0 + frac, self.emax)
+
+    @property
+    def min_normal(self) -> float:
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive value (equals `min_normal` when there are no subnormals)."""
+        if self.has_zero and self.man_bits > 0:
+            return math.ldexp(1.0, self.emin - self.man_bits)
+        return self.min_normal
+
+    @property
+    def has_subnormals(self) -> bool:
+        return self.has_zero and self.man_bits > 0
+
+    @property
+    def epsilon(self) -> float:
+        """Distance from 1.0 to the next larger value."""
+        return math.ldexp(1.0, -self.man_bits)
+
+    @property
+    def values_in_1_2(self) -> int:
+        """How many values lie in [1, 2): the precision in one binade."""
+        return 1 << self.man_bits
+
+    @property
+    def dynamic_range_binades(self) -> float:
+        """log2(max / smallest positive value)."""
+        return math.log2(self.max / self.min_subnormal)
+
+    @property
+    def memory_vs_fp16(self) -> float:
+        return self.bits / 16
+
+    def describe(self) -> dict[str, object]:
+        """Every property as a JSON-ready dict (the rows of `minifloat formats`)."""
+        return {
+            "name": self.name,
+            "aliases": list(self.aliases),
+            "bits": self.bits,
+            "sign_bits": int(self.signed),
+            "exp_bits": self.exp_bits,
+            "man_bits": self.man_bits,
+            "bias": self.bias,
+            "has_inf": self.has_inf,
+            "nan": self.nan.value,
+            "has_zero": self.has_zero,
+            "max": self.max,
+            "min_normal": self.min_normal,
+            "min_subnormal": self.min_subnormal,
+            "epsilon": self.epsilon,
+            "emax": self.emax,
+            "emin": self.emin,
+            "values_in_1_2": self.values_in_1_2,
+            "dynamic_range_binades": self.dynamic_range_binades,
+            "memory_vs_fp16": self.memory_vs_fp16,
+            "torch_dtype": self.torch_dtype,
+            "role": self.role,
+        }
+
+    def __repr__(self) -> str:
+        return f"FloatFormat({self.name!r})"
+
+
+E4M3 = FloatFormat(
+    "e4m3", exp_bits=4, man_bits=3, bias=7, has_inf=False, nan=NaNEncoding.ALL_ONES,
+    aliases=("float8_e4m3fn", "e4m3fn", "fp8_e4m3"), torch_dtype="float8_e4m3fn",
+    role="FP8 weights and activations: more precision, less range",
+)
+E5M2 = FloatFormat(
+    "e5m2", exp_bits=5, man_bits=2, bias=15, has_inf=True, nan=NaNEncoding.IEEE,
+    aliases=("float8_e5m2", "fp8_e5m2"), torch_dtype="float8_e5m2",
+    role="FP8 gradients: more range, less precision",
+)
+E3M2 = FloatFormat(
+    "e3m2", exp_bits=3, man_bits=2, bias=3, has_inf=False, nan=NaNEncoding.NONE,
+    aliases=("float6_e3m2fn", "fp6_e3m2"),
+    role="FP6 (MXFP6) with range for gradients",
+)
+E2M3 = FloatFormat(
+    "e2m3", exp_bits=2, man_bits=3, bias=1, has_inf=False, nan=NaNEncoding.NONE,
+    aliases=("float6_e2m3fn", "fp6_e2m3"),
+    role="FP6 (MXFP6) with precision for weights/activations",
+)
+E2M1 = FloatFormat(
+    "e2m1", exp_bits=2, man_bits=1, bias=1, has_inf=False, nan=NaNEncoding.NONE,
+    aliases=("float4_e2m1fn", "float4_e2m1fn_x2", "fp4", "fp4_e2m1"),
+    torch_dtype="float4_e2m1fn_x2",
+    role="FP4 (MXFP4, NVFP4) elements",
+)
+E8M0 = FloatFormat(
+    "e8m0", exp_bits=8, man_bits=0, bias=127, has_inf=False, nan=NaNEncoding.ALL_ONES,
+    signed=False, has_zero=False,
+    aliases=("float8_e8m0fnu", "e8m0fnu"), torch_dtype="float8_e8m0fnu",
+    role="MX block scale: an unsigned power of two",
+)
+
+FORMATS: dict[str, FloatFormat] = {f.name: f for f in (E4M3, E5M2, E3M2, E2M3, E2M1, E8M0)}
+"""Every format by canonical name, in table order."""
+
+_BY_ALIAS: dict[str, FloatFormat] = {
+    key: f for f in FORMATS.values() for key in (f.name, *f.aliases)
+}
+
+
+def get_format(fmt: str | FloatFormat | torch.dtype) -> FloatFormat:
+    """Look a format up by name, ml_dtypes / torch spelling, or torch dtype.
+
+    Example:
+        >>> get_format("float4_e2m1fn") is get_format("e2m1") is get_format(torch.float4_e2m1fn_x2)
+        True
+    """
+    if isinstance(fmt, FloatFormat):
+        return fmt
+    if isinstance(fmt, torch.dtype):
+        key = str(fmt).removeprefix("torch.")
+    elif isinstance(fmt, str):
+        key = fmt.strip().lower()
+    else:
+        raise UnknownFormatError(
+            f"a format is a name, a torch dtype or a FloatFormat, not {type(fmt).__name__} "
+            f"{fmt!r}; known: {', '.join(FORMATS)}"
+        )
+    try:
+        return _BY_ALIAS[key]
+    except KeyError:
+        raise UnknownFormatError(
+            f"unknown format {fmt!r}; known: {', '.join(FORMATS)} "
+            f"(or their ml_dtypes/torch names, e.g. float8_e4m3fn)"
+        ) from None

@@ -1,0 +1,48 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minifloat import FORMATS
+from minifloat.cli import main
+
+
+def test_formats_table_is_generated_from_definitions(capsys):
+    assert main(["formats"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["format", "bits", "E"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert list(rows) == list(FORMATS)
+    for name, fmt in FORMATS.items():
+        row = rows[name]
+        assert row[1:5] == [str(fmt.bits), str(fmt.exp_bits), str(fmt.man_bits), str(fmt.bias)]
+        assert float(row[7]) == pytest.approx(fmt.max, rel=1e-3)
+        assert row[12] == f"{fmt.bits / 16:.3g}x"
+    assert rows["e5m2"][7] == "57344" and rows["e4m3"][7] == "448"
+
+
+def test_formats_json(capsys):
+    assert main(["formats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [f.describe() for f in FORMATS.values()]
+
+
+def test_formats_plot_writes_png(tmp_path, capsys):
+    out = tmp_path / "sub" / "formats.png"
+    assert main(["formats", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in out.parent.iterdir()] == ["formats.png"]  # no temp file left
+
+
+def test_plot_to_unwritable_path_is_a_clean_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["formats", "--plot", str(blocker / "f.png")]) == 1
+    assert "minifloat formats: error:" in capsys.readouterr().err
+
+
+def test_console_entry_point_runs():
+    done = subprocess.run([sys.executable, "-m", "minifloat", "formats"], capture_output=True, text=True)
+    assert done.returncode == 0 and "e2m1" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "minifloat", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,70 @@
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import minifloat
+from minifloat import FORMATS, UnknownFormatError, get_format
+from tests.conftest import FORMAT_NAMES, ML_DTYPES
+
+# emax_elem of each element format, from the OCP MX v1.0 spec, Table 1 (E8M0: 127).
+OCP_EMAX = {"e4m3": 8, "e5m2": 15, "e3m2": 4, "e2m3": 2, "e2m1": 2, "e8m0": 127}
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_derived_properties_match_ml_dtypes_finfo(name):
+    fmt, info = get_format(name), ml_dtypes.finfo(ML_DTYPES[name])
+    assert fmt.bits == info.bits
+    assert fmt.max == float(info.max)
+    assert fmt.min_normal == float(info.smallest_normal)
+    assert fmt.min_subnormal == float(info.smallest_subnormal)
+    assert fmt.epsilon == float(info.eps)
+    assert fmt.emax == OCP_EMAX[name]
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_values_in_one_two_counts_decoded_values(name):
+    values = np.arange(2 ** get_format(name).bits, dtype=np.uint8).view(ML_DTYPES[name]).astype(np.float64)
+    assert get_format(name).values_in_1_2 == int(((values >= 1) & (values < 2)).sum())
+
+
+def test_published_maxima():
+    assert [FORMATS[n].max for n in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")] == [448, 57344, 28, 7.5, 6]
+    assert FORMATS["e8m0"].max == 2.0**127
+
+
+@pytest.mark.parametrize(
+    ("spelling", "name"),
+    [
+        ("float8_e4m3fn", "e4m3"), ("E4M3", "e4m3"), ("float8_e5m2", "e5m2"),
+        ("float6_e3m2fn", "e3m2"), ("float6_e2m3fn", "e2m3"), ("float4_e2m1fn", "e2m1"),
+        ("fp4", "e2m1"), ("float8_e8m0fnu", "e8m0"), (torch.float8_e4m3fn, "e4m3"),
+        (torch.float8_e5m2, "e5m2"), (torch.float8_e8m0fnu, "e8m0"), (torch.float4_e2m1fn_x2, "e2m1"),
+    ],
+)
+def test_get_format_accepts_ml_dtypes_and_torch_spellings(spelling, name):
+    assert get_format(spelling) is FORMATS[name]
+    assert get_format(FORMATS[name]) is FORMATS[name]
+
+
+def test_unknown_format_lists_known_names():
+    with pytest.raises(UnknownFormatError, match=r"unknown format 'e4m4'; known: e4m3, e5m2, e3m2, e2m3, e2m1, e8m0"):
+        get_format("e4m4")
+    with pytest.raises(UnknownFormatError, match="torch.float32"):
+        get_format(torch.float32)
+    with pytest.raises(UnknownFormatError, match="not int"):
+        get_format(3)
+
+
+def test_formats_are_frozen_and_describe_is_json():
+    with pytest.raises(AttributeError):
+        FORMATS["e4m3"].bias = 8
+    rows = json.loads(json.dumps([f.describe() for f in FORMATS.values()]))
+    assert [r["name"] for r in rows] == FORMAT_NAMES
+    assert rows[0]["max"] == 448 and rows[1]["has_inf"] is True
+
+
+def test_public_api_exports():
+    assert set(minifloat.__all__) <= set(dir(minifloat))
