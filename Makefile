@@ -13,7 +13,7 @@ PIP_INSTALL := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIN
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) -e '.[dev,plot]'
+	$(PIP_INSTALL) -e '.[dev,plot,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)

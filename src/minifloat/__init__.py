@@ -29,6 +29,11 @@ from minifloat.formats import (
     get_format,
 )
 from minifloat.packing import pack, packed_nbytes, unpack
+from minifloat.quantize import dequantize, fake_quantize, quantize
+from minifloat.scaling import AmaxHistory, scale_from_amax
+from minifloat.schemes import SCHEMES, Scheme, get_scheme
+from minifloat.serialization import CorruptFileError, load, save
+from minifloat.tensor import QuantizedTensor
 
 __version__ = "0.1.0"
 
@@ -51,6 +56,18 @@ __all__ = [
     "pack",
     "unpack",
     "packed_nbytes",
+    # scaled quantization
+    "Scheme",
+    "SCHEMES",
+    "get_scheme",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "QuantizedTensor",
+    "AmaxHistory",
+    "scale_from_amax",
+    "save",
+    "load",
     # errors
     "MinifloatError",
     "UnknownFormatError",
@@ -58,4 +75,5 @@ __all__ = [
     "CodeRangeError",
     "PackingError",
     "RoundingError",
+    "CorruptFileError",
 ]

@@ -97,6 +97,12 @@ def _pow2(n: torch.Tensor | int) -> torch.Tensor:
     return ((n + 1023) << 52).view(torch.float64)
 
 
+def random_bits(shape: tuple[int, ...], generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """Uniform uint32 random bits (held in int64), one per element: the stochastic-rounding input."""
+    r = torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, generator=generator, device=device)
+    return r.to(torch.int64) & 0xFFFFFFFF
+
+
 def encode(
     x: torch.Tensor,
     fmt: str | FloatFormat,
@@ -111,7 +117,8 @@ def encode(
         x: float32 / bfloat16 / float16 / float64 tensor of any shape and strides.
         fmt: format name (``"e4m3"``, ``"float8_e4m3fn"``, ...) or `FloatFormat`.
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased; moves a value
-            by at most one code).
+            by at most one code): rounds up when a uniform 32-bit random integer ``R``
+            satisfies ``R / 2**32 < r - floor(r)``.
         saturate: clamp finite overflow and ±inf to ±max (True), or follow ml_dtypes
             (False): see the module docstring's table.
         generator: random source for stochastic rounding, for reproducibility.
@@ -123,8 +130,16 @@ def encode(
     fmt = get_format(fmt)
     check_float_tensor(x, "encode")
     check_rounding(rounding)
-    m = fmt.man_bits
+    bits = random_bits(x.shape, generator, x.device) if rounding == "stochastic" else None
+    return encode_with_bits(x, fmt, saturate=saturate, bits=bits)
 
+
+def encode_with_bits(
+    x: torch.Tensor, fmt: FloatFormat, *, saturate: bool = True, bits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`encode` with round-to-nearest (`bits` None) or stochastic rounding driven by the
+    given uint32 random `bits` (int64 tensor of x's shape). No argument checks: internal."""
+    m = fmt.man_bits
     xd = x.to(torch.float64)
     finite = torch.isfinite(xd)
     mag = torch.where(finite, xd.abs(), 0.0)
@@ -134,16 +149,16 @@ def encode(
     e = torch.where(mag > 0, e.to(torch.int64) - 1, fmt.emin).clamp(fmt.emin, fmt.emax)
     r = mag * _pow2(m - e)  # |x| / quantum: exact, a power-of-two scaling
     r = r.clamp_max(float(1 << (m + 2)))  # beyond this it overflows; keeps int64 safe
-    if rounding == "nearest":
+    if bits is None:
         k = torch.round(r)  # half to even on the significand = IEEE ties-to-even
     else:
         k = torch.floor(r)
-        u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device)
+        u = bits.to(torch.float64) * 2.0**-32
         k = k + (u < r - k).to(torch.float64)
     code = ((e - fmt.emin) << m) + k.to(torch.int64)
     if not fmt.has_zero:  # exponent field 0 is a normal binade (E8M0): no implicit offset
         code = (code - (1 << m)).clamp_min(0)
-        if rounding == "nearest":  # ml_dtypes rounds (2**emin, 2**(emin+1)) up; we match it
+        if bits is None:  # ml_dtypes rounds (2**emin, 2**(emin+1)) up; we match it
             between = (mag > fmt.min_normal) & (mag < 2 * fmt.min_normal)
             code = torch.where(between, 1, code)
 

@@ -1,0 +1,201 @@
+"""Scales: amax → scale rules for every scale format, and amax histories for delayed scaling.
+
+Conventions (those of Transformer Engine): a *scale* multiplies high-precision values into the
+element format's range (``q = encode(x * scale)``); the *decode scale* (``scale_inv``)
+multiplies codes back (``x ≈ decode(q) * scale_inv``). What a `QuantizedTensor` stores is the
+decode scale, in its scale format.
+
+Rules, with their sources:
+
+- FP32 scales (TE ``DelayedScaling`` / ``Float8CurrentScaling``, DeepSeek-V3 §3.3 blocks):
+  ``scale = max_elem / amax / 2**margin`` in float32; amax 0 → 1; an infinite result → the
+  largest float32; a NaN amax gives a NaN scale (the tensor, row or block decodes to NaN).
+- E8M0 scales (OCP MX v1.0 §6.3): rule ``"floor"``: ``X = 2**(floor(log2 amax) - emax_elem)``;
+  rule ``"rceil"`` (NVIDIA): ``X = 2**ceil(log2(amax * (1/max_elem)))``; the exponent is
+  clamped to [-127, 127]; amax 0 → X = 1; NaN amax → the NaN code 0xFF.
+- NVFP4 (NVIDIA's two-level formula, as in TE's reference): global encode scale
+  ``S_enc = 448 * 6 / amax_tensor`` (amax 0 → 1, inf → largest float32), tensor decode scale
+  ``S_dec = 1 / S_enc``; block decode scale ``E4M3(min(amax_block / 6 * S_enc, FLT_MAX))``,
+  saturating at 448; elements ``encode(x * (1 / (block_scale * S_dec)))``.
+
+amax is the largest *finite* magnitude (±inf saturate rather than zero the rest of the tensor),
+NaN-propagating except for the NVFP4 tensor amax, which skips NaN so that a NaN poisons its
+16-element block and not the whole tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.formats import E4M3, FloatFormat, get_format
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+NVFP4_GLOBAL_NUMERATOR = 448.0 * 6.0  # E4M3 max × E2M1 max
+
+
+def finite_amax(x: torch.Tensor, dim=None, *, ignore_nan: bool = False) -> torch.Tensor:
+    """max |x| over finite values (float32); NaN propagates unless `ignore_nan`.
+
+    Example:
+        >>> finite_amax(torch.tensor([1.0, -3.0, float("inf")])).item()
+        3.0
+    """
+    a = x.float().abs()
+    a = torch.where(torch.isfinite(a) if ignore_nan else ~torch.isinf(a), a, 0.0)
+    if dim is None:
+        return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    return a.amax(dim=dim)
+
+
+def fp32_scale(amax: torch.Tensor, fmt: FloatFormat, margin: int = 0) -> torch.Tensor:
+    """Encode multiplier ``max / amax / 2**margin`` (float32) with TE's special cases.
+
+    Example:
+        >>> fp32_scale(torch.tensor([224.0, 0.0, 1e-45]), get_format("e4m3")).tolist()
+        [2.0, 1.0, 3.4028234663852886e+38]
+    """
+    amax = amax.float()
+    scale = torch.tensor(fmt.max, dtype=torch.float32, device=amax.device) / amax
+    scale = scale * math.ldexp(1.0, -margin)
+    scale = torch.where(torch.isinf(scale), FLOAT32_MAX, scale)
+    return torch.where(amax == 0, 1.0, scale)
+
+
+def e8m0_exponent(amax: torch.Tensor, fmt: FloatFormat, rule: str = "floor") -> torch.Tensor:
+    """Unbiased E8M0 scale exponent per block (float32 holding an integer; NaN for NaN amax).
+
+    Example:
+        >>> e8m0_exponent(torch.tensor([448.0, 449.0, 0.0]), get_format("e4m3")).tolist()
+        [0.0, 0.0, 0.0]
+        >>> e8m0_exponent(torch.tensor([448.0, 449.0]), get_format("e4m3"), "rceil").tolist()
+        [0.0, 1.0]
+    """
+    amax = amax.float()
+    if rule == "floor":  # OCP MX v1.0 §6.3
+        _, e = torch.frexp(amax)
+        exp = (e - 1 - fmt.emax).float()
+    elif rule == "rceil":  # round amax / max up to a power of two (NVIDIA)
+        ratio = amax * torch.tensor(1.0 / fmt.max, dtype=torch.float32)
+        mant, e = torch.frexp(ratio)
+        exp = (e - 1).float() + (mant != 0.5).float()
+    else:
+        raise MinifloatError(f"unknown MX scale rule {rule!r}; use 'floor' or 'rceil'")
+    exp = torch.where(amax == 0, 0.0, exp.clamp(-127, 127))
+    return torch.where(torch.isnan(amax), torch.nan, exp)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4 global encode scale ``S_enc = 448·6 / amax`` (float32), 1 for amax 0.
+
+    Example:
+        >>> nvfp4_global_scale(torch.tensor(2688.0)).item()
+        1.0
+    """
+    amax = amax.float()
+    s = torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=amax.device) / amax
+    s = s.clamp_max(FLOAT32_MAX)
+    return torch.where((amax == 0) | (s == 0), 1.0, s)
+
+
+def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of the NVFP4 block decode scales (saturating at 448; NaN amax → NaN code)."""
+    from minifloat.codec import encode
+
+    s = (block_amax.float() / 6.0) * global_scale
+    return encode(s.clamp_max(FLOAT32_MAX), E4M3, saturate=True)
+
+
+def scale_from_amax(
+    amax: torch.Tensor | float, fmt: str | FloatFormat, margin: int = 0, previous: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """Delayed-scaling rule of TE: ``max / amax / 2**margin``; a zero or non-finite amax keeps
+    `previous` (1.0 when there is none).
+
+    Example:
+        >>> scale_from_amax(torch.tensor(3.5), "e4m3").item()
+        128.0
+        >>> scale_from_amax(torch.tensor(float("nan")), "e4m3", previous=4.0).item()
+        4.0
+    """
+    fmt = get_format(fmt)
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    prev = torch.as_tensor(1.0 if previous is None else previous, dtype=torch.float32, device=amax.device)
+    fresh = fp32_scale(amax, fmt, margin)
+    keep = (amax == 0) | ~torch.isfinite(amax)
+    return torch.where(keep, prev, fresh)
+
+
+AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
+
+
+@dataclass
+class AmaxHistory:
+    """A rolling window of amax values (TE's ``amax_history``) and how to reduce it.
+
+    ``algo``: ``"max"`` (largest in the window), ``"most_recent"``, ``"ema"`` (exponential
+    moving average with weight `ema_decay` on the past), ``"percentile"`` (the `percentile`-th
+    percentile of the window), or a callable ``history (len,) -> amax``.
+
+    Example:
+        >>> h = AmaxHistory(length=3)
+        >>> for a in [9.0, 5.0, 2.0, 3.0]:  # 9.0 has left the window of 3
+        ...     h.update(torch.tensor(a))
+        >>> h.amax().item(), h.history.tolist()
+        (5.0, [3.0, 2.0, 5.0])
+    """
+
+    length: int = 1024
+    algo: str | Callable[[torch.Tensor], torch.Tensor] = "max"
+    ema_decay: float = 0.9
+    percentile: float = 99.0
+    history: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.length < 1:
+            raise MinifloatError(f"amax history length must be ≥ 1, got {self.length}")
+        if not callable(self.algo) and self.algo not in AMAX_ALGOS:
+            raise MinifloatError(f"unknown amax algorithm {self.algo!r}; use one of {', '.join(AMAX_ALGOS)} or a callable")
+        if self.history is None:
+            self.history = torch.zeros(self.length, dtype=torch.float32)
+        self._ema = torch.zeros((), dtype=torch.float32)
+
+    def update(self, amax: torch.Tensor) -> None:
+        """Record this step's amax (newest first, the oldest falls off)."""
+        amax = amax.detach().float().reshape(()).to(self.history.device)
+        self.history = torch.roll(self.history, 1)
+        self.history[0] = amax
+        self._ema = amax if self.steps == 0 else self.ema_decay * self._ema + (1 - self.ema_decay) * amax
+        self.steps += 1
+
+    def amax(self) -> torch.Tensor:
+        """The reduced amax the next scale is computed from."""
+        seen = self.history[: min(self.steps, self.length)]
+        if callable(self.algo):
+            return torch.as_tensor(self.algo(seen), dtype=torch.float32)
+        if self.steps == 0:
+            return torch.zeros((), dtype=torch.float32)
+        if self.algo == "max":
+            return seen.amax()
+        if self.algo == "most_recent":
+            return seen[0]
+        if self.algo == "ema":
+            return self._ema.clone()
+        return torch.quantile(seen, self.percentile / 100.0)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"history": self.history.clone(), "steps": torch.tensor(self.steps), "ema": self._ema.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state["history"].shape != self.history.shape:
+            raise MinifloatError(
+                f"amax history of length {state['history'].numel()} does not fit length {self.length}"
+            )
+        self.history = state["history"].clone().float()
+        self.steps = int(state["steps"])
+        self._ema = state["ema"].clone().float()

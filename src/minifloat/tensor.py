@@ -1,0 +1,146 @@
+"""`QuantizedTensor`: packed codes + scales + the scheme that made them.
+
+Torch functions it does not implement run on its dequantized value (``torch.add(q, 1)``,
+``q @ w``, ``q[0]``), so it can stand in for a tensor wherever exactness of the quantized
+representation is not needed.
+
+Example:
+    >>> import minifloat
+    >>> q = minifloat.quantize(torch.ones(2, 32), "mxfp8")
+    >>> (q + 1).tolist()[0][:3], q.nbytes
+    ([2.0, 2.0, 2.0], 66)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minifloat.schemes import Scheme
+
+
+class QuantizedTensor:
+    """A tensor held as element codes and scales.
+
+    Attributes:
+        data: packed codes, uint8 of shape ``(rows_pad, cols_pad * bits / 8)``.
+        scale: the decode scale of every block: float32 (FP32 schemes), uint8 E8M0 codes
+            (MX) or uint8 E4M3 codes (NVFP4), shape = the scale grid.
+        tensor_scale: NVFP4's float32 tensor decode scale (``1 / S_enc``), else None.
+        shape: the original shape; scheme: the `Scheme`; orig_dtype: the input's dtype.
+    """
+
+    __slots__ = ("data", "scale", "tensor_scale", "shape", "scheme", "orig_dtype")
+
+    def __init__(
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        tensor_scale: torch.Tensor | None,
+        shape: torch.Size | tuple[int, ...],
+        scheme: Scheme,
+        orig_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.data = data
+        self.scale = scale
+        self.tensor_scale = tensor_scale
+        self.shape = torch.Size(shape)
+        self.scheme = scheme
+        self.orig_dtype = orig_dtype
+
+    # --- what it is -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it stands in for (that of the quantized input)."""
+        return self.orig_dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    @property
+    def nbytes(self) -> int:
+        """Real bytes held: packed data + scales (+ the tensor scale)."""
+        extra = self.tensor_scale.nbytes if self.tensor_scale is not None else 0
+        return self.data.nbytes + self.scale.nbytes + extra
+
+    @property
+    def bits_per_element(self) -> float:
+        """Element bits + block/row scale bits per element of the original shape (a single
+        per-tensor scale is not counted: FP8 8.0, MXFP8 8.25, MXFP4 4.25, NVFP4 4.5)."""
+        if not self.numel():
+            return self.scheme.bits_per_element
+        scale_bytes = 0 if self.scheme.granularity == "tensor" else self.scale.nbytes
+        return 8 * (self.data.nbytes + scale_bytes) / self.numel()
+
+    # --- conversions ------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values this tensor holds, in `dtype` (NaN where a NaN was quantized)."""
+        from minifloat.quantize import dequantize
+
+        return dequantize(self, dtype)
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        """A copy on `device` (the codes and scales move as they are)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return QuantizedTensor(move(self.data), move(self.scale), move(self.tensor_scale), self.shape, self.scheme, self.orig_dtype)
+
+    def cpu(self) -> QuantizedTensor:
+        return self.to("cpu")
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(shape={tuple(self.shape)}, scheme={self.scheme.name!r}, "
+            f"element={self.scheme.element}, bits_per_element={self.bits_per_element:.4g}, device={self.device})"
+        )
+
+    # --- everything else runs on the dequantized value --------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def unwrap(a):
+            if isinstance(a, QuantizedTensor):
+                return a.dequantize(a.orig_dtype)
+            if isinstance(a, (list, tuple)):
+                return type(a)(unwrap(b) for b in a)
+            return a
+
+        return func(*unwrap(args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+    def tolist(self):
+        return self.dequantize(self.orig_dtype).tolist()
+
+    def __getitem__(self, index):
+        return self.dequantize(self.orig_dtype)[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None):
+        a = self.dequantize(torch.float32).numpy()
+        return a if dtype is None else a.astype(dtype)
+
+
+def _forward(name: str):
+    op = getattr(torch.Tensor, name)
+
+    def method(self, *args, **kwargs):
+        return QuantizedTensor.__torch_function__(op, (), (self, *args), kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__abs__", "__pow__",
+    "__lt__", "__le__", "__gt__", "__ge__", "sum", "mean", "float", "t", "view", "reshape",
+):
+    setattr(QuantizedTensor, _name, _forward(_name))

@@ -1,0 +1,191 @@
+"""Every preset against an independent NumPy implementation of its published formula
+(float32 arithmetic where the reference libraries compute in float32, ml_dtypes for every
+cast), plus torchao for MX, and the NaN / inf / zero / empty / odd-shape contract."""
+
+import numpy as np
+import pytest
+import torch
+
+import minifloat
+from minifloat import SCHEMES, MinifloatError, fake_quantize, get_scheme, quantize
+from tests.conftest import ML_DTYPES
+
+F32 = np.float32
+FLT_MAX = np.finfo(np.float32).max
+
+
+def ml_cast(y: np.ndarray, name: str) -> np.ndarray:
+    """Saturating cast to an element format through ml_dtypes, back to float32."""
+    mx = F32(minifloat.get_format(name).max)
+    with np.errstate(invalid="ignore"):
+        return np.clip(y, -mx, mx).astype(ML_DTYPES[name]).astype(F32)
+
+
+def finite_amax(a: np.ndarray, axis) -> np.ndarray:
+    a = np.abs(a)
+    return np.where(np.isinf(a), F32(0), a).max(axis=axis)
+
+
+def oracle(x: np.ndarray, scheme) -> np.ndarray:
+    """Dequantized values by the published formulas (see minifloat.scaling for sources)."""
+    name, fmt = scheme.element, scheme.element_format
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).astype(F32)
+    R = x2.shape[0]
+    group = {4: 2, 6: 4, 8: 1}[fmt.bits]
+    if scheme.granularity == "block":
+        br, bc = scheme.block
+    else:
+        bc = -(-K // group) * group
+        br = 1 if scheme.granularity == "row" else R
+    Rp, Kp = -(-R // br) * br, -(-K // bc) * bc
+    xp = np.zeros((Rp, Kp), F32)
+    xp[:R, :K] = x2
+    t = xp.reshape(Rp // br, br, Kp // bc, bc)
+    amax = finite_amax(t, axis=(1, 3))[:, None, :, None]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if scheme.scale_format == "fp32":  # TE: scale = max / amax, amax 0 -> 1, inf -> FLT_MAX
+            scale = F32(fmt.max) / amax
+            scale = np.where(np.isinf(scale), FLT_MAX, scale)
+            scale = np.where(amax == 0, F32(1), scale).astype(F32)
+            deq = ml_cast(t * scale, name) * (F32(1) / scale)
+        elif scheme.scale_format == "e8m0":  # OCP MX §6.3 floor rule
+            _, e = np.frexp(amax)
+            E = np.clip(e - 1 - fmt.emax, -127, 127).astype(np.float64)
+            E = np.where(amax == 0, 0, E)
+            X = np.where(np.isnan(amax), np.nan, np.ldexp(1.0, np.nan_to_num(E).astype(int))).astype(F32)
+            deq = ml_cast(t / X, name) * X
+        else:  # NVFP4 two-level (NVIDIA / TE reference)
+            a = np.abs(xp)
+            g = a[np.isfinite(a)].max() if np.isfinite(a).any() else F32(0)
+            s_enc = F32(2688.0) / F32(g)
+            s_enc = F32(1) if g == 0 or s_enc == 0 else min(s_enc, FLT_MAX)
+            s_dec = F32(1) / F32(s_enc)
+            bs = ml_cast((amax / F32(6)) * F32(s_enc), "e4m3")  # saturating E4M3
+            dec = (bs * s_dec).astype(F32)
+            enc = np.where(dec == 0, F32(0), F32(1) / dec)
+            deq = ml_cast(t * enc, name) * dec
+    return deq.reshape(Rp, Kp)[:R, :K].reshape(x.shape)
+
+
+def assert_same_values(ours: torch.Tensor, ref: np.ndarray) -> None:
+    ours = ours.numpy()
+    same = (ours == ref) | (np.isnan(ours) & np.isnan(ref))
+    assert same.all(), f"{(~same).sum()} differ, e.g. ours={ours[~same][:4]} ref={ref[~same][:4]}"
+
+
+def wide_input(shape, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 3)
+    return x
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("shape", [(3, 70), (130, 257), (1, 16), (2, 3, 40), (33,)])
+def test_presets_match_published_formula(name, shape):
+    x = wide_input(shape, seed=len(shape))
+    assert_same_values(quantize(x, name).dequantize(), oracle(x.numpy(), get_scheme(name)))
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp8", "mxfp4", "nvfp4", "fp8_block128x128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(name, dtype):
+    x = wide_input((20, 96)).clamp(-6e4, 6e4).to(dtype)
+    q = quantize(x, name)
+    assert_same_values(q.dequantize(), oracle(x.float().numpy(), get_scheme(name)))
+    assert fake_quantize(x, name).dtype == dtype
+
+
+@pytest.mark.parametrize(("name", "bits"), [("fp8", 8.0), ("mxfp8", 8.25), ("mxfp6_e3m2", 6.25), ("mxfp4", 4.25), ("nvfp4", 4.5)])
+def test_bits_per_element_and_nbytes(name, bits):
+    q = quantize(torch.randn(64, 256), name)
+    assert q.bits_per_element == bits
+    tensor_bytes = 4 if name in ("fp8", "nvfp4") else 0
+    assert q.nbytes == 64 * 256 * bits / 8 + tensor_bytes
+
+
+def test_nan_poisons_exactly_its_block_or_row_or_tensor():
+    x = torch.randn(4, 64)
+    x[1, 37] = float("nan")
+    for name, expect in [("mxfp8", (1, slice(32, 64))), ("mxfp4", (1, slice(32, 64))), ("nvfp4", (1, slice(32, 48))),
+                         ("fp8_block128", (1, slice(0, 64))), ("fp8_rowwise", (1, slice(0, 64))),
+                         ("fp8", (slice(None), slice(None))), ("fp4", (slice(None), slice(None)))]:
+        d = quantize(x, name).dequantize()
+        mask = torch.zeros_like(x, dtype=torch.bool)
+        mask[expect] = True
+        assert torch.equal(torch.isnan(d), mask), name
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_zeros_infs_and_empty(name):
+    assert torch.equal(quantize(torch.zeros(3, 50), name).dequantize(), torch.zeros(3, 50))
+    x = torch.randn(2, 64)
+    x[0, 3], x[1, 40] = float("inf"), -float("inf")
+    d = quantize(x, name).dequantize()
+    assert torch.isfinite(d).all(), name  # ±inf saturates to the largest value of its block
+    assert d[0, 3] > 0 and d[1, 40] < 0 and d[0, 3] >= d[0, :16].abs().max()  # cols 0..15: one block
+    for shape in [(0,), (0, 32), (5, 0)]:
+        q = quantize(torch.empty(shape), name)
+        assert q.dequantize().shape == shape and q.numel() == 0
+
+
+def test_given_scale_and_amax_are_the_delayed_path():
+    x = torch.randn(8, 64)
+    q = quantize(x, "fp8", scale=torch.tensor(16.0))
+    assert torch.equal(q.scale, torch.tensor([[1 / 16]]))
+    assert torch.equal(q.dequantize(), fake_quantize(x, "fp8", amax=torch.tensor(28.0)))  # 448/28 = 16
+    rows = torch.arange(1, 9, dtype=torch.float32)
+    assert torch.equal(quantize(x, "fp8_rowwise", scale=rows).scale.flatten(), 1 / rows)
+    g = x.abs().max() * 2
+    assert quantize(x, "nvfp4", amax=g).tensor_scale == torch.tensor(1.0) / (torch.tensor(2688.0) / g)
+    with pytest.raises(MinifloatError, match="scale= is for FP32-scaled schemes; mxfp8 derives its e8m0"):
+        quantize(x, "mxfp8", scale=1.0)
+    with pytest.raises(MinifloatError, match=r"scale of shape \(3,\) does not fit the scale grid \(8, 1\)"):
+        quantize(x, "fp8_rowwise", scale=torch.ones(3))
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible():
+    x = torch.full((2000, 32), 0.3) * torch.linspace(0.5, 2, 32)
+    g = torch.Generator().manual_seed(1)
+    a = quantize(x, "mxfp4", rounding="stochastic", generator=g).dequantize()
+    b = quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator().manual_seed(1)).dequantize()
+    assert torch.equal(a, quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator().manual_seed(1)).dequantize())
+    assert torch.equal(a, b)
+    assert torch.allclose(a.mean(0), x[0], rtol=0.01)
+    nearest = quantize(x, "mxfp4").dequantize()
+    assert not torch.allclose(nearest.mean(0), x[0], rtol=0.01)  # nearest is biased here
+
+
+def test_quantized_tensor_behaves_like_its_values():
+    x = torch.randn(4, 32)
+    q = quantize(x, "mxfp8")
+    d = q.dequantize()
+    assert torch.equal(q + 1, d + 1) and torch.equal(torch.add(q, 1), d + 1)
+    assert torch.equal(q @ torch.eye(32), d @ torch.eye(32)) and torch.equal(q[1], d[1])
+    assert torch.equal(torch.nn.functional.relu(q), torch.relu(d))
+    assert q.to("cpu").dequantize().equal(d) and "mxfp8" in repr(q)
+
+
+def test_bad_input():
+    with pytest.raises(MinifloatError, match="unknown scheme 'mxfp5'; known: fp8, fp8_e5m2"):
+        quantize(torch.ones(2), "mxfp5")
+    with pytest.raises(minifloat.DTypeError, match="got torch.int64"):
+        quantize(torch.ones(2, dtype=torch.long), "fp8")
+    with pytest.raises(MinifloatError, match="float64"):
+        quantize(torch.ones(2, dtype=torch.float64), "fp8")
+    with pytest.raises(MinifloatError, match="a block of 3 e2m1 elements is not whole bytes"):
+        minifloat.Scheme(element="e2m1", granularity="block", block=(1, 3))
+
+
+@pytest.mark.parametrize(("name", "elem"), [("mxfp8", torch.float8_e4m3fn), ("mxfp8_e5m2", torch.float8_e5m2),
+                                            ("mxfp4", torch.float4_e2m1fn_x2)])
+def test_mx_equals_torchao_floor(name, elem):
+    torchao_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor", reason="torchao not installed")
+    x = wide_input((64, 256), seed=3)
+    x[0, :32] = 0
+    x[1, 5] = float("nan")
+    s, d = torchao_mx.to_mx(x, elem, 32)
+    ref = torchao_mx.to_dtype(d, s, elem, 32, torch.float32)
+    ours = quantize(x, name).dequantize()
+    assert torch.equal(torch.isnan(ours), torch.isnan(ref))
+    assert torch.equal(ours.nan_to_num(), ref.nan_to_num())

@@ -1,0 +1,87 @@
+import math
+
+import pytest
+import torch
+
+from minifloat import AmaxHistory, MinifloatError, get_format, scale_from_amax
+from minifloat.scaling import e8m0_exponent, finite_amax, fp32_scale, nvfp4_global_scale
+
+E4M3, E2M1 = get_format("e4m3"), get_format("e2m1")
+
+
+def test_scale_from_amax_te_rules():
+    assert scale_from_amax(torch.tensor(448.0), "e4m3").item() == 1.0
+    assert scale_from_amax(torch.tensor(7.0), "e4m3", margin=1).item() == 448 / 7 / 2
+    assert scale_from_amax(torch.tensor(57344.0 / 8), "e5m2").item() == 8.0
+    for bad in [0.0, float("inf"), float("nan")]:  # zero or non-finite amax keeps the previous scale
+        assert scale_from_amax(torch.tensor(bad), "e4m3", previous=torch.tensor(3.0)).item() == 3.0
+    assert scale_from_amax(torch.tensor(0.0), "e4m3").item() == 1.0
+    assert scale_from_amax(torch.tensor(1e-44), "e4m3").item() == torch.finfo(torch.float32).max  # inf -> max
+
+
+def test_current_scaling_propagates_nan():
+    assert math.isnan(fp32_scale(torch.tensor(float("nan")), E4M3).item())
+
+
+@pytest.mark.parametrize("amax", [1.0, 3.0, 447.0, 448.0, 449.0, 1e-30, 2.0**-130, 6e37])
+def test_e8m0_rules_against_math(amax):
+    fmt = get_format("e4m3")
+    floor = e8m0_exponent(torch.tensor(amax), fmt, "floor").item()
+    assert floor == max(-127, min(127, math.floor(math.log2(amax)) - fmt.emax))  # OCP MX §6.3
+    rceil = e8m0_exponent(torch.tensor(amax), fmt, "rceil").item()
+    ratio = float(torch.tensor(amax) * torch.tensor(1 / 448.0))
+    assert rceil == max(-127, min(127, math.ceil(math.log2(ratio))))
+    assert amax / 2.0**rceil <= 448 or rceil == 127  # rceil never saturates
+
+
+def test_e8m0_specials():
+    out = e8m0_exponent(torch.tensor([0.0, float("nan")]), E2M1)
+    assert out[0].item() == 0 and math.isnan(out[1].item())
+    with pytest.raises(MinifloatError, match="unknown MX scale rule 'round'"):
+        e8m0_exponent(torch.tensor(1.0), E2M1, "round")
+
+
+def test_nvfp4_global_scale():
+    assert nvfp4_global_scale(torch.tensor(2688.0)).item() == 1.0
+    assert nvfp4_global_scale(torch.tensor(0.0)).item() == 1.0
+    assert nvfp4_global_scale(torch.tensor(1e-44)).item() == torch.finfo(torch.float32).max
+
+
+def test_finite_amax():
+    x = torch.tensor([1.0, -5.0, float("inf"), float("nan")])
+    assert math.isnan(finite_amax(x).item())
+    assert finite_amax(x, ignore_nan=True).item() == 5.0
+    assert finite_amax(torch.empty(0)).item() == 0.0
+
+
+def test_amax_history_algorithms():
+    seq = [1.0, 7.0, 2.0, 3.0, 5.0]
+    hist = {algo: AmaxHistory(length=3, algo=algo) for algo in ["max", "most_recent", "ema", "percentile"]}
+    custom = AmaxHistory(length=3, algo=lambda h: h.sum())
+    for a in seq:
+        for h in [*hist.values(), custom]:
+            h.update(torch.tensor(a))
+    assert hist["max"].amax().item() == 5.0  # 7.0 has left the window [5, 3, 2]
+    assert hist["most_recent"].amax().item() == 5.0
+    ema = seq[0]
+    for a in seq[1:]:
+        ema = 0.9 * ema + 0.1 * a
+    assert hist["ema"].amax().item() == pytest.approx(ema)
+    assert hist["percentile"].amax().item() == pytest.approx(torch.quantile(torch.tensor([5.0, 3.0, 2.0]), 0.99).item())
+    assert custom.amax().item() == 10.0
+    assert AmaxHistory(length=4).amax().item() == 0.0
+
+
+def test_amax_history_state_dict_round_trip():
+    h = AmaxHistory(length=4, algo="ema")
+    for a in [3.0, 1.0]:
+        h.update(torch.tensor(a))
+    g = AmaxHistory(length=4, algo="ema")
+    g.load_state_dict(h.state_dict())
+    g.update(torch.tensor(2.0))
+    h.update(torch.tensor(2.0))
+    assert torch.equal(g.history, h.history) and g.amax() == h.amax()
+    with pytest.raises(MinifloatError, match="length 4 does not fit length 2"):
+        AmaxHistory(length=2).load_state_dict(h.state_dict())
+    with pytest.raises(MinifloatError, match="unknown amax algorithm 'mean'"):
+        AmaxHistory(algo="mean")
