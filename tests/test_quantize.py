@@ -189,3 +189,28 @@ def test_mx_equals_torchao_floor(name, elem):
     ours = quantize(x, name).dequantize()
     assert torch.equal(torch.isnan(ours), torch.isnan(ref))
     assert torch.equal(ours.nan_to_num(), ref.nan_to_num())
+
+
+def test_missing_kernels_fall_back_to_reference_with_one_warning(monkeypatch):
+    import importlib.util
+    import warnings
+
+    from minifloat.kernels import cpu
+
+    cpu.library.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    try:
+        x = torch.randn(4, 64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a = quantize(x, "mxfp4").dequantize()
+            b = quantize(x, "nvfp4").dequantize()
+        assert len([w for w in caught if "fast CPU kernels unavailable" in str(w.message)]) == 1
+        assert torch.equal(a, oracle_values(x, "mxfp4")) and torch.isfinite(b).all()
+    finally:
+        monkeypatch.undo()
+        cpu.library.cache_clear()
+
+
+def oracle_values(x, name):
+    return torch.from_numpy(oracle(x.numpy(), get_scheme(name)))

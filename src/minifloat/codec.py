@@ -135,10 +135,18 @@ def encode(
 
 
 def encode_with_bits(
-    x: torch.Tensor, fmt: FloatFormat, *, saturate: bool = True, bits: torch.Tensor | None = None
+    x: torch.Tensor,
+    fmt: FloatFormat,
+    *,
+    saturate: bool = True,
+    bits: torch.Tensor | None = None,
+    canonical_nan: bool = False,
 ) -> torch.Tensor:
     """`encode` with round-to-nearest (`bits` None) or stochastic rounding driven by the
-    given uint32 random `bits` (int64 tensor of x's shape). No argument checks: internal."""
+    given uint32 random `bits` (int64 tensor of x's shape). No argument checks: internal.
+
+    `canonical_nan` encodes every NaN as the positive NaN: the scaled quantizers use it, since
+    the sign of a NaN that arithmetic produced depends on operand order, not on the data."""
     m = fmt.man_bits
     xd = x.to(torch.float64)
     finite = torch.isfinite(xd)
@@ -169,8 +177,8 @@ def encode_with_bits(
         overflow_code = fmt.inf_code if fmt.has_inf else fmt.nan_code
     code = torch.where((code > fmt.max_code) | torch.isinf(xd), overflow_code, code)
 
-    neg = torch.signbit(xd)
     nan = torch.isnan(xd)
+    neg = torch.signbit(xd) & ~nan if canonical_nan else torch.signbit(xd)
     if fmt.signed:
         code = code | torch.where(neg, fmt.sign_mask, 0)
         if fmt.nan_code is not None:

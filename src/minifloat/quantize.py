@@ -120,7 +120,7 @@ def quantize_reference(
 
     y = tiles * enc[:, None, :, None]
     bits = random_bits(y.shape, generator, y.device) if rounding == "stochastic" else None
-    codes = encode_with_bits(y, fmt, saturate=True, bits=bits)
+    codes = encode_with_bits(y, fmt, saturate=True, bits=bits, canonical_nan=True)
     data = pack(codes.view(lay.rows_pad, lay.cols_pad), fmt).view(lay.rows_pad, lay.cols_pad * fmt.bits // 8)
     return QuantizedTensor(data, stored, tensor_scale, x.shape, scheme, x.dtype)
 

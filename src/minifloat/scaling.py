@@ -104,10 +104,10 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """E4M3 codes of the NVFP4 block decode scales (saturating at 448; NaN amax → NaN code)."""
-    from minifloat.codec import encode
+    from minifloat.codec import encode_with_bits
 
     s = (block_amax.float() / 6.0) * global_scale
-    return encode(s.clamp_max(FLOAT32_MAX), E4M3, saturate=True)
+    return encode_with_bits(s.clamp_max(FLOAT32_MAX), E4M3, saturate=True, canonical_nan=True)
 
 
 def scale_from_amax(

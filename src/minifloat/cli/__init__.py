@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from minifloat.cli import formats
+from minifloat.cli import bench, error, formats
 from minifloat.errors import MinifloatError
 
-SUBCOMMANDS = (formats,)
+SUBCOMMANDS = (formats, error, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

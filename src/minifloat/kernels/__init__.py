@@ -1,18 +1,30 @@
 """Fast paths. Each kernel has a readable reference (`minifloat.quantize`) it must equal
 bit for bit; where no fast kernel applies (another device, a build that failed), the
-reference runs."""
+reference runs.
+
+``MINIFLOAT_KERNELS=reference`` forces the reference everywhere (for debugging)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from minifloat.quantize import dequantize_reference, quantize_reference
 
 
+def _use_fast() -> bool:
+    return os.environ.get("MINIFLOAT_KERNELS", "auto") != "reference"
+
+
 def quantize_impl(x: torch.Tensor):
     """The quantizer for `x`: the compiled CPU kernel when available, else the reference."""
-    return quantize_reference
+    from minifloat.kernels import cpu
+
+    return cpu.quantize if _use_fast() and cpu.supports(x) else quantize_reference
 
 
 def dequantize_impl(q):
-    return dequantize_reference
+    from minifloat.kernels import cpu
+
+    return cpu.dequantize if _use_fast() and cpu.supports(q.data.new_empty(0, dtype=torch.float32)) else dequantize_reference

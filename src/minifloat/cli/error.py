@@ -1,0 +1,71 @@
+"""`minifloat error`: quantization error of every scheme on synthetic or saved tensors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from minifloat.errors import MinifloatError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("error", help="quantization error (SQNR, saturation, underflow) per scheme")
+    p.add_argument("--input", default="gaussian",
+                   help="gaussian | heavy | outliers | FILE.safetensors[:TENSOR] (default gaussian)")
+    p.add_argument("--size", default="1024x1024", help="ROWSxCOLS of a synthetic input")
+    p.add_argument("--schemes", default=None, help="comma-separated schemes (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def _load_input(spec: str, size: str, seed: int):
+    import torch
+
+    from minifloat.analysis import synthetic
+
+    if spec.split(":")[0].endswith(".safetensors"):
+        from safetensors import safe_open
+
+        path, _, name = spec.partition(":")
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys = list(f.keys())
+                key = name or keys[0]
+                if key not in keys and f"{key}.tensor" in keys:  # a plain tensor minifloat.save wrote
+                    key = f"{key}.tensor"
+                if key not in keys:
+                    raise MinifloatError(f"{path} has no tensor {key!r}; it has: {', '.join(keys[:10])}")
+                x = f.get_tensor(key)
+        except (OSError, RuntimeError, ValueError) as err:
+            if isinstance(err, MinifloatError):
+                raise
+            raise MinifloatError(f"cannot read {path}: {err}") from None
+        if not x.is_floating_point():
+            raise MinifloatError(f"tensor {key!r} in {path} is {x.dtype}, not floating point")
+        return f"{path}:{key}", x.float() if x.dtype == torch.float64 else x
+    try:
+        rows, cols = (int(v) for v in size.lower().split("x"))
+    except ValueError:
+        raise MinifloatError(f"--size must look like 1024x1024, got {size!r}") from None
+    return spec, synthetic(spec, rows, cols, seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    from minifloat.analysis import error_report
+    from minifloat.schemes import SCHEMES, get_scheme
+
+    label, x = _load_input(args.input, args.size, args.seed)
+    names = list(SCHEMES) if not args.schemes else [get_scheme(s).name for s in args.schemes.split(",")]
+    rows = [error_report(x, n) for n in names]
+    if args.json:
+        print(json.dumps({"input": label, "shape": list(x.shape), "results": rows},
+                         indent=2, default=lambda v: None if isinstance(v, float) and math.isinf(v) else v))
+        return 0
+    print(f"input {label} {tuple(x.shape)}")
+    print(f"{'scheme':18} {'SQNR dB':>8} {'rel L2':>9} {'max abs err':>11} {'bits/el':>7} {'vs FP16':>7} {'saturated':>9} {'underflow':>9}")
+    for r in rows:
+        print(f"{r['scheme']:18} {r['sqnr_db']:8.2f} {r['rel_l2']:9.2e} {r['max_abs_err']:11.3e} "
+              f"{r['bits_per_element']:7.3f} {r['memory_vs_fp16']:7.3f} {r['frac_saturated']:9.2e} {r['frac_underflow']:9.2e}")
+    return 0

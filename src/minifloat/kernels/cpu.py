@@ -1,0 +1,149 @@
+"""ctypes bindings of the fused CPU kernels in ``_cpu.c`` and the quantize/dequantize paths
+built on them. Same arguments and results as `quantize_reference` / `dequantize_reference`."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import warnings
+
+import torch
+
+from minifloat import scaling
+from minifloat.codec import random_bits, value_table
+from minifloat.formats import E4M3, FloatFormat
+from minifloat.quantize import decode_scales, layout_for
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MODES = {"fp32": 0, "fp32_given": 1, "e8m0": 2, "e4m3": 3}
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class ElemParams(ctypes.Structure):
+    """Must match ``elem_t`` in _cpu.c."""
+
+    _fields_ = [(n, ctypes.c_int32) for n in ("man_bits", "emin", "emax", "max_code", "sign_mask", "nan_pos", "nan_neg", "pad_")] + [
+        (n, ctypes.c_uint32) for n in ("rebias", "min_normal_bits", "max_bits", "magic_bits")
+    ]
+
+
+def _f32_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF
+
+
+@functools.cache
+def elem_params(fmt: FloatFormat) -> ElemParams:
+    """Constants of the bit-trick encoder, all derived from the format's definition.
+    NaN encodes canonically (as a positive NaN), as `encode_with_bits(canonical_nan=True)`."""
+    m = fmt.man_bits
+    nan_pos = fmt.nan_code if fmt.nan_code is not None else fmt.sign_mask  # ml_dtypes: FP6/FP4 NaN -> ∓0
+    nan_neg = nan_pos
+    return ElemParams(
+        m, fmt.emin, fmt.emax, fmt.max_code, fmt.sign_mask, nan_pos, nan_neg, 0,
+        ((fmt.bias - 127) << 23) & 0xFFFFFFFF, _f32_bits(fmt.min_normal), _f32_bits(fmt.max),
+        _f32_bits(2.0 ** (fmt.emin - m + 23)),
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with one warning) when the build did not produce them."""
+    spec = importlib.util.find_spec("minifloat.kernels._cpu")
+    try:
+        if spec is None or spec.origin is None:
+            raise OSError("the extension minifloat.kernels._cpu was not built")
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as err:
+        warnings.warn(
+            f"minifloat: fast CPU kernels unavailable ({err}); using the pure-PyTorch reference. "
+            f"Reinstall with a C compiler (gcc with OpenMP) to build them.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    lib.mf_amax.restype = _F
+    lib.mf_amax.argtypes = [_P, _I, _L, _I, _I]
+    lib.mf_quantize.restype = None
+    lib.mf_quantize.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I, _I, _I, _F, _F, _F, _P, _L, _L, _F, _F, _P, _P, _P, _P, _P, _I]
+    lib.mf_dequantize.restype = None
+    lib.mf_dequantize.argtypes = [_P, _L, _L, _L, _I, _P, _P, _L, _L, _P, _I]
+    return lib
+
+
+def supports(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _DTYPES and library() is not None
+
+
+def amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
+    """`scaling.finite_amax` of a whole tensor in one parallel pass."""
+    x = x.contiguous()
+    v = library().mf_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), int(ignore_nan), torch.get_num_threads())
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=None):
+    from minifloat.quantize import _grid_scale
+    from minifloat.tensor import QuantizedTensor
+
+    lib = library()
+    fmt = scheme.element_format
+    lay = layout_for(x.shape, scheme)
+    x = x.contiguous()
+    rows_pad, cols_pad = lay.rows_pad, lay.cols_pad
+    data = torch.empty(rows_pad, cols_pad * fmt.bits // 8, dtype=torch.uint8)
+    if x.numel() == 0:  # nothing to measure: the reference handles the empty layouts
+        from minifloat.quantize import quantize_reference
+
+        return quantize_reference(x, scheme, scale=scale, amax=amax, rounding=rounding, generator=generator)
+    br, bc = lay.block_rows, lay.block_cols
+    mode = _MODES[scheme.scale_format]
+    given = None
+    gs_r = gs_c = 0
+    s_enc = s_dec = torch.tensor(1.0)
+    tensor_scale = None
+    if scheme.scale_format == "fp32" and (scale is not None or amax is not None or scheme.granularity == "tensor"):
+        if scale is not None:
+            enc = _grid_scale(scale, lay, "scale")
+        elif amax is not None:
+            enc = scaling.fp32_scale(_grid_scale(amax, lay, "amax"), fmt, scheme.margin)
+        else:
+            enc = scaling.fp32_scale(globals()["amax"](x), fmt, scheme.margin).reshape(1, 1)
+        mode, given = _MODES["fp32_given"], enc.contiguous()
+        gs_r, gs_c = given.stride()
+        if scheme.granularity == "tensor":  # one scale: tile by rows so the threads share the work
+            br, gs_r, gs_c = 1, 0, 0
+    if scheme.is_nvfp4:
+        g = globals()["amax"](x, ignore_nan=True) if amax is None else torch.as_tensor(amax, dtype=torch.float32)
+        s_enc = scaling.nvfp4_global_scale(g.reshape(()))
+        s_dec = 1.0 / s_enc
+        tensor_scale = s_dec
+    grid = (rows_pad // br, cols_pad // bc)
+    scale_out = torch.empty(grid, dtype=torch.float32 if scheme.scale_format == "fp32" else torch.uint8)
+    bits = random_bits((rows_pad, cols_pad), generator).to(torch.int32) if rounding == "stochastic" else None
+    e4m3_lut = value_table(E4M3, torch.float32)
+    lib.mf_quantize(
+        x.data_ptr(), _DTYPES[x.dtype], lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
+        ctypes.byref(elem_params(fmt)), fmt.bits, mode, 0 if scheme.scale_rule == "floor" else 1,
+        fmt.max, 2.0 ** -scheme.margin, float(torch.tensor(1.0 / fmt.max, dtype=torch.float32)),
+        None if given is None else given.data_ptr(), gs_r, gs_c, float(s_enc), float(s_dec),
+        ctypes.byref(elem_params(E4M3)), e4m3_lut.data_ptr(), None if bits is None else bits.data_ptr(),
+        data.data_ptr(), scale_out.data_ptr(), torch.get_num_threads(),
+    )
+    if scheme.granularity == "tensor":
+        scale_out = scale_out[:1, :1].clone()
+    return QuantizedTensor(data, scale_out, tensor_scale, x.shape, scheme, x.dtype)
+
+
+def dequantize(q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    lay = layout_for(q.shape, q.scheme)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    if out.numel():
+        fmt = q.scheme.element_format
+        ds = decode_scales(q).float().contiguous()
+        lut = value_table(fmt, torch.float32)
+        library().mf_dequantize(
+            q.data.contiguous().data_ptr(), lay.cols_pad, lay.block_rows, lay.block_cols, fmt.bits,
+            lut.data_ptr(), ds.data_ptr(), lay.rows, lay.cols, out.data_ptr(), torch.get_num_threads(),
+        )
+    return out if dtype == torch.float32 else out.to(dtype)

@@ -1,0 +1,81 @@
+"""Differential tests: the fused CPU kernels equal the pure-PyTorch reference byte for byte."""
+
+import pytest
+import torch
+
+from minifloat import SCHEMES, get_scheme
+from minifloat.kernels import cpu
+from minifloat.quantize import dequantize_reference, quantize_reference
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="the CPU kernels were not built")
+
+
+def special_input(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 4)
+    flat = x.view(-1)
+    n = flat.numel()
+    if n > 200:
+        flat[:40] = 0  # a zero block
+        flat[77] = float("nan")
+        flat[150] = float("inf")
+        flat[151] = -float("inf")
+        flat[170] = 1e-42  # subnormal
+    return x.to(dtype)
+
+
+def assert_same(a, b):
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), "codes differ"
+    assert a.scale.shape == b.scale.shape
+    assert torch.equal(a.scale.reshape(-1).view(torch.uint8), b.scale.reshape(-1).view(torch.uint8)), "scales differ"
+    assert (a.tensor_scale is None) == (b.tensor_scale is None)
+    if a.tensor_scale is not None:
+        assert torch.equal(a.tensor_scale.view(torch.int32), b.tensor_scale.view(torch.int32))
+    da, db = cpu.dequantize(a), dequantize_reference(b)
+    assert torch.equal(da.view(torch.int32), db.view(torch.int32)), "dequantized values differ"
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("shape", [(7, 300), (130, 129), (1, 33), (3, 2, 50), (17,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_equals_reference(name, shape, dtype):
+    x = special_input(shape, dtype, seed=sum(shape))
+    scheme = get_scheme(name)
+    assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "mxfp6_e2m3", "nvfp4", "nvfp4_2d", "fp8_block128", "fp4"])
+def test_fast_equals_reference_stochastic(name):
+    x = special_input((33, 200), torch.float32, seed=5)
+    scheme = get_scheme(name)
+    a = cpu.quantize(x, scheme, rounding="stochastic", generator=torch.Generator().manual_seed(9))
+    b = quantize_reference(x, scheme, rounding="stochastic", generator=torch.Generator().manual_seed(9))
+    assert_same(a, b)
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"])
+def test_mx_rules_every_element(rule, element):
+    scheme = get_scheme("mxfp8").replace(element=element, scale_rule=rule)
+    x = special_input((9, 256), torch.float32, seed=1)
+    assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+
+
+def test_given_scale_amax_and_margin():
+    x = special_input((12, 256), torch.float32, seed=2)
+    for scheme, kw in [
+        (get_scheme("fp8"), {"scale": torch.tensor(3.0)}),
+        (get_scheme("fp8").replace(margin=2), {}),
+        (get_scheme("fp8_rowwise"), {"amax": torch.arange(1.0, 13.0)}),
+        (get_scheme("fp8_block128"), {"scale": torch.rand(12, 2) + 0.5}),
+        (get_scheme("nvfp4"), {"amax": torch.tensor(1e3)}),
+    ]:
+        assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
+
+
+def test_amax_kernel():
+    x = special_input((1000,), torch.float32, seed=3)
+    assert torch.isnan(cpu.amax(x))
+    ref = x.abs()[torch.isfinite(x)].max()
+    assert cpu.amax(x, ignore_nan=True).item() == ref.item()
+    assert cpu.amax(x.bfloat16(), ignore_nan=True).item() == x.bfloat16().abs()[torch.isfinite(x)].max().item()
