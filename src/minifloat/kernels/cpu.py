@@ -75,7 +75,7 @@ def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and library() is not None
 
 
-def amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
+def tensor_amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
     """`scaling.finite_amax` of a whole tensor in one parallel pass."""
     x = x.contiguous()
     v = library().mf_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), int(ignore_nan), torch.get_num_threads())
@@ -108,13 +108,13 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         elif amax is not None:
             enc = scaling.fp32_scale(_grid_scale(amax, lay, "amax"), fmt, scheme.margin)
         else:
-            enc = scaling.fp32_scale(globals()["amax"](x), fmt, scheme.margin).reshape(1, 1)
+            enc = scaling.fp32_scale(tensor_amax(x), fmt, scheme.margin).reshape(1, 1)
         mode, given = _MODES["fp32_given"], enc.contiguous()
         gs_r, gs_c = given.stride()
         if scheme.granularity == "tensor":  # one scale: tile by rows so the threads share the work
             br, gs_r, gs_c = 1, 0, 0
     if scheme.is_nvfp4:
-        g = globals()["amax"](x, ignore_nan=True) if amax is None else torch.as_tensor(amax, dtype=torch.float32)
+        g = tensor_amax(x, ignore_nan=True) if amax is None else torch.as_tensor(amax, dtype=torch.float32)
         s_enc = scaling.nvfp4_global_scale(g.reshape(()))
         s_dec = 1.0 / s_enc
         tensor_scale = s_dec
