@@ -18,7 +18,7 @@
 #endif
 
 typedef struct {
-    int32_t man_bits, emin, emax, max_code, sign_mask, nan_pos, nan_neg, pad_;
+    int32_t man_bits, emin, emax, max_code, sign_mask, nan_code; /* NaN encodes canonically */
     uint32_t rebias, min_normal_bits, max_bits, magic_bits;
 } elem_t;
 
@@ -42,13 +42,13 @@ static inline uint32_t enc_rne(float y, const elem_t *p) {
     uint32_t c = a < p->min_normal_bits ? sub : nrm;
     c = a > p->max_bits ? (uint32_t)p->max_code : c;
     c |= neg ? (uint32_t)p->sign_mask : 0;
-    return a > 0x7f800000u ? (uint32_t)(neg ? p->nan_neg : p->nan_pos) : c;
+    return a > 0x7f800000u ? (uint32_t)p->nan_code : c;
 }
 
 /* Stochastic rounding, in double exactly as codec.encode_with_bits computes it. */
 static inline uint32_t enc_sr(float y, uint32_t rb, const elem_t *p) {
     uint32_t u = f2u(y), a = u & 0x7fffffffu, neg = u >> 31;
-    if (a > 0x7f800000u) return (uint32_t)(neg ? p->nan_neg : p->nan_pos);
+    if (a > 0x7f800000u) return (uint32_t)p->nan_code;
     int64_t code;
     if (a == 0x7f800000u) {
         code = p->max_code;
@@ -136,7 +136,7 @@ static inline void store8(v8u c, uint8_t *dst) {
             v8u c = vsel(a < p.min_normal_bits, sub, nrm);                                     \
             c = vsel(a > p.max_bits, (v8u){0} + (uint32_t)p.max_code, c);                      \
             c |= vsel((v8i)u < 0, (v8u){0} + (uint32_t)p.sign_mask, (v8u){0});                 \
-            c = vsel(a > 0x7f800000u, (v8u){0} + (uint32_t)p.nan_pos, c);                      \
+            c = vsel(a > 0x7f800000u, (v8u){0} + (uint32_t)p.nan_code, c);                      \
             store8(c, codes + j);                                                              \
         }                                                                                      \
         for (; j < n; j++) codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc, &p);            \

@@ -23,7 +23,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 class ElemParams(ctypes.Structure):
     """Must match ``elem_t`` in _cpu.c."""
 
-    _fields_ = [(n, ctypes.c_int32) for n in ("man_bits", "emin", "emax", "max_code", "sign_mask", "nan_pos", "nan_neg", "pad_")] + [
+    _fields_ = [(n, ctypes.c_int32) for n in ("man_bits", "emin", "emax", "max_code", "sign_mask", "nan_code")] + [
         (n, ctypes.c_uint32) for n in ("rebias", "min_normal_bits", "max_bits", "magic_bits")
     ]
 
@@ -37,10 +37,9 @@ def elem_params(fmt: FloatFormat) -> ElemParams:
     """Constants of the bit-trick encoder, all derived from the format's definition.
     NaN encodes canonically (as a positive NaN), as `encode_with_bits(canonical_nan=True)`."""
     m = fmt.man_bits
-    nan_pos = fmt.nan_code if fmt.nan_code is not None else fmt.sign_mask  # ml_dtypes: FP6/FP4 NaN -> ∓0
-    nan_neg = nan_pos
+    nan_code = fmt.nan_code if fmt.nan_code is not None else fmt.sign_mask  # ml_dtypes: FP6/FP4 +NaN -> -0
     return ElemParams(
-        m, fmt.emin, fmt.emax, fmt.max_code, fmt.sign_mask, nan_pos, nan_neg, 0,
+        m, fmt.emin, fmt.emax, fmt.max_code, fmt.sign_mask, nan_code,
         ((fmt.bias - 127) << 23) & 0xFFFFFFFF, _f32_bits(fmt.min_normal), _f32_bits(fmt.max),
         _f32_bits(2.0 ** (fmt.emin - m + 23)),
     )
@@ -71,8 +70,13 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels can serve tensors on `device` (CPU, and the build succeeded)."""
+    return device.type == "cpu" and library() is not None
+
+
 def supports(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in _DTYPES and library() is not None
+    return x.dtype in _DTYPES and runs_on(x.device)
 
 
 def tensor_amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
@@ -86,16 +90,16 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
     from minifloat.quantize import _grid_scale
     from minifloat.tensor import QuantizedTensor
 
+    if x.numel() == 0:  # nothing to measure: the reference handles the empty layouts
+        from minifloat.quantize import quantize_reference
+
+        return quantize_reference(x, scheme, scale=scale, amax=amax, rounding=rounding, generator=generator)
     lib = library()
     fmt = scheme.element_format
     lay = layout_for(x.shape, scheme)
     x = x.contiguous()
     rows_pad, cols_pad = lay.rows_pad, lay.cols_pad
     data = torch.empty(rows_pad, cols_pad * fmt.bits // 8, dtype=torch.uint8)
-    if x.numel() == 0:  # nothing to measure: the reference handles the empty layouts
-        from minifloat.quantize import quantize_reference
-
-        return quantize_reference(x, scheme, scale=scale, amax=amax, rounding=rounding, generator=generator)
     br, bc = lay.block_rows, lay.block_cols
     mode = _MODES[scheme.scale_format]
     given = None
