@@ -40,3 +40,9 @@ def oracle_encode(x: np.ndarray, name: str, saturate: bool) -> np.ndarray:
 def all_patterns(dtype: torch.dtype) -> torch.Tensor:
     """Every bit pattern of a 16-bit float dtype."""
     return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def sqnr_db(approx: torch.Tensor, ref: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of `approx` against `ref`, in float64."""
+    ref, approx = ref.double(), approx.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (approx - ref).pow(2).sum()))

@@ -46,3 +46,32 @@ def test_console_entry_point_runs():
     assert done.returncode == 0 and "e2m1" in done.stdout
     bad = subprocess.run([sys.executable, "-m", "minifloat", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_info_lists_every_recipe_with_its_backend(capsys):
+    from minifloat.recipes import RECIPES
+
+    assert main(["info", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cpu = out["devices"][0]
+    assert cpu["device"] == "cpu"
+    assert [r["recipe"] for r in cpu["recipes"]] == list(RECIPES)
+    assert all(r["backend"] == "emulated" and r["why"] for r in cpu["recipes"])
+    assert main(["info"]) == 0
+    assert "mxfp4" in capsys.readouterr().out
+
+
+def test_bench_train_times_recipes_against_baselines(capsys):
+    argv = ["bench", "train", "--recipes", "fp8,mxfp8", "--layers", "1", "--dim", "64", "--hidden", "128",
+            "--tokens", "64", "--reps", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    models = [r["model"] for r in out["results"]]
+    assert models[:2] == ["bf16", "fp32"] and models[-2:] == ["fp8", "mxfp8"]
+    bf16 = out["results"][0]
+    assert bf16["vs_bf16"] == 1.0 and all(r["step_s"] > 0 for r in out["results"])
+
+
+def test_bench_train_rejects_unknown_recipe_before_timing(capsys):
+    assert main(["bench", "train", "--recipes", "fp7"]) == 2
+    assert "unknown recipe 'fp7'" in capsys.readouterr().err

@@ -35,8 +35,21 @@ from minifloat.formats import (
     NaNEncoding,
     get_format,
 )
+from minifloat.loss_scaling import LossScaler
+from minifloat.monitor import Monitor, monitor
+from minifloat.nn import Linear, autocast, convert
 from minifloat.packing import pack, packed_nbytes, unpack
 from minifloat.quantize import dequantize, fake_quantize, quantize
+from minifloat.recipes import (
+    RECIPES,
+    CurrentScaling,
+    DelayedScaling,
+    Float8BlockScaling,
+    MXScaling,
+    NVFP4BlockScaling,
+    Recipe,
+    get_recipe,
+)
 from minifloat.scaling import AmaxHistory, scale_from_amax
 from minifloat.schemes import SCHEMES, Scheme, get_scheme
 from minifloat.serialization import CorruptFileError, load, save
@@ -75,6 +88,21 @@ __all__ = [
     "scale_from_amax",
     "save",
     "load",
+    # training
+    "Recipe",
+    "RECIPES",
+    "get_recipe",
+    "DelayedScaling",
+    "CurrentScaling",
+    "Float8BlockScaling",
+    "MXScaling",
+    "NVFP4BlockScaling",
+    "Linear",
+    "convert",
+    "autocast",
+    "LossScaler",
+    "monitor",
+    "Monitor",
     # errors
     "MinifloatError",
     "UnknownFormatError",

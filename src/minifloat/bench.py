@@ -21,6 +21,22 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def interleaved_medians(cases: dict[str, Callable[[], object]], reps: int, progress=None) -> dict[str, float]:
+    """Median seconds of each case: one warm-up call each (first touch, lazy init), then
+    `reps` rounds that run every case once, so drift in the machine hits all cases alike."""
+    for key, fn in cases.items():
+        if progress:
+            progress(f"warm-up {key}")
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for i in range(reps):
+        for key, fn in cases.items():
+            if progress:
+                progress(f"rep {i + 1}/{reps} {key}")
+            times[key].append(_time(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def torchao_quantizers(x: torch.Tensor) -> dict[str, Callable[[], object]]:
     """torchao's CPU quantizers for the schemes it has (empty when torchao is absent)."""
     try:
@@ -49,13 +65,7 @@ def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, 
         cases[f"dq:{name}"] = lambda name=name: dequantize(qs[name])
         if name in peers:
             cases[f"torchao:{name}"] = peers[name]
-    for fn in cases.values():  # warm up (first-touch, lazy init)
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(reps):
-        for key, fn in cases.items():
-            times[key].append(_time(fn))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(cases, reps)
     read = med["read_bound"]
     rows_out = []
     for name in schemes:
@@ -77,4 +87,86 @@ def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, 
         "torchao": bool(peers),
         "reps": reps,
         "results": rows_out,
+    }
+
+
+TRAIN_DEFAULT_RECIPES = ("fp8", "fp8-current", "mxfp8", "nvfp4")
+
+
+def _mlp(layers: int, dim: int, hidden: int) -> torch.nn.Sequential:
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim)]
+    return torch.nn.Sequential(*blocks)
+
+
+def _torchao_float8(model: torch.nn.Module):
+    """torchao's float8 training in emulation (its CPU path), or None when unavailable."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+
+
+def bench_train(
+    recipes=TRAIN_DEFAULT_RECIPES,
+    *,
+    layers: int = 4,
+    dim: int = 1024,
+    hidden: int = 4096,
+    tokens: int = 2048,
+    reps: int = 3,
+    baselines: tuple[str, ...] = ("bf16", "fp32", "torchao"),
+    progress=None,
+) -> dict:
+    """Training-step time (forward, backward, SGD step) of a `layers` × (dim→hidden→dim) MLP
+    on `tokens` tokens: each recipe vs BF16 autocast and FP32 on the same model, and torchao's
+    float8 training (``emulate=True``), interleaved over `reps` rounds; medians."""
+    import contextlib
+    import copy
+
+    from minifloat.nn.convert import convert
+
+    torch.manual_seed(0)
+    base = _mlp(layers, dim, hidden)
+    x = torch.randn(tokens, dim)
+    models: dict[str, tuple[torch.nn.Module, Callable]] = {}
+    if "bf16" in baselines:
+        models["bf16"] = (copy.deepcopy(base), lambda: torch.autocast(x.device.type, dtype=torch.bfloat16))
+    if "fp32" in baselines:
+        models["fp32"] = (copy.deepcopy(base), contextlib.nullcontext)
+    if "torchao" in baselines:
+        ao = _torchao_float8(copy.deepcopy(base))
+        if ao is not None:
+            models["torchao-float8"] = (ao, contextlib.nullcontext)
+    for name in recipes:
+        models[name] = (convert(copy.deepcopy(base), name), contextlib.nullcontext)
+
+    def step(model, ctx, opt):
+        with ctx():
+            y = model(x)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    cases = {}
+    for name, (model, ctx) in models.items():
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+        cases[name] = lambda model=model, ctx=ctx, opt=opt: step(model, ctx, opt)
+    med = interleaved_medians(cases, reps, progress)
+    rows = []
+    for name, t in med.items():
+        rows.append({
+            "model": name,
+            "step_s": t,
+            "vs_bf16": t / med["bf16"] if "bf16" in med else None,
+            "vs_fp32": t / med["fp32"] if "fp32" in med else None,
+            "tokens_per_s": tokens / t,
+        })
+    return {
+        "mlp": {"layers": layers, "dim": dim, "hidden": hidden, "tokens": tokens},
+        "threads": torch.get_num_threads(),
+        "reps": reps,
+        "results": rows,
     }

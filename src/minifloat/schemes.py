@@ -172,3 +172,16 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
     if isinstance(scheme, str) and scheme.strip().lower() in SCHEMES:
         return SCHEMES[scheme.strip().lower()]
     raise MinifloatError(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+
+
+def named(scheme: Scheme) -> Scheme:
+    """The preset equal to `scheme` in every field but its name, else `scheme` itself.
+
+    Example:
+        >>> named(get_scheme("mxfp8").replace(element="e2m1")).name
+        'mxfp4'
+    """
+    for preset in SCHEMES.values():
+        if dataclasses.replace(preset, name=scheme.name) == scheme:
+            return preset
+    return scheme

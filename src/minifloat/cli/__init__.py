@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from minifloat.cli import bench, error, formats
+from minifloat.cli import bench, error, formats, info
 from minifloat.errors import MinifloatError
 
-SUBCOMMANDS = (formats, error, bench)
+SUBCOMMANDS = (formats, error, bench, info)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,3 +28,13 @@ def dequantize_impl(q):
     from minifloat.kernels import cpu
 
     return cpu.dequantize if _use_fast() and cpu.runs_on(q.device) else dequantize_reference
+
+
+def amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
+    """Largest finite |x| as a float32 scalar (`minifloat.scaling.finite_amax`, fused on CPU)."""
+    from minifloat.kernels import cpu
+    from minifloat.scaling import finite_amax
+
+    if _use_fast() and cpu.supports(x):
+        return cpu.tensor_amax(x, ignore_nan=ignore_nan)
+    return finite_amax(x, ignore_nan=ignore_nan)

@@ -1,0 +1,68 @@
+"""What this machine offers minifloat: devices, capabilities, native vs emulated recipes.
+
+Example:
+    >>> info = describe()
+    >>> info["devices"][0]["device"], sorted(info["devices"][0]["recipes"][0])
+    ('cpu', ['backend', 'recipe', 'why'])
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from minifloat.gemm import choose_backend, native_support
+from minifloat.recipes import RECIPES, ROLES
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16") if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def _recipes(device: torch.device) -> list[dict]:
+    rows = []
+    for name, recipe in RECIPES.items():
+        schemes = [recipe.scheme(r) for r in ROLES]
+        backend = choose_backend(schemes, device)
+        why = None if backend == "native" else next((w for s in schemes if (w := native_support(s, device))), None)
+        rows.append({"recipe": name, "backend": backend, "why": why})
+    return rows
+
+
+def describe() -> dict:
+    """The devices, their capability, and the GEMM backend each recipe gets on each."""
+    from minifloat import __version__
+    from minifloat.kernels import cpu
+
+    cpu_dev = torch.device("cpu")
+    devices = [{
+        "device": "cpu",
+        "name": platform.processor() or platform.machine(),
+        "detail": f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, ISA: {' '.join(_cpu_flags()) or 'unknown'}",
+        "capability": None,
+        "fast_kernels": "yes (compiled C/OpenMP)" if cpu.runs_on(cpu_dev) else "no (reference PyTorch path)",
+        "recipes": _recipes(cpu_dev),
+    }]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            dev = torch.device("cuda", i)
+            cap = torch.cuda.get_device_capability(dev)
+            devices.append({
+                "device": str(dev),
+                "name": torch.cuda.get_device_name(dev),
+                "detail": f"compute capability {cap[0]}.{cap[1]}",
+                "capability": list(cap),
+                "fast_kernels": "reference PyTorch path (no CUDA quantize kernels yet)",
+                "recipes": _recipes(dev),
+            })
+    return {"minifloat": __version__, "torch": torch.__version__, "devices": devices}

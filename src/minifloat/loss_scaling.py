@@ -1,0 +1,125 @@
+"""`LossScaler`: dynamic loss scaling for low-precision gradients (FP16, FP8, FP4).
+
+Multiply the loss by a scale S so small gradients survive the narrow formats; unscale the
+gradients before the optimizer; when any gradient is inf/NaN, skip the step and halve S;
+after `growth_interval` finite steps in a row, double S. Gradients stay in the parameters'
+dtype (FP32 master weights), so accumulation over micro-batches is FP32.
+
+Example:
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> scaler = LossScaler(init_scale=1024.0, growth_interval=2)
+    >>> loss = model(torch.ones(2, 4)).sum()
+    >>> scaler.scale(loss).backward()
+    >>> scaler.step(opt), scaler.update(), scaler.get_scale()
+    (True, None, 1024.0)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minifloat.errors import MinifloatError
+
+
+class LossScaler:
+    """Dynamic loss scale with skip-on-overflow.
+
+    Args:
+        init_scale: starting scale S.
+        growth_factor / backoff_factor: S multiplier after `growth_interval` good steps /
+            after a step with non-finite gradients.
+        growth_interval: finite steps in a row before S grows.
+        min_scale / max_scale: bounds of S.
+        enabled: False makes every method a pass-through (scale 1, never skips).
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 2.0**-24,
+        max_scale: float = 2.0**64,
+        enabled: bool = True,
+    ) -> None:
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
+            raise MinifloatError(
+                "LossScaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+                f"growth_interval ≥ 1; got {init_scale}, {growth_factor}, {backoff_factor}, {growth_interval}"
+            )
+        self.enabled = enabled
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale, self.max_scale = min_scale, max_scale
+        self._scale = float(init_scale) if enabled else 1.0
+        self._growth_tracker = 0
+        self.skipped_steps = 0
+        self._found_inf: bool | None = None
+        self._unscaled: set[int] = set()
+
+    def get_scale(self) -> float:
+        return self._scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` × S (what to call ``backward`` on)."""
+        return loss * self._scale if self.enabled else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Divide the gradients of `optimizer`'s parameters by S (once per step, e.g. before
+        gradient clipping); returns whether any gradient is non-finite."""
+        if id(optimizer) in self._unscaled:
+            raise MinifloatError("unscale_() was already called for this optimizer since the last update()")
+        self._unscaled.add(id(optimizer))
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        found = torch.zeros((), dtype=torch.float32)
+        if self.enabled and grads:
+            inv = 1.0 / self._scale
+            for g in grads:
+                g.mul_(inv)
+        for g in grads:
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float().cpu())
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        self._found_inf = bool(found) or bool(self._found_inf)
+        return self._found_inf
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs) -> bool:
+        """Unscale if not done yet, then ``optimizer.step()`` unless a gradient is
+        non-finite. Returns whether the step was taken."""
+        if id(optimizer) not in self._unscaled:
+            self.unscale_(optimizer)
+        if self._found_inf:
+            self.skipped_steps += 1
+            return False
+        optimizer.step(*args, **kwargs)
+        return True
+
+    def update(self) -> None:
+        """Adjust S after the step: back off on overflow, grow after enough good steps."""
+        if self._found_inf is None:
+            raise MinifloatError("update() before step(): call scaler.step(optimizer) first")
+        if self.enabled:
+            if self._found_inf:
+                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+                self._growth_tracker = 0
+            else:
+                self._growth_tracker += 1
+                if self._growth_tracker == self.growth_interval:
+                    self._scale = min(self._scale * self.growth_factor, self.max_scale)
+                    self._growth_tracker = 0
+        self._found_inf = None
+        self._unscaled.clear()
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            self._scale = float(state["scale"])
+            self._growth_tracker = int(state["growth_tracker"])
+            self.skipped_steps = int(state["skipped_steps"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise MinifloatError(f"not a LossScaler state ({err!r}); expected keys scale, growth_tracker, skipped_steps") from None

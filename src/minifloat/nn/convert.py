@@ -1,0 +1,74 @@
+"""`minifloat.convert`: swap a model's `torch.nn.Linear` layers for minifloat Linears in place.
+
+By default a layer is converted when both its dimensions are multiples of the recipe's
+largest block (1 for per-tensor FP8 … 128 for DeepSeek blocks) and at least 16 (the
+alignment of native FP8 GEMMs); the others stay in high precision, with a log line each.
+``filter(fqn, module) -> bool`` replaces that rule (e.g. to keep the LM head, or the last
+blocks, in high precision as the NVFP4 recipe advises).
+
+Example:
+    >>> import minifloat
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    >>> model = minifloat.convert(model, "mxfp8")
+    >>> [type(m).__module__ for m in model if isinstance(m, torch.nn.Linear)]
+    ['minifloat.nn.linear', 'torch.nn.modules.linear']
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.nn.linear import Linear
+from minifloat.recipes import Recipe, get_recipe
+
+log = logging.getLogger("minifloat")
+MIN_FEATURES = 16
+
+
+def _why_not(module: torch.nn.Linear, recipe: Recipe) -> str | None:
+    multiple = max(recipe.block_multiple, MIN_FEATURES) if recipe.block_multiple > 1 else MIN_FEATURES
+    for name in ("in_features", "out_features"):
+        n = getattr(module, name)
+        if n < MIN_FEATURES:
+            return f"{name}={n} is below {MIN_FEATURES}"
+        if n % multiple:
+            return f"{name}={n} is not a multiple of {multiple}"
+    return None
+
+
+def convert(
+    model: torch.nn.Module,
+    recipe: str | Recipe,
+    *,
+    filter: Callable[[str, torch.nn.Module], bool] | None = None,
+    backend: str = "auto",
+) -> torch.nn.Module:
+    """Swap every eligible ``nn.Linear`` of `model` (in place) for a `minifloat.nn.Linear`
+    sharing its Parameters, and return `model`. Already converted layers get the new recipe."""
+    recipe = get_recipe(recipe)
+    targets = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if filter is not None:
+            keep_high = not filter(fqn, module)
+            reason = "filter"
+        else:
+            reason = _why_not(module, recipe)
+            keep_high = reason is not None
+        if keep_high:
+            log.info("minifloat.convert: keeping %s %s in high precision (%s)", fqn or "<root>", tuple(module.weight.shape), reason)
+            continue
+        targets.append(fqn)
+    if "" in targets:
+        raise MinifloatError("convert() replaces Linear layers inside a model; wrap a bare Linear with Linear.from_linear")
+    for fqn in targets:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        setattr(parent, child, Linear.from_linear(old, recipe, backend=backend))
+    return model

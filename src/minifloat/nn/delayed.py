@@ -1,0 +1,116 @@
+"""Delayed-scaling state of a module: amax histories and scales for input, weight, grad_output.
+
+Semantics (Transformer Engine's ``DelayedScaling``):
+
+- Every forward/backward in training records the operand's amax into a *pending* slot, the
+  max over all micro-batches of the step (NaN and ±inf are ignored, so one bad micro-batch
+  does not poison the history).
+- When an optimizer steps (any ``torch.optim`` optimizer: minifloat registers a global
+  optimizer step post-hook) every module with pending amaxes rolls its history once: the
+  pending amax goes in front (max-reduced across ranks under ``torch.distributed``), the
+  oldest falls off. So a step of 8 micro-batches is one history entry, and a step the
+  `LossScaler` skips adds none.
+- Every `interval` steps the scale becomes ``max / reduce(history) / 2**margin``; a zero or
+  non-finite result keeps the previous scale (`minifloat.scale_from_amax`).
+- The state is three buffers — ``amax_history`` (3, L), ``scale`` (3,), ``amax_steps`` — in
+  the module's ``state_dict``, so a resumed run continues with the same scales.
+
+One deliberate difference from TE: before the first history entry exists, an operand is
+scaled from its own amax (current scaling) rather than with scale 1, which would flush most
+gradients to zero in the first step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from minifloat.recipes import ROLES, DelayedScaling
+from minifloat.scaling import scale_from_amax
+
+_MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # registration order
+_HOOK = None
+
+
+def _on_optimizer_step(optimizer, args, kwargs) -> None:
+    roll_all([m for m in list(_MODULES.values()) if m.amax_pending_steps])
+
+
+def register(module) -> None:
+    """Track `module` so optimizer steps roll its history (idempotent)."""
+    global _HOOK
+    if module not in _MODULES.values():
+        _MODULES[next(_SERIAL)] = module
+    if _HOOK is None:
+        _HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+_SERIAL = itertools.count()
+
+
+def roll_all(modules: list) -> None:
+    """Roll `modules` (in the same order on every rank) with one max all-reduce in all."""
+    if not modules:
+        return
+    pending = torch.stack([m.amax_pending.to(m.amax_history.device) for m in modules])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(pending, op=torch.distributed.ReduceOp.MAX)
+    for module, amax in zip(modules, pending, strict=True):
+        roll(module, amax)
+
+
+def init_buffers(module, recipe: DelayedScaling, device=None) -> None:
+    n, f32 = len(ROLES), torch.float32
+    module.register_buffer("amax_history", torch.zeros(n, recipe.amax_history_len, dtype=f32, device=device))
+    module.register_buffer("scale", torch.ones(n, dtype=f32, device=device))
+    module.register_buffer("amax_steps", torch.zeros((), dtype=torch.int64, device=device))
+    module.amax_pending = torch.zeros(n, dtype=f32, device=device)
+    module.amax_pending_steps = 0
+
+
+def record(module, role: str, amax: torch.Tensor) -> None:
+    """Fold this micro-batch's amax of `role` into the pending slot."""
+    i = ROLES.index(role)
+    pending = module.amax_pending
+    if pending.device != amax.device:
+        pending = module.amax_pending = pending.to(amax.device)
+    pending[i] = torch.fmax(pending[i], torch.where(torch.isfinite(amax), amax, 0.0))
+    module.amax_pending_steps = 1
+
+
+def current_scale(module, role: str) -> torch.Tensor | None:
+    """The scale to quantize `role` with, or None (no history yet: use the tensor's own amax)."""
+    if int(module.amax_steps) == 0:
+        return None
+    return module.scale[ROLES.index(role)]
+
+
+def reduce_history(history: torch.Tensor, algo, steps: int) -> torch.Tensor:
+    """The amax per role from `history` (roles, L) with `algo` (over the filled entries)."""
+    seen = history[:, : max(1, min(steps, history.shape[1]))]
+    if callable(algo):
+        return torch.stack([torch.as_tensor(algo(row), dtype=torch.float32) for row in seen])
+    if algo == "most_recent":
+        return seen[:, 0]
+    return seen.amax(dim=1)
+
+
+def roll(module, pending: torch.Tensor) -> None:
+    """End of a step: push the (rank-reduced) `pending` amaxes into the history, maybe
+    refresh the scales."""
+    recipe: DelayedScaling = module.recipe
+    with torch.no_grad():
+        module.amax_history.copy_(torch.roll(module.amax_history, 1, dims=1))
+        module.amax_history[:, 0] = pending
+        module.amax_steps += 1
+        steps = int(module.amax_steps)
+        if (steps - 1) % recipe.interval == 0:
+            amax = reduce_history(module.amax_history, recipe.amax_compute_algo, steps)
+            for i, role in enumerate(ROLES):
+                fmt = recipe.scheme(role).element_format
+                module.scale[i] = scale_from_amax(amax[i], fmt, recipe.margin, previous=module.scale[i])
+    module.amax_pending = torch.zeros_like(module.amax_pending)
+    module.amax_pending_steps = 0

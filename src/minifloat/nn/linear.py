@@ -1,0 +1,222 @@
+"""`minifloat.nn.Linear`: a drop-in `torch.nn.Linear` whose three GEMMs run in low precision.
+
+The weight stays an ordinary Parameter in the model's dtype — the master copy — so
+optimizers, ``state_dict`` and checkpoints are unchanged. Each GEMM quantizes its operands
+per the recipe along its own reduction dimension (see `minifloat.recipes`), accumulates in
+FP32 and adds the bias in high precision:
+
+- ``output = input · weightᵀ``          (input and weight along K)
+- ``grad_input = grad_output · weight``  (grad_output and weight along N)
+- ``grad_weight = grad_outputᵀ · input`` (grad_output and input along the tokens M)
+
+Per-tensor scales give the same values in either orientation, so those recipes quantize each
+operand once; block recipes quantize a row-wise and a column-wise copy from high precision, as
+Transformer Engine does, except for square weight blocks (128×128, NVFP4's 16×16), which serve
+both. For the weight gradient the forward keeps only the packed column-wise input (1 byte or
+less per element), not the high-precision activation.
+
+Example:
+    >>> layer = Linear(64, 32, recipe="mxfp8")
+    >>> y = layer(torch.randn(2, 5, 64))
+    >>> y.shape, layer.weight.dtype
+    (torch.Size([2, 5, 32]), torch.float32)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minifloat import kernels
+from minifloat.gemm import choose_backend, scaled_mm
+from minifloat.hadamard import hadamard_matrix, rht
+from minifloat.nn import delayed
+from minifloat.nn.autocast import current as _autocast_current
+from minifloat.quantize import quantize
+from minifloat.recipes import ROLES, NVFP4BlockScaling, Recipe, get_recipe
+
+
+class _Plan:
+    """What one forward call quantizes with: the recipe, the backend, the module's state."""
+
+    __slots__ = ("recipe", "backend", "layer", "use_state", "monitor")
+
+    def __init__(self, layer: Linear, recipe: Recipe, device: torch.device) -> None:
+        self.recipe = recipe
+        self.layer = layer
+        self.use_state = recipe.delayed and recipe is layer.recipe and layer.training and torch.is_grad_enabled()
+        self.backend = choose_backend([recipe.scheme(r) for r in ROLES], device, layer.backend)
+        self.monitor = layer._monitor
+
+    @property
+    def per_tensor(self) -> bool:
+        return all(self.recipe.scheme(r).granularity == "tensor" for r in ROLES)
+
+    @property
+    def rht(self) -> bool:
+        return isinstance(self.recipe, NVFP4BlockScaling) and self.recipe.rht
+
+    def quantize(self, role: str, x: torch.Tensor, *, record: bool = True):
+        """Quantize `x` (2-D, along its last dim) as operand `role`."""
+        scheme = self.recipe.scheme(role)
+        scale = None
+        if self.recipe.delayed and self.layer.recipe is self.recipe and hasattr(self.layer, "amax_history"):
+            scale = delayed.current_scale(self.layer, role)
+            if self.use_state and record:
+                delayed.record(self.layer, role, kernels.amax(x, ignore_nan=True))
+        q = quantize(x, scheme, scale=scale)
+        if self.monitor is not None and record:
+            self.monitor.observe(self.layer, role, x, q)
+        return q
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: _Plan):
+        in_features = weight.shape[1]
+        x2 = x.reshape(-1, in_features)
+        xq = plan.quantize("input", x2)
+        wq = plan.quantize("weight", weight)
+        out = scaled_mm(xq, wq, backend=plan.backend)
+        if bias is not None:
+            out += bias.float()
+        # _unsafe_view: the result owns its storage, so it is not reported as a view (FSDP2
+        # warns about views returned from modules, as in-place ops on them skip its hooks).
+        out = torch.ops.aten._unsafe_view(out.to(x.dtype), (*x.shape[:-1], weight.shape[0]))
+        if plan.monitor is not None:
+            plan.monitor.check(plan.layer, "output", out)
+
+        ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.has_bias = plan, x.shape, x.dtype, bias is not None
+        # The weight-gradient GEMM needs the input quantized along the tokens: keep it packed.
+        if not ctx.needs_input_grad[1]:
+            ctx.xt = None
+        elif plan.per_tensor:
+            ctx.xt = xq
+        else:
+            xt = x2.t()
+            if plan.rht:
+                xt = rht(xt, _rht_matrix(plan, x.device))
+            ctx.xt = plan.quantize("input", xt.contiguous(), record=False)
+        # The input-gradient GEMM needs the weight along out_features: reuse it when the
+        # quantization does not depend on the orientation, else requantize in backward.
+        ctx.wq = wq if (plan.per_tensor or plan.recipe.weight_2d) else None
+        ctx.save_for_backward(weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan: _Plan = ctx.plan
+        (weight,) = ctx.saved_tensors
+        out_features = weight.shape[0]
+        g2 = grad_out.reshape(-1, out_features)
+        gq = plan.quantize("grad_output", g2)
+        grad_x = grad_w = grad_b = None
+
+        if ctx.needs_input_grad[0]:
+            if ctx.wq is not None:
+                grad_x = scaled_mm(gq, ctx.wq, b_transposed=True, backend=plan.backend)
+            else:
+                wt = plan.quantize("weight", weight.t().contiguous(), record=False)
+                grad_x = scaled_mm(gq, wt, backend=plan.backend)
+            grad_x = torch.ops.aten._unsafe_view(grad_x.to(ctx.x_dtype), ctx.x_shape)
+            if plan.monitor is not None:
+                plan.monitor.check(plan.layer, "grad_input", grad_x)
+        if ctx.needs_input_grad[1]:
+            if plan.per_tensor:
+                grad_w = scaled_mm(gq, ctx.xt, a_transposed=True, b_transposed=True, backend=plan.backend)
+            else:
+                gt = g2.t()
+                if plan.rht:
+                    gt = rht(gt, _rht_matrix(plan, g2.device))
+                gtq = plan.quantize("grad_output", gt.contiguous(), record=False)
+                grad_w = scaled_mm(gtq, ctx.xt, backend=plan.backend)
+            grad_w = grad_w.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.float().sum(0).to(weight.dtype)
+        ctx.xt = ctx.wq = None
+        return grad_x, grad_w, grad_b, None
+
+
+def _rht_matrix(plan: _Plan, device: torch.device) -> torch.Tensor:
+    return hadamard_matrix(16, plan.recipe.rht_seed).to(device)
+
+
+class Linear(torch.nn.Linear):
+    """`torch.nn.Linear` with its GEMMs quantized by `recipe` (a name or a `Recipe`).
+
+    Args:
+        recipe: ``"fp8"`` (delayed scaling), ``"fp8-current"``, ``"fp8-block"``, ``"mxfp8"``,
+            ``"mxfp6"``, ``"mxfp4"``, ``"nvfp4"``, or a `Recipe`.
+        backend: ``"auto"`` (native GEMMs where the device has them), ``"emulated"`` or
+            ``"native"`` (see `minifloat.gemm`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        recipe: str | Recipe = "fp8",
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = get_recipe(recipe)
+        choose_backend([], "cpu", backend)  # validates the name
+        self.backend = backend
+        self._monitor = None
+        if self.recipe.delayed:
+            delayed.init_buffers(self, self.recipe)
+            delayed.register(self)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, recipe: str | Recipe, *, backend: str = "auto") -> Linear:
+        """A minifloat Linear sharing `linear`'s Parameters (tied weights stay tied)."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe, backend=backend, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        if new.recipe.delayed:
+            delayed.init_buffers(new, new.recipe, device=linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = _autocast_current()
+        if not state.enabled:
+            return F.linear(x, self.weight, self.bias)
+        plan = _Plan(self, state.recipe or self.recipe, x.device)
+        return _linear(x, self.weight, self.bias, plan)
+
+    def extra_repr(self) -> str:
+        name = next((k for k, v in _named_recipes().items() if v == self.recipe), type(self.recipe).__name__)
+        return f"{super().extra_repr()}, recipe={name}"
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # Checkpoints are precision-agnostic: a run saved under another recipe has no
+        # (or other) delayed-scaling buffers; keep this module's fresh state then.
+        keys = ("amax_history", "scale", "amax_steps")
+        mine = hasattr(self, "amax_history")
+        theirs = [k for k in keys if prefix + k in state_dict]
+        if mine and theirs and state_dict[prefix + "amax_history"].shape != self.amax_history.shape:
+            theirs = []  # another history length: start a fresh history
+        if not mine or not theirs:
+            state_dict = {k: v for k, v in state_dict.items() if k not in {prefix + k2 for k2 in keys}}
+        n_missing = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if mine and not theirs:
+            missing_keys[n_missing:] = [k for k in missing_keys[n_missing:] if k[len(prefix):] not in keys]
+
+
+@torch.compiler.disable
+def _linear(x, weight, bias, plan):
+    # Opaque to torch.compile: the kernels are compiled C called through ctypes, and the
+    # delayed-scaling state is updated in place; the rest of a compiled model still fuses.
+    return _LinearFunction.apply(x, weight, bias, plan)
+
+
+def _named_recipes():
+    from minifloat.recipes import RECIPES
+
+    return RECIPES

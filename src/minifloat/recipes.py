@@ -1,0 +1,245 @@
+"""Training recipes: which scheme quantizes each operand of a Linear's three GEMMs.
+
+A Linear computes three GEMMs; each quantizes its two operands along that GEMM's reduction
+dimension (roles named as in Transformer Engine):
+
+==============  ==========================  ===========================
+GEMM            operands                    reduction dimension
+==============  ==========================  ===========================
+``output``      input (M,K) · weight (N,K)ᵀ  K (in_features)
+``grad_input``  grad_output (M,N) · weight   N (out_features)
+``grad_weight`` grad_outputᵀ · input         M (tokens)
+==============  ==========================  ===========================
+
+A recipe is a frozen value, built by name (`get_recipe("mxfp8")`) or by hand, JSON-serialisable:
+
+- `DelayedScaling` (``"fp8"``): TE's FP8 delayed scaling — per-tensor FP32 scales from an amax
+  history; ``format="hybrid"`` is E4M3 for input/weight and E5M2 for grad_output.
+- `CurrentScaling` (``"fp8-current"``): per-tensor scales from the tensor's own amax.
+- `Float8BlockScaling` (``"fp8-block"``): DeepSeek-V3 §3.3 — 1×128 blocks for activations and
+  gradients, 128×128 blocks for weights, FP32 scales.
+- `MXScaling` (``"mxfp8"``, ``"mxfp6"``, ``"mxfp6-e2m3"``, ``"mxfp4"``): OCP MX, 32-element
+  blocks along the reduction dimension with E8M0 scales, for every operand.
+- `NVFP4BlockScaling` (``"nvfp4"``): NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149):
+  1×16 blocks with E4M3 scales and an FP32 tensor scale, 16×16 weight blocks, a 16-point
+  random Hadamard transform on the weight-gradient GEMM's operands and stochastic rounding of
+  gradients; each switchable.
+
+Example:
+    >>> r = get_recipe("fp8")
+    >>> r.scheme("input").element, r.scheme("grad_output").element, r.amax_history_len
+    ('e4m3', 'e5m2', 1024)
+    >>> get_recipe(get_recipe("nvfp4").to_dict()) == get_recipe("nvfp4")
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from minifloat.errors import MinifloatError
+from minifloat.schemes import Scheme, get_scheme, named
+
+ROLES = ("input", "weight", "grad_output")
+FP8_FORMATS = ("hybrid", "e4m3")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Base of every recipe: the scheme per operand role, and how it is applied."""
+
+    kind: ClassVar[str] = ""
+
+    def scheme(self, role: str) -> Scheme:
+        """The scheme that quantizes operand `role` along a GEMM's reduction dimension."""
+        raise NotImplementedError
+
+    @property
+    def weight_2d(self) -> bool:
+        """True when the weight's blocks are square, so one quantization serves W and Wᵀ."""
+        b = self.scheme("weight").block
+        return b is not None and b[0] == b[1] and b[0] > 1
+
+    @property
+    def delayed(self) -> bool:
+        """True when scales come from an amax history (state kept in the module)."""
+        return False
+
+    @property
+    def block_multiple(self) -> int:
+        """in/out features must be multiples of this for `convert` to quantize a layer."""
+        return max(max(self.scheme(role).block or (1, 1)) for role in ROLES)
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {"recipe": self.kind}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = f"<callable {getattr(v, '__qualname__', repr(v))}>" if callable(v) else v
+        return d
+
+    def replace(self, **changes) -> Recipe:
+        return dataclasses.replace(self, **changes)
+
+
+def _fp8_schemes(fmt: str, role: str, margin: int) -> Scheme:
+    if fmt not in FP8_FORMATS:
+        raise MinifloatError(f"unknown FP8 format {fmt!r}; use 'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3'")
+    name = "fp8_e5m2" if (fmt == "hybrid" and role == "grad_output") else "fp8"
+    return get_scheme(name).replace(margin=margin) if margin else get_scheme(name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayedScaling(Recipe):
+    """TE's FP8 delayed scaling: ``scale = max / amax / 2**margin`` with amax reduced over
+    the last `amax_history_len` steps (``"max"``, ``"most_recent"`` or a callable
+    ``history (L,) -> amax``); scales refresh every `interval` steps; a zero or non-finite
+    amax keeps the previous scale."""
+
+    kind: ClassVar[str] = "delayed"
+    format: str = "hybrid"
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str | Callable = "max"
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        _fp8_schemes(self.format, "input", 0)
+        if self.amax_history_len < 1:
+            raise MinifloatError(f"amax_history_len must be ≥ 1, got {self.amax_history_len}")
+        if self.interval < 1:
+            raise MinifloatError(f"interval must be ≥ 1 step, got {self.interval}")
+        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise MinifloatError(
+                f"unknown amax_compute_algo {self.amax_compute_algo!r}; use 'max', 'most_recent' or a callable"
+            )
+
+    def scheme(self, role: str) -> Scheme:
+        return _fp8_schemes(self.format, _role(role), self.margin)
+
+    @property
+    def delayed(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurrentScaling(Recipe):
+    """Per-tensor FP8 with the scale computed from the tensor being quantized."""
+
+    kind: ClassVar[str] = "current"
+    format: str = "hybrid"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        _fp8_schemes(self.format, "input", 0)
+
+    def scheme(self, role: str) -> Scheme:
+        return _fp8_schemes(self.format, _role(role), self.margin)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8BlockScaling(Recipe):
+    """DeepSeek-V3 FP8: 1×128 blocks for input and grad_output, 128×128 blocks for weights."""
+
+    kind: ClassVar[str] = "fp8_block"
+    format: str = "e4m3"
+
+    def __post_init__(self) -> None:
+        _fp8_schemes(self.format, "input", 0)
+
+    def scheme(self, role: str) -> Scheme:
+        role = _role(role)
+        element = "e5m2" if (self.format == "hybrid" and role == "grad_output") else "e4m3"
+        return named(get_scheme("fp8_block128x128" if role == "weight" else "fp8_block128").replace(element=element))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MXScaling(Recipe):
+    """OCP MX block scaling of every operand: 32 elements per E8M0 scale.
+
+    `element` quantizes input and weight, `grad_element` (default: `element`) grad_output;
+    `scale_rule` is ``"floor"`` (OCP MX v1.0 §6.3) or ``"rceil"`` (NVIDIA)."""
+
+    kind: ClassVar[str] = "mx"
+    element: str = "e4m3"
+    grad_element: str | None = None
+    scale_rule: str = "floor"
+
+    def __post_init__(self) -> None:
+        self.scheme("input"), self.scheme("grad_output")
+
+    def scheme(self, role: str) -> Scheme:
+        element = self.grad_element if (_role(role) == "grad_output" and self.grad_element) else self.element
+        return named(get_scheme("mxfp8").replace(element=element, scale_rule=self.scale_rule))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NVFP4BlockScaling(Recipe):
+    """NVIDIA's NVFP4 training recipe; `rht`, `stochastic_rounding` and `weight_2d` switch
+    its three techniques. `rht_seed` fixes the Hadamard transform's random signs."""
+
+    kind: ClassVar[str] = "nvfp4"
+    rht: bool = True
+    stochastic_rounding: bool = True
+    weight_2d_blocks: bool = True
+    rht_seed: int = 0
+
+    def scheme(self, role: str) -> Scheme:
+        role = _role(role)
+        if role == "weight":
+            return get_scheme("nvfp4_2d" if self.weight_2d_blocks else "nvfp4")
+        if role == "grad_output" and self.stochastic_rounding:
+            return get_scheme("nvfp4").replace(name="nvfp4_sr", rounding="stochastic")
+        return get_scheme("nvfp4")
+
+
+def _role(role: str) -> str:
+    if role not in ROLES:
+        raise MinifloatError(f"unknown operand role {role!r}; use one of {', '.join(ROLES)}")
+    return role
+
+
+RECIPES: dict[str, Recipe] = {
+    "fp8": DelayedScaling(),
+    "fp8-current": CurrentScaling(),
+    "fp8-block": Float8BlockScaling(),
+    "mxfp8": MXScaling(element="e4m3"),
+    "mxfp6": MXScaling(element="e3m2"),
+    "mxfp6-e2m3": MXScaling(element="e2m3"),
+    "mxfp4": MXScaling(element="e2m1"),
+    "nvfp4": NVFP4BlockScaling(),
+}
+"""Named recipes (what ``--precision`` accepts besides fp32/bf16/fp16)."""
+
+_KINDS = {cls.kind: cls for cls in (DelayedScaling, CurrentScaling, Float8BlockScaling, MXScaling, NVFP4BlockScaling)}
+
+
+def get_recipe(recipe: str | Recipe | dict) -> Recipe:
+    """A named recipe, a recipe itself, or one rebuilt from `Recipe.to_dict()`.
+
+    Example:
+        >>> get_recipe("mxfp4").scheme("weight").name
+        'mxfp4'
+    """
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        key = recipe.strip().lower().replace("_", "-")
+        if key in RECIPES:
+            return RECIPES[key]
+        raise MinifloatError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    if isinstance(recipe, dict):
+        d = dict(recipe)
+        kind = d.pop("recipe", None)
+        if kind not in _KINDS:
+            raise MinifloatError(f"not a recipe description (recipe={kind!r}); known kinds: {', '.join(_KINDS)}")
+        if any(isinstance(v, str) and v.startswith("<callable") for v in d.values()):
+            raise MinifloatError("this recipe used a callable amax_compute_algo; rebuild it in code")
+        try:
+            return _KINDS[kind](**d)
+        except TypeError as err:
+            raise MinifloatError(f"not a {kind} recipe description: {err}") from None
+    raise MinifloatError(f"expected a recipe name, Recipe or dict, got {type(recipe).__name__}")

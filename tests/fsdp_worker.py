@@ -1,0 +1,44 @@
+"""Run by test_fsdp.py under `torchrun --nproc_per_node 2`: FSDP2 training of a converted
+model on CPU (gloo); rank 0 writes the global loss per step as JSON to argv[1]."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from tests.fsdp_model import STEPS, batch, make_model
+
+
+def main(out: str, recipe: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(recipe)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        per = x.shape[0] // world
+        xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(losses, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+import minifloat
+from minifloat import LossScaler
+
+
+def _setup(scale=8.0, interval=2):
+    model = torch.nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    return model, opt, LossScaler(init_scale=scale, growth_interval=interval)
+
+
+def _step(model, opt, scaler, x):
+    opt.zero_grad()
+    scaler.scale(model(x).sum()).backward()
+    took = scaler.step(opt)
+    scaler.update()
+    return took
+
+
+def test_gradients_are_unscaled_before_the_step():
+    model, opt, scaler = _setup()
+    x = torch.ones(2, 4)
+    opt.zero_grad()
+    scaler.scale(model(x).sum()).backward()
+    assert model.weight.grad[0, 0].item() == 16.0  # 2 rows × scale 8
+    scaler.unscale_(opt)
+    assert model.weight.grad[0, 0].item() == 2.0
+    assert scaler.step(opt)
+    assert model.weight[0, 0].item() == -1.0
+
+
+def test_overflow_skips_the_step_and_backs_off():
+    model, opt, scaler = _setup(scale=8.0)
+    before = model.weight.detach().clone()
+    assert not _step(model, opt, scaler, torch.full((1, 4), float("inf")))
+    assert torch.equal(model.weight, before)
+    assert scaler.get_scale() == 4.0 and scaler.skipped_steps == 1
+
+
+def test_growth_after_interval_of_finite_steps():
+    model, opt, scaler = _setup(scale=8.0, interval=2)
+    _step(model, opt, scaler, torch.ones(1, 4))
+    assert scaler.get_scale() == 8.0
+    _step(model, opt, scaler, torch.ones(1, 4))
+    assert scaler.get_scale() == 16.0
+    _step(model, opt, scaler, torch.full((1, 4), float("nan")))
+    _step(model, opt, scaler, torch.ones(1, 4))  # the tracker restarted at the overflow
+    assert scaler.get_scale() == 8.0
+
+
+def test_state_dict_round_trip_and_errors():
+    model, opt, scaler = _setup()
+    _step(model, opt, scaler, torch.full((1, 4), float("inf")))
+    other = LossScaler()
+    other.load_state_dict(scaler.state_dict())
+    assert other.state_dict() == scaler.state_dict() == {"scale": 4.0, "growth_tracker": 0, "skipped_steps": 1}
+    with pytest.raises(minifloat.MinifloatError, match="not a LossScaler state"):
+        other.load_state_dict({"scale": 1.0})
+    with pytest.raises(minifloat.MinifloatError, match="growth_factor > 1"):
+        LossScaler(growth_factor=0.5)
+    with pytest.raises(minifloat.MinifloatError, match="update\\(\\) before step"):
+        LossScaler().update()
+
+
+def test_skipped_step_does_not_roll_delayed_scaling_history():
+    layer = minifloat.nn.Linear(32, 16, recipe="fp8")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=2.0**16)
+    x = torch.randn(4, 32)
+    x[0, 0] = float("inf")  # saturates the input; its output row overflows
+    opt.zero_grad()
+    scaler.scale(layer(x * 1e38).sum()).backward()
+    assert not scaler.step(opt)
+    scaler.update()
+    assert int(layer.amax_steps) == 0  # no optimizer step, no history entry

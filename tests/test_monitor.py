@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+import minifloat
+
+
+def test_records_every_operand_with_exact_fractions():
+    layer = minifloat.nn.Linear(32, 32, recipe="fp8-current", bias=False)
+    model = torch.nn.Sequential(layer)
+    x = torch.full((4, 32), 1e-6)
+    x[0, 0] = 448.0  # scale 1: the tiny values flush to zero (below E4M3's 2^-9)
+    with minifloat.monitor(model) as mon:
+        model(x).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+        model(x)
+    inp = [r for r in mon.records if r["operand"] == "input"]
+    assert [r["step"] for r in inp] == [0, 1]
+    assert inp[0]["layer"] == "0" and inp[0]["amax"] == 448.0 and inp[0]["scale"] == 1.0
+    assert inp[0]["flushed"] == pytest.approx(127 / 128)
+    assert inp[0]["saturated"] == 0.0
+    assert {r["operand"] for r in mon.records} == {"input", "weight", "grad_output"}
+    assert mon.latest()[("0", "input")]["step"] == 1
+    assert layer._monitor is None  # closed
+
+
+def test_saturation_with_a_delayed_scale():
+    layer = minifloat.nn.Linear(32, 16, recipe="fp8")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    layer(torch.ones(2, 32)).sum().backward()
+    opt.step()  # history amax 1 → scale 448
+    x = torch.ones(2, 32)
+    x[0, :8] = 4.0  # 8 of 64 values above 448 / 448
+    with minifloat.monitor(torch.nn.Sequential(layer)) as mon:
+        layer(x)
+    assert mon.records[0]["saturated"] == pytest.approx(8 / 64)
+
+
+def test_names_the_first_layer_that_went_nonfinite():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    minifloat.convert(model, "mxfp8")
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    with minifloat.monitor(model) as mon:
+        model(torch.randn(4, 32)).sum().backward()
+    assert mon.first_nonfinite == {"step": 0, "layer": "1", "where": "output"}

@@ -1,0 +1,274 @@
+import copy
+import logging
+
+import pytest
+import torch
+
+import minifloat
+from minifloat.hadamard import hadamard_matrix, rht
+from minifloat.quantize import quantize_reference
+from minifloat.recipes import RECIPES, NVFP4BlockScaling, get_recipe
+
+from .conftest import sqnr_db
+
+# SQNR floors per recipe (output, grad_input, grad_weight) against a float64 nn.Linear.
+FLOORS = {"fp8": 20, "fp8-current": 20, "fp8-block": 20, "mxfp8": 20, "mxfp6": 14, "mxfp6-e2m3": 14, "mxfp4": 8, "nvfp4": 8}
+CEILING = 60  # above this a layer is not quantizing
+
+
+def _pair(recipe, in_f=256, out_f=128, seed=0):
+    torch.manual_seed(seed)
+    ref = torch.nn.Linear(in_f, out_f).double()
+    layer = minifloat.nn.Linear(in_f, out_f, recipe=recipe)
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight)
+        layer.bias.copy_(ref.bias)
+    return ref, layer
+
+
+def _run(layer, x, g):
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(g)
+    return y.detach(), x.grad, layer.weight.grad
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_sqnr_of_every_gemm_is_within_the_recipe_band(name):
+    assert set(FLOORS) == set(RECIPES)
+    ref, layer = _pair(name)
+    x = torch.randn(4, 64, 256, dtype=torch.float64)
+    x[:, :, 7] *= 20  # an outlier channel, as activations have
+    g = torch.randn(4, 64, 128, dtype=torch.float64)
+    expected = _run(ref, x, g)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    for _ in range(2):  # the second step exercises delayed scales from the history
+        layer.weight.grad = None
+        got = _run(layer, x.float(), g.float())
+        opt.step()
+    for what, a, b in zip(("output", "grad_input", "grad_weight"), got, expected, strict=True):
+        s = sqnr_db(a, b)
+        assert FLOORS[name] <= s < CEILING, f"{name} {what}: {s:.1f} dB"
+
+
+def _q(x, scheme):
+    return quantize_reference(x.float().contiguous(), scheme).dequantize().double()
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [get_recipe("mxfp8"), get_recipe("fp8-block"), get_recipe("mxfp4"), NVFP4BlockScaling(stochastic_rounding=False)],
+    ids=["mxfp8", "fp8-block", "mxfp4", "nvfp4-rht"],
+)
+def test_each_gemm_quantizes_its_operands_along_its_reduction_dimension(recipe):
+    """Rebuild the three GEMMs from the reference quantizer and float64 products."""
+    _, layer = _pair(recipe, in_f=256, out_f=128)
+    x, g = torch.randn(3, 48, 256), torch.randn(3, 48, 128)
+    y, gx, gw = _run(layer, x, g)
+    w = layer.weight.detach()
+    s_in, s_w, s_g = (recipe.scheme(r) for r in ("input", "weight", "grad_output"))
+    x2, g2 = x.reshape(-1, 256), g.reshape(-1, 128)
+    want_y = _q(x2, s_in) @ _q(w, s_w).T + layer.bias.double()
+    w_t = _q(w, s_w).T if recipe.weight_2d else _q(w.t(), s_w)
+    want_gx = _q(g2, s_g) @ w_t.T
+    xt, gt = x2.t(), g2.t()
+    if getattr(recipe, "rht", False):
+        t = hadamard_matrix(16, recipe.rht_seed)
+        xt, gt = rht(xt, t), rht(gt, t)
+    want_gw = _q(gt, s_g) @ _q(xt, s_in).T
+    for got, want in ((y.reshape(-1, 128), want_y), (gx.reshape(-1, 256), want_gx), (gw, want_gw)):
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_gradient_accumulation_over_micro_batches_is_fp32():
+    # MX scales are powers of two and per 32 tokens, so four micro-batches of 64 tokens
+    # quantize exactly like one batch of 256: the sums may differ only by FP32 rounding.
+    _, big = _pair("mxfp8")
+    small = copy.deepcopy(big)
+    x, g = torch.randn(256, 256), torch.randn(256, 128)
+    _run(big, x, g)
+    for i in range(4):
+        _run(small, x[i * 64 : (i + 1) * 64], g[i * 64 : (i + 1) * 64])
+    assert small.weight.grad.dtype == torch.float32
+    assert torch.allclose(small.weight.grad, big.weight.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(small.bias.grad, big.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def _delayed_step(layer, opt, *amaxes):
+    """One optimizer step of micro-batches whose inputs have the given amaxes."""
+    for a in amaxes:
+        x = torch.zeros(4, 32)
+        x[0, 0] = a
+        layer(x).sum().backward()
+    opt.step()
+
+
+def test_delayed_history_rolls_once_per_step_and_reduces_by_max():
+    layer = minifloat.nn.Linear(32, 16, recipe="fp8")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    _delayed_step(layer, opt, 2.0, 5.0)  # two micro-batches: one history entry, their max
+    assert int(layer.amax_steps) == 1
+    assert layer.amax_history[0, :2].tolist() == [5.0, 0.0]
+    assert layer.scale[0].item() == pytest.approx(448.0 / 5.0)
+    _delayed_step(layer, opt, 3.0)
+    assert layer.amax_history[0, :2].tolist() == [3.0, 5.0]
+    assert layer.scale[0].item() == pytest.approx(448.0 / 5.0)  # max over the history
+    # grad_output's history uses E5M2's max.
+    g_amax = layer.amax_history[2, 0].item()
+    assert layer.scale[2].item() == pytest.approx(57344.0 / max(g_amax, layer.amax_history[2, 1].item()))
+
+
+def test_delayed_most_recent_interval_and_window():
+    recipe = minifloat.DelayedScaling(amax_compute_algo="most_recent", interval=2, amax_history_len=2)
+    layer = minifloat.nn.Linear(32, 16, recipe=recipe)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    _delayed_step(layer, opt, 4.0)
+    assert layer.scale[0].item() == pytest.approx(112.0)  # step 1 updates
+    _delayed_step(layer, opt, 8.0)
+    assert layer.scale[0].item() == pytest.approx(112.0)  # step 2: not an update step
+    _delayed_step(layer, opt, 7.0)
+    assert layer.scale[0].item() == pytest.approx(64.0)  # step 3 updates, most recent
+    assert layer.amax_history[0].tolist() == [7.0, 8.0]  # 4.0 left the window of 2
+
+
+def test_delayed_scale_is_what_quantizes_and_nonfinite_amax_is_ignored():
+    layer = minifloat.nn.Linear(32, 16, recipe="fp8", bias=False)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    _delayed_step(layer, opt, 10.0)
+    bad = torch.zeros(4, 32)
+    bad[0, 0] = float("nan")
+    layer(bad).sum().backward()  # NaN micro-batch: its amax is not recorded
+    layer.weight.grad = None  # (as a LossScaler skipping it would leave the weights)
+    _delayed_step(layer, opt, 6.0)
+    assert layer.amax_history[0, 0].item() == 6.0
+    x = torch.randn(8, 32) * 30  # above the history's amax: saturates at the delayed scale
+    with torch.no_grad():
+        y = layer(x)
+    scale = layer.scale
+    xq = minifloat.fake_quantize(x, "fp8", scale=scale[0])
+    wq = minifloat.fake_quantize(layer.weight.detach(), "fp8", scale=scale[1])
+    assert torch.allclose(y, xq @ wq.T, rtol=1e-5, atol=1e-5)
+
+
+def test_first_step_without_history_scales_from_the_tensor():
+    delayed = minifloat.nn.Linear(32, 16, recipe="fp8")
+    current = minifloat.nn.Linear(32, 16, recipe="fp8-current")
+    current.load_state_dict(delayed.state_dict())
+    x = torch.randn(8, 32) * 1000
+    assert torch.equal(delayed(x), current(x))
+
+
+def test_state_dict_round_trip_restores_delayed_scaling():
+    layer = minifloat.nn.Linear(32, 16, recipe="fp8")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for a in (3.0, 9.0, 1.0):
+        _delayed_step(layer, opt, a)
+    clone = minifloat.nn.Linear(32, 16, recipe="fp8")
+    clone.load_state_dict(layer.state_dict())
+    for name in ("amax_history", "scale", "amax_steps", "weight"):
+        assert torch.equal(getattr(clone, name), getattr(layer, name))
+    x = torch.randn(4, 32) * 5
+    assert torch.equal(clone(x), layer(x))
+
+
+def test_checkpoints_move_between_recipes():
+    fp8 = minifloat.nn.Linear(32, 32, recipe="fp8")
+    mx = minifloat.nn.Linear(32, 32, recipe="mxfp8")
+    mx.load_state_dict(fp8.state_dict())  # extra delayed-scaling buffers are ignored
+    assert torch.equal(mx.weight, fp8.weight)
+    fresh = minifloat.nn.Linear(32, 32, recipe="fp8")
+    fresh.load_state_dict(mx.state_dict())  # missing ones start fresh
+    assert int(fresh.amax_steps) == 0
+    plain = torch.nn.Linear(32, 32)
+    plain.load_state_dict({k: v for k, v in fp8.state_dict().items() if k in ("weight", "bias")})
+
+
+def test_convert_swaps_eligible_layers_and_shares_parameters(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10))
+    w0 = model[0].weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="minifloat"):
+        minifloat.convert(model, "mxfp4")
+    assert isinstance(model[0], minifloat.nn.Linear) and model[0].weight is w0
+    assert type(model[2]) is torch.nn.Linear
+    assert "keeping 2 (10, 128) in high precision (out_features=10 is below 16)" in caplog.text
+    model(torch.randn(4, 64)).sum().backward()
+    before = w0.detach().clone()
+    opt.step()  # the optimizer created before convert still drives the same Parameters
+    assert w0.grad is not None and not torch.equal(model[0].weight, before)
+
+
+def test_convert_filter_decides_and_repr_names_the_recipe():
+    model = torch.nn.ModuleDict({"body": torch.nn.Linear(64, 64), "lm_head": torch.nn.Linear(64, 64)})
+    minifloat.convert(model, "nvfp4", filter=lambda fqn, m: fqn != "lm_head")
+    assert isinstance(model["body"], minifloat.nn.Linear) and type(model["lm_head"]) is torch.nn.Linear
+    assert "recipe=nvfp4" in repr(model["body"])
+    minifloat.convert(model, "fp8-current")  # re-convert: new recipe on converted layers
+    assert model["body"].recipe == get_recipe("fp8-current")
+
+
+def test_autocast_disables_or_overrides_the_recipe():
+    _, layer = _pair("mxfp4", 64, 64)
+    x = torch.randn(8, 64)
+    with minifloat.autocast(enabled=False):
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    with minifloat.autocast("mxfp8"):
+        y8 = layer(x)
+    _, mx8 = _pair("mxfp8", 64, 64)
+    mx8.load_state_dict(layer.state_dict())
+    assert torch.equal(y8, mx8(x))
+    assert not torch.equal(layer(x), y8)
+
+
+def test_leading_dims_bf16_and_no_bias():
+    layer = minifloat.nn.Linear(64, 32, bias=False, recipe="fp8-current", dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().sum().backward()
+    assert y.shape == (2, 3, 5, 32) and y.dtype == torch.bfloat16
+    assert x.grad.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.bfloat16
+
+
+def test_nan_input_gives_nan_output_never_finite():
+    _, layer = _pair("mxfp8", 64, 32)
+    x = torch.randn(4, 64)
+    x[1, 3] = float("nan")
+    y = layer(x)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2, 3]]).all()
+
+
+def test_torch_compile_matches_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    minifloat.convert(model, "mxfp8")
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin)
+    x = torch.randn(32, 64)
+    y_eager, y_comp = model(x), compiled(x)
+    assert torch.equal(y_eager, y_comp)
+    y_eager.square().sum().backward()
+    y_comp.square().sum().backward()
+    assert torch.equal(model[0].weight.grad, twin[0].weight.grad)
+
+
+def test_tiny_hf_llama_converts_and_trains():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    minifloat.convert(model, "mxfp8", filter=lambda fqn, m: "lm_head" not in fqn)
+    converted = [n for n, m in model.named_modules() if isinstance(m, minifloat.nn.Linear)]
+    assert len(converted) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(8):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+import minifloat
+from minifloat.recipes import RECIPES, DelayedScaling, MXScaling, NVFP4BlockScaling, get_recipe
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recipes_round_trip_through_json(name):
+    r = get_recipe(name)
+    assert get_recipe(json.loads(json.dumps(r.to_dict()))) == r
+
+
+def test_fp8_recipe_defaults_follow_transformer_engine():
+    r = get_recipe("fp8")
+    assert r == DelayedScaling(format="hybrid", margin=0, amax_history_len=1024, amax_compute_algo="max", interval=1)
+    assert [r.scheme(role).element for role in ("input", "weight", "grad_output")] == ["e4m3", "e4m3", "e5m2"]
+    assert DelayedScaling(format="e4m3").scheme("grad_output").element == "e4m3"
+
+
+def test_block_and_mx_recipes_quantize_along_blocks_of_the_published_sizes():
+    block = get_recipe("fp8-block")
+    assert block.scheme("input").block == (1, 128) and block.scheme("weight").block == (128, 128)
+    assert block.weight_2d and block.block_multiple == 128
+    for name, element in [("mxfp8", "e4m3"), ("mxfp6", "e3m2"), ("mxfp6-e2m3", "e2m3"), ("mxfp4", "e2m1")]:
+        s = get_recipe(name).scheme("grad_output")
+        assert (s.element, s.block, s.scale_format) == (element, (1, 32), "e8m0")
+    assert MXScaling(element="e2m3", grad_element="e3m2").scheme("grad_output").element == "e3m2"
+
+
+def test_nvfp4_recipe_switches():
+    r = get_recipe("nvfp4")
+    assert r.rht and r.stochastic_rounding and r.weight_2d
+    assert r.scheme("weight").block == (16, 16) and r.scheme("grad_output").rounding == "stochastic"
+    assert r.scheme("input").rounding == "nearest"
+    plain = NVFP4BlockScaling(rht=False, stochastic_rounding=False, weight_2d_blocks=False)
+    assert plain.scheme("weight").block == (1, 16) and plain.scheme("grad_output").rounding == "nearest"
+    assert not plain.weight_2d
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda: get_recipe("fp9"), "unknown recipe 'fp9'; known: fp8"),
+        (lambda: DelayedScaling(format="e5m2"), "unknown FP8 format 'e5m2'"),
+        (lambda: DelayedScaling(amax_history_len=0), "amax_history_len must be ≥ 1"),
+        (lambda: DelayedScaling(amax_compute_algo="mean"), "unknown amax_compute_algo 'mean'"),
+        (lambda: MXScaling(element="e9m9"), "unknown format"),
+        (lambda: get_recipe({"recipe": "bogus"}), "not a recipe description"),
+        (lambda: get_recipe("fp8").scheme("bias"), "unknown operand role 'bias'"),
+    ],
+)
+def test_bad_recipes_name_the_problem(bad, match):
+    with pytest.raises(minifloat.MinifloatError, match=match):
+        bad()
+
+
+def test_callable_amax_algo_is_recorded_but_not_rebuilt():
+    r = DelayedScaling(amax_compute_algo=lambda h: h.mean())
+    d = r.to_dict()
+    assert d["amax_compute_algo"].startswith("<callable")
+    with pytest.raises(minifloat.MinifloatError, match="callable"):
+        get_recipe(d)
