@@ -53,8 +53,8 @@ def save(path: str | os.PathLike[str], tensors: Mapping[str, QuantizedTensor | t
     flat: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     for name, value in tensors.items():
-        if not isinstance(name, str) or not name or "." in name:
-            raise MinifloatError(f"tensor names must be non-empty strings without '.', got {name!r}")
+        if not isinstance(name, str) or not name:
+            raise MinifloatError(f"tensor names must be non-empty strings, got {name!r}")
         if isinstance(value, QuantizedTensor):
             parts = {p: getattr(value, p) for p in _PARTS if getattr(value, p) is not None}
             entries[name] = {
@@ -70,6 +70,8 @@ def save(path: str | os.PathLike[str], tensors: Mapping[str, QuantizedTensor | t
             raise MinifloatError(f"save takes QuantizedTensors or tensors, got {type(value).__name__} for {name!r}")
         for part, t in parts.items():
             key = f"{name}.{part}"
+            if key in flat:
+                raise MinifloatError(f"tensor names {name!r} and another both map to the stored key {key!r}; rename one")
             flat[key] = t.detach().to("cpu").contiguous()
             entries[name].setdefault("sha256", {})[part] = _digest(flat[key])
     metadata = {"format": FORMAT_TAG, "entries": json.dumps(entries, sort_keys=True)}

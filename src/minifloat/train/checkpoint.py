@@ -1,0 +1,118 @@
+"""Checkpoints: precision-agnostic, atomic, verified.
+
+A checkpoint is a folder ``ckpt-<step>/`` with
+
+- ``model.safetensors``: the high-precision weights and buffers (delayed-scaling amax
+  histories included), each tensor with a SHA-256 (`minifloat.save`), so a run trained in FP8
+  resumes in NVFP4 or BF16;
+- ``state.pt``: optimizer, loss scaler, RNG states and data position — tensors and plain
+  Python values only, read back with ``torch.load(weights_only=True)``;
+- ``manifest.json``: the step, the run's config and the SHA-256 of both files.
+
+It is written into a temporary folder and renamed into place; then ``latest`` (a one-line file,
+itself replaced atomically) points to it; only then is the previous checkpoint removed. A
+crash at any moment leaves the last complete checkpoint in force.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from minifloat.atomic import atomic_path
+from minifloat.errors import MinifloatError
+from minifloat.serialization import CorruptFileError, load, save
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict, config: dict) -> Path:
+    """Write checkpoint `step` under `root` atomically and point ``latest`` at it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ckpt-tmp-", dir=root))
+    try:
+        save(tmp / "model.safetensors", weights)
+        torch.save(state, tmp / "state.pt")
+        manifest = {
+            "format": "minifloat-checkpoint-1",
+            "step": step,
+            "config": config,
+            "sha256": {name: _sha256(tmp / name) for name in ("model.safetensors", "state.pt")},
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        for name in ("model.safetensors", "state.pt", "manifest.json"):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        final = root / f"ckpt-{step:08d}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest_checkpoint(root, verify=False)
+    with atomic_path(root / "latest") as t:
+        t.write_text(final.name + "\n")
+    if previous is not None and previous != final:
+        shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(root: str | Path, verify: bool = True) -> Path | None:
+    """The folder ``latest`` points to under `root`, None when there is no checkpoint."""
+    root = Path(root)
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    if verify and not path.is_dir():
+        raise MinifloatError(f"{pointer} points to {path.name}, which does not exist; the checkpoint folder was altered")
+    return path
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(manifest, weights, state) of the checkpoint folder `path`, verified."""
+    path = Path(path)
+    mpath = path / "manifest.json"
+    try:
+        manifest = json.loads(mpath.read_text())
+    except FileNotFoundError:
+        raise MinifloatError(f"{mpath}: missing; {path} is not a complete minifloat checkpoint") from None
+    except json.JSONDecodeError as err:
+        raise CorruptFileError(f"{mpath}: corrupted ({err})") from None
+    if manifest.get("format") != "minifloat-checkpoint-1":
+        raise CorruptFileError(f"{mpath}: not a minifloat checkpoint manifest")
+    for name, digest in manifest["sha256"].items():
+        f = path / name
+        if not f.exists():
+            raise CorruptFileError(f"{f}: missing from the checkpoint")
+        if _sha256(f) != digest:
+            raise CorruptFileError(f"{f}: checksum mismatch — the file is corrupted or was modified")
+    weights = load(path / "model.safetensors")
+    try:
+        state = torch.load(path / "state.pt", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure is a corrupt file
+        raise CorruptFileError(f"{path / 'state.pt'}: cannot be read safely ({err})") from None
+    return manifest, weights, state

@@ -1,0 +1,99 @@
+"""Byte-level text corpora: the embedded default and user files.
+
+The default is built at run time from the Python standard library's own ``.py`` sources on
+this machine — a fixed, sorted selection (tests and site-packages excluded) of a few MB,
+nothing downloaded. Tokens are bytes (vocabulary 256). The split is deterministic: the last
+10 % of the bytes are the validation set.
+
+Example:
+    >>> data = stdlib_corpus(max_bytes=100_000)
+    >>> data.train.dtype, len(data.train) + len(data.val), data.source.startswith("python stdlib")
+    (torch.uint8, 100000, True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minifloat.errors import MinifloatError
+
+VOCAB_SIZE = 256
+VAL_FRACTION = 0.1
+DEFAULT_MAX_BYTES = 4_000_000
+_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
+_TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".tex", ".html", ".c", ".h", ".js"}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: torch.Tensor  # uint8 bytes
+    val: torch.Tensor
+    source: str  # what it was built from
+    sha256: str  # of the whole byte string, for the report
+
+
+def _split(raw: bytes, source: str) -> Corpus:
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    n_val = max(int(len(data) * VAL_FRACTION), 1)
+    return Corpus(data[:-n_val].clone(), data[-n_val:].clone(), source, hashlib.sha256(raw).hexdigest())
+
+
+def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
+    """The embedded default: sorted stdlib sources, concatenated up to `max_bytes`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py") if not (_SKIP_DIRS & set(p.relative_to(root).parts)) and p.is_file()
+    )
+    chunks, total = [], 0
+    for path in files:
+        text = path.read_bytes()
+        chunks.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    raw = b"".join(chunks)[:max_bytes]
+    if len(raw) < 10_000:
+        raise MinifloatError(f"the Python standard library at {root} has too little source for a corpus; use --data PATH")
+    return _split(raw, f"python stdlib {root} ({len(raw):,} bytes)")
+
+
+def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
+    """A UTF-8 text file, or a folder of them (sorted, recursively), as a corpus."""
+    path = Path(path)
+    if not path.exists():
+        raise MinifloatError(f"--data {path}: no such file or folder")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES)
+        if not files:
+            raise MinifloatError(f"--data {path}: no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) in the folder")
+    else:
+        files = [path]
+    chunks = []
+    for f in files:
+        raw = f.read_bytes()
+        if b"\x00" in raw:
+            raise MinifloatError(f"--data {f}: binary file (contains NUL bytes); give UTF-8 text")
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise MinifloatError(f"--data {f}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        chunks.append(raw)
+    raw = b"".join(chunks)[:max_bytes]
+    if len(raw) < 2 * 1024:
+        raise MinifloatError(f"--data {path}: only {len(raw)} bytes of text; give at least 2 KiB")
+    return _split(raw, f"{path} ({len(raw):,} bytes)")
+
+
+def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
+    """Random windows of `data`: inputs (B, T) and next-byte targets (B, T), int64."""
+    if len(data) <= seq_len + 1:
+        raise MinifloatError(f"the corpus split has {len(data)} bytes, fewer than --seq-len {seq_len} + 1")
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=generator)
+    idx = starts[:, None] + torch.arange(seq_len + 1)
+    window = data[idx].long()  # (B, T+1)
+    return window[:, :-1], window[:, 1:]

@@ -1,0 +1,329 @@
+"""Training the built-in GPT in one precision: the loop behind ``minifloat train``.
+
+Reads top to bottom: build data and model, convert the model to the precision, then for each
+step accumulate gradients over micro-batches, unscale/clip/step, log a JSONL line, evaluate
+now and then, and checkpoint. Every random draw comes from generators whose states are in the
+checkpoint, so ``resume=True`` continues bit-identically.
+
+Precisions: ``fp32``; ``bf16``/``fp16`` (GEMM operands rounded to that dtype with FP32
+accumulation — what a BF16/FP16 GEMM computes; torch's CPU autocast is used instead where the
+CPU has BF16 units); and every recipe of `minifloat.RECIPES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.loss_scaling import LossScaler
+from minifloat.recipes import RECIPES
+from minifloat.train import checkpoint
+from minifloat.train.corpus import Corpus, get_batch, load_corpus, stdlib_corpus
+from minifloat.train.model import GPT, get_config
+
+HIGH_PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = HIGH_PRECISIONS + tuple(RECIPES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    precision: str = "fp32"
+    model: str = "small"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0: only at the end
+    compile: bool = False
+    activation_checkpointing: bool = False
+    data: str | None = None  # None: the embedded stdlib corpus
+    max_bytes: int = 4_000_000
+    quantize_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise MinifloatError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        get_config(self.model)
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        if self.seq_len > get_config(self.model).block_size:
+            raise MinifloatError(
+                f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {get_config(self.model).block_size}"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def lr_at(step: int, c: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio · lr``."""
+    if step < c.warmup:
+        return c.lr * (step + 1) / c.warmup
+    progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+    return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU has BF16 matrix units (else BF16 GEMMs are emulated in FP32)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class _RoundedLinearFunction(torch.autograd.Function):
+    """A GEMM on operands rounded to `dtype` with FP32 accumulation (BF16/FP16 emulation)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        xr, wr = x.to(dtype).float(), weight.to(dtype).float()
+        ctx.save_for_backward(xr, wr)
+        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        out = xr @ wr.t()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(dtype).float().to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        xr, wr = ctx.saved_tensors
+        gr = g.to(ctx.dtype).float()
+        g2 = gr.reshape(-1, gr.shape[-1])
+        grad_x = (gr @ wr).to(ctx.dtype).float()
+        grad_w = g2.t() @ xr.reshape(-1, xr.shape[-1])
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+class RoundedLinear(torch.nn.Linear):
+    """nn.Linear computing as a BF16/FP16 GEMM with FP32 accumulation would (weights stay FP32)."""
+
+    rounding_dtype = torch.bfloat16
+
+    def forward(self, x):
+        return _RoundedLinearFunction.apply(x, self.weight, self.bias, self.rounding_dtype)
+
+
+def _swap_rounded(model: torch.nn.Module, dtype: torch.dtype, keep) -> None:
+    for fqn, m in list(model.named_modules()):
+        if type(m) is torch.nn.Linear and keep(fqn, m):
+            parent_name, _, child = fqn.rpartition(".")
+            new = RoundedLinear(m.in_features, m.out_features, m.bias is not None, device="meta")
+            new.weight, new.bias, new.rounding_dtype = m.weight, m.bias, dtype
+            setattr(model.get_submodule(parent_name), child, new)
+
+
+def build_model(c: TrainConfig) -> GPT:
+    """The GPT for `c`, initialised from `c.seed`, converted to `c.precision`."""
+    torch.manual_seed(c.seed)
+    model = GPT(get_config(c.model))
+    keep = (lambda fqn, m: True) if c.quantize_head else (lambda fqn, m: fqn != "lm_head")
+    if c.precision in RECIPES:
+        from minifloat.nn.convert import convert
+
+        convert(model, c.precision, filter=keep)
+    elif c.precision in ("bf16", "fp16") and not (c.precision == "bf16" and native_bf16_cpu()):
+        _swap_rounded(model, torch.bfloat16 if c.precision == "bf16" else torch.float16, keep)
+    return model
+
+
+def _autocast_ctx(c: TrainConfig):
+    import contextlib
+
+    if c.precision == "bf16" and native_bf16_cpu():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def load_data(c: TrainConfig) -> Corpus:
+    return stdlib_corpus(c.max_bytes) if c.data is None else load_corpus(c.data, c.max_bytes)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    sd.pop("lm_head.weight", None)  # tied to wte.weight
+    return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, c: TrainConfig) -> float:
+    """Mean loss over `eval_batches` fixed windows (the same for every precision and step)."""
+    g = torch.Generator().manual_seed(10_000 + c.seed)
+    model.eval()
+    total = 0.0
+    with _autocast_ctx(c):
+        for _ in range(c.eval_batches):
+            x, y = get_batch(data, c.batch_size, c.seq_len, g)
+            logits = model(x)
+            total += torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+    model.train()
+    return total / c.eval_batches
+
+
+def train(c: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True, monitor: bool = True) -> dict:
+    """Train per `c`, writing ``log.jsonl`` and checkpoints under `out`; returns a summary."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_data(c)
+    model = build_model(c)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
+    )  # fmt: skip
+    scaler = LossScaler(enabled=c.precision == "fp16")
+    data_gen = torch.Generator().manual_seed(c.seed)
+    start = 0
+    ckpt_root = out / "checkpoints"
+    if resume:
+        path = checkpoint.latest_checkpoint(ckpt_root)
+        if path is None:
+            raise MinifloatError(f"--resume: no checkpoint under {ckpt_root}")
+        manifest, weights, state = checkpoint.load_checkpoint(path)
+        theirs = manifest["config"]
+        for key in ("model", "batch_size", "seq_len", "grad_accum", "seed", "data", "max_bytes"):
+            if theirs.get(key) != getattr(c, key):
+                raise MinifloatError(
+                    f"{path}: checkpoint has {key}={theirs.get(key)!r}, this run {key}={getattr(c, key)!r}; "
+                    f"resume with the same {key}"
+                )
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        bad = [k for k in missing if k != "lm_head.weight" and not k.endswith(("amax_history", "scale", "amax_steps"))]
+        if bad or unexpected:
+            raise MinifloatError(f"{path}: weights do not fit the {c.model} model (missing {bad[:3]}, unexpected {unexpected[:3]})")
+        opt.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        data_gen.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        start = int(state["step"])
+    if c.compile:
+        model = torch.compile(model)
+    if c.activation_checkpointing:
+        _enable_activation_checkpointing(model)
+
+    mon = None
+    if monitor and c.precision in RECIPES:
+        from minifloat.monitor import Monitor
+
+        mon = Monitor(model)
+    log_path = out / "log.jsonl"
+    if not resume and log_path.exists():
+        log_path.unlink()
+    bar = _progress(c.steps, start, progress)
+    last = {}
+    tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
+    for step in range(start, c.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, c)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for _ in range(c.grad_accum):
+            x, y = get_batch(data.train, c.batch_size, c.seq_len, data_gen)
+            with _autocast_ctx(c):
+                logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            scaler.scale(loss / c.grad_accum).backward()
+            loss_sum += loss.item() / c.grad_accum
+        scaler.unscale_(opt)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf")))
+        stepped = scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        last = {
+            "step": step + 1, "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
+            "tokens_per_s": tokens_per_step / dt, "skipped": not stepped, "skipped_steps": scaler.skipped_steps,
+            "nonfinite": not math.isfinite(loss_sum),
+        }  # fmt: skip
+        if mon is not None:
+            last["telemetry"] = _telemetry(mon)
+            mon.records.clear()
+        if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
+            last["val_loss"] = evaluate(model, data.val, c)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(last) + "\n")
+        bar(last)
+        if (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0) or step + 1 == c.steps:
+            state = {
+                "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "data_rng": data_gen.get_state(),
+                "torch_rng": torch.get_rng_state(), "step": step + 1,
+            }  # fmt: skip
+            checkpoint.save_checkpoint(ckpt_root, step + 1, _weights(_unwrap(model)), state, c.to_dict())
+    if mon is not None:
+        mon.close()
+    bar(None)
+    return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": _unwrap(model).num_params()}
+
+
+def _unwrap(model):
+    return getattr(model, "_orig_mod", model)
+
+
+def _enable_activation_checkpointing(model) -> None:
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    for block in _unwrap(model).blocks:
+        fwd = block.forward
+        block.forward = lambda x, fwd=fwd: ckpt(fwd, x, use_reentrant=False)
+
+
+def _telemetry(mon) -> dict:
+    """Compact per-step telemetry: the worst saturation / flush fractions and a few amaxes."""
+    recs = mon.records
+    if not recs:
+        return {}
+    worst_sat = max(recs, key=lambda r: r["saturated"])
+    return {
+        "max_saturated": worst_sat["saturated"],
+        "max_saturated_at": f"{worst_sat['layer']}:{worst_sat['operand']}",
+        "max_flushed": max(r["flushed"] for r in recs),
+        "amax": {f"{r['layer']}:{r['operand']}": r["amax"] for r in recs if r["layer"].startswith("blocks.0.")},
+        "scale": {f"{r['layer']}:{r['operand']}": r["scale"] for r in recs if r["layer"].startswith("blocks.0.")},
+        "first_nonfinite": mon.first_nonfinite,
+    }
+
+
+def _progress(total: int, start: int, enabled: bool):
+    if not enabled:
+        return lambda rec: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None and os.environ.get("MINIFLOAT_NO_TQDM") != "1":
+        pbar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+        def update(rec):
+            if rec is None:
+                pbar.close()
+                return
+            pbar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            pbar.update(1)
+
+        return update
+
+    def plain(rec):
+        if rec is not None and (rec["step"] % 10 == 0 or rec["step"] == total):
+            print(f"step {rec['step']}/{total} loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s", flush=True)
+
+    return plain

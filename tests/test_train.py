@@ -1,0 +1,126 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import minifloat
+from minifloat.train import checkpoint
+from minifloat.train.corpus import get_batch, load_corpus, stdlib_corpus
+from minifloat.train.model import GPT, GPT_SIZES
+from minifloat.train.trainer import TrainConfig, build_model, lr_at, train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cfg(**kw):
+    base = dict(model="tiny", steps=6, batch_size=4, seq_len=32, eval_every=3, eval_batches=2,
+                checkpoint_every=3, max_bytes=200_000, warmup=2)  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _losses(out):
+    return [json.loads(line)["loss"] for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+
+
+def test_stdlib_corpus_is_deterministic_and_split():
+    a, b = stdlib_corpus(max_bytes=50_000), stdlib_corpus(max_bytes=50_000)
+    assert a.sha256 == b.sha256 and len(a.val) == 5_000 and len(a.train) == 45_000
+    assert b"def " in bytes(a.train.tolist())
+    x, y = get_batch(a.train, 3, 16, torch.Generator().manual_seed(0))
+    assert x.shape == (3, 16) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_data_errors_name_the_path(tmp_path):
+    with pytest.raises(minifloat.MinifloatError, match="no such file"):
+        load_corpus(tmp_path / "nope.txt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(minifloat.MinifloatError, match="no text files"):
+        load_corpus(tmp_path / "empty")
+    (tmp_path / "bin.txt").write_bytes(b"abc\x00def" * 1000)
+    with pytest.raises(minifloat.MinifloatError, match="binary file"):
+        load_corpus(tmp_path / "bin.txt")
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9 " * 1000)
+    with pytest.raises(minifloat.MinifloatError, match="not UTF-8"):
+        load_corpus(tmp_path / "latin.txt")
+    (tmp_path / "short.txt").write_text("hello")
+    with pytest.raises(minifloat.MinifloatError, match="only 5 bytes"):
+        load_corpus(tmp_path / "short.txt")
+    (tmp_path / "ok.txt").write_text("the quick brown fox. " * 500)
+    assert len(load_corpus(tmp_path / "ok.txt").train) > 0
+
+
+def test_gpt_sizes_and_tied_embeddings():
+    assert 2.5e6 < GPT(GPT_SIZES["small"]).num_params() < 3.5e6
+    model = build_model(_cfg(precision="mxfp8"))
+    assert model.lm_head.weight is model.wte.weight and type(model.lm_head) is torch.nn.Linear
+    assert isinstance(model.blocks[0].mlp.fc, minifloat.nn.Linear)
+    c = _cfg(lr=1.0)  # warmup 2, then cosine over 4 steps down to 0.1
+    assert [round(lr_at(s, c), 6) for s in (0, 1, 4, 6)] == [0.5, 1.0, 0.55, 0.1]
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4", "bf16"])
+def test_resume_is_bit_identical(tmp_path, precision):
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(_cfg(precision=precision), full, progress=False)
+    train(_cfg(precision=precision, steps=3), part, progress=False)
+    train(_cfg(precision=precision), part, resume=True, progress=False)
+    assert _losses(part) == _losses(full)
+    last_full = json.loads((full / "log.jsonl").read_text().splitlines()[-1])
+    last_part = json.loads((part / "log.jsonl").read_text().splitlines()[-1])
+    assert last_full["val_loss"] == last_part["val_loss"]
+
+
+def test_resume_in_another_precision_and_mismatch_errors(tmp_path):
+    train(_cfg(precision="fp8", steps=3), tmp_path, progress=False)
+    result = train(_cfg(precision="nvfp4"), tmp_path, resume=True, progress=False)
+    assert result["final"]["step"] == 6
+    with pytest.raises(minifloat.MinifloatError, match="checkpoint has batch_size=4, this run batch_size=8"):
+        train(_cfg(precision="fp8", batch_size=8), tmp_path, resume=True, progress=False)
+    with pytest.raises(minifloat.MinifloatError, match="no checkpoint under"):
+        train(_cfg(), tmp_path / "empty", resume=True, progress=False)
+
+
+def test_corrupted_checkpoint_is_rejected_with_the_file_named(tmp_path):
+    train(_cfg(steps=3), tmp_path, progress=False)
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "checkpoints")
+    state = ckpt / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.raises(minifloat.MinifloatError, match="state.pt: checksum mismatch"):
+        train(_cfg(), tmp_path, resume=True, progress=False)
+
+
+_KILL_SCRIPT = """
+import os, signal, sys
+import torch
+from minifloat.train import checkpoint
+from minifloat.train.trainer import TrainConfig, train
+real = torch.save
+def save_then_die(obj, path, *a, **k):
+    real(obj, path, *a, **k)
+    if int(obj["step"]) == 6:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-write: state.pt done, manifest not yet
+torch.save = save_then_die
+cfg = TrainConfig(model="tiny", steps=6, batch_size=4, seq_len=32, eval_every=3, eval_batches=2,
+                  checkpoint_every=3, max_bytes=200_000, warmup=2)
+train(cfg, sys.argv[1], progress=False)
+"""
+
+
+def test_sigkill_during_checkpoint_write_resumes_from_the_last_complete_one(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(out)], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert checkpoint.latest_checkpoint(out / "checkpoints").name == "ckpt-00000003"
+    result = train(_cfg(), out, resume=True, progress=False)
+    assert result["final"]["step"] == 6
+    full = train(_cfg(), tmp_path / "full", progress=False)
+    assert result["final"]["loss"] == full["final"]["loss"]
