@@ -39,12 +39,14 @@ from minifloat.recipes import ROLES, NVFP4BlockScaling, Recipe, get_recipe
 class _Plan:
     """What one forward call quantizes with: the recipe, the backend, the module's state."""
 
-    __slots__ = ("recipe", "backend", "layer", "use_state", "monitor")
+    __slots__ = ("recipe", "backend", "layer", "has_state", "records", "monitor")
 
     def __init__(self, layer: Linear, recipe: Recipe, device: torch.device) -> None:
         self.recipe = recipe
         self.layer = layer
-        self.use_state = recipe.delayed and recipe is layer.recipe and layer.training and torch.is_grad_enabled()
+        # Delayed scales apply only under the module's own recipe; amaxes are recorded in training.
+        self.has_state = recipe.delayed and recipe is layer.recipe
+        self.records = self.has_state and layer.training and torch.is_grad_enabled()
         self.backend = choose_backend([recipe.scheme(r) for r in ROLES], device, layer.backend)
         self.monitor = layer._monitor
 
@@ -60,9 +62,9 @@ class _Plan:
         """Quantize `x` (2-D, along its last dim) as operand `role`."""
         scheme = self.recipe.scheme(role)
         scale = None
-        if self.recipe.delayed and self.layer.recipe is self.recipe and hasattr(self.layer, "amax_history"):
+        if self.has_state:
             scale = delayed.current_scale(self.layer, role)
-            if self.use_state and record:
+            if self.records and record:
                 delayed.record(self.layer, role, kernels.amax(x, ignore_nan=True))
         q = quantize(x, scheme, scale=scale)
         if self.monitor is not None and record:
