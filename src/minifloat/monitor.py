@@ -26,9 +26,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from minifloat.quantize import decode_scales, layout_for
 
 
-def _element_decode_scales(q) -> torch.Tensor:
+def _element_decode_scales(q, grid: torch.Tensor) -> torch.Tensor:
+    """The decode-scale `grid` of `q` broadcast to one value per element (rows, cols)."""
     lay = layout_for(q.shape, q.scheme)
-    grid = decode_scales(q).float().reshape(lay.grid)
+    grid = grid.reshape(lay.grid)
     full = grid[:, None, :, None].expand(lay.tiles).reshape(lay.rows_pad, lay.cols_pad)
     return full[: lay.rows, : lay.cols]
 
@@ -65,12 +66,12 @@ class Monitor:
     def observe(self, layer, operand: str, x: torch.Tensor, q) -> None:
         fmt = q.scheme.element_format
         x2 = x.reshape(-1, x.shape[-1]).float()
-        dec = _element_decode_scales(q)
+        grid = decode_scales(q).float()
+        dec = _element_decode_scales(q, grid)
         values = q.dequantize(torch.float32).reshape(x2.shape)
         ax = x2.abs()
         n = max(x2.numel(), 1)
         finite = torch.isfinite(ax)
-        grid = decode_scales(q).float()
         top = grid[torch.isfinite(grid)].max() if torch.isfinite(grid).any() else torch.tensor(float("nan"))
         self.records.append(
             {

@@ -133,6 +133,25 @@ def scale_from_amax(
 AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
 
 
+def reduce_amax_window(seen: torch.Tensor, algo, percentile: float = 99.0) -> torch.Tensor:
+    """Reduce amax windows `seen` (..., n), newest first, to one amax each with `algo`:
+    ``"max"``, ``"most_recent"``, ``"percentile"`` or a callable ``window (n,) -> amax``.
+
+    Example:
+        >>> reduce_amax_window(torch.tensor([[3.0, 5.0], [2.0, 1.0]]), "max").tolist()
+        [5.0, 2.0]
+    """
+    if callable(algo):
+        rows = seen.reshape(-1, seen.shape[-1])
+        out = torch.stack([torch.as_tensor(algo(row), dtype=torch.float32) for row in rows])
+        return out.reshape(seen.shape[:-1])
+    if algo == "most_recent":
+        return seen[..., 0]
+    if algo == "percentile":
+        return torch.quantile(seen, percentile / 100.0, dim=-1)
+    return seen.amax(dim=-1)
+
+
 @dataclass
 class AmaxHistory:
     """A rolling window of amax values (TE's ``amax_history``) and how to reduce it.
@@ -180,13 +199,9 @@ class AmaxHistory:
             return torch.as_tensor(self.algo(seen), dtype=torch.float32)
         if self.steps == 0:
             return torch.zeros((), dtype=torch.float32)
-        if self.algo == "max":
-            return seen.amax()
-        if self.algo == "most_recent":
-            return seen[0]
         if self.algo == "ema":
             return self._ema.clone()
-        return torch.quantile(seen, self.percentile / 100.0)
+        return reduce_amax_window(seen, self.algo, self.percentile)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"history": self.history.clone(), "steps": torch.tensor(self.steps), "ema": self._ema.clone()}

@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from minifloat.recipes import ROLES, DelayedScaling
-from minifloat.scaling import scale_from_amax
+from minifloat.scaling import reduce_amax_window, scale_from_amax
 
 _MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # registration order
 _HOOK = None
@@ -88,16 +88,6 @@ def current_scale(module, role: str) -> torch.Tensor | None:
     return module.scale[ROLES.index(role)]
 
 
-def reduce_history(history: torch.Tensor, algo, steps: int) -> torch.Tensor:
-    """The amax per role from `history` (roles, L) with `algo` (over the filled entries)."""
-    seen = history[:, : max(1, min(steps, history.shape[1]))]
-    if callable(algo):
-        return torch.stack([torch.as_tensor(algo(row), dtype=torch.float32) for row in seen])
-    if algo == "most_recent":
-        return seen[:, 0]
-    return seen.amax(dim=1)
-
-
 def roll(module, pending: torch.Tensor) -> None:
     """End of a step: push the (rank-reduced) `pending` amaxes into the history, maybe
     refresh the scales."""
@@ -108,7 +98,8 @@ def roll(module, pending: torch.Tensor) -> None:
         module.amax_steps += 1
         steps = int(module.amax_steps)
         if (steps - 1) % recipe.interval == 0:
-            amax = reduce_history(module.amax_history, recipe.amax_compute_algo, steps)
+            seen = module.amax_history[:, : min(steps, module.amax_history.shape[1])]
+            amax = reduce_amax_window(seen, recipe.amax_compute_algo)
             for i, role in enumerate(ROLES):
                 fmt = recipe.scheme(role).element_format
                 module.scale[i] = scale_from_amax(amax[i], fmt, recipe.margin, previous=module.scale[i])
