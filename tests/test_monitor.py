@@ -43,3 +43,20 @@ def test_names_the_first_layer_that_went_nonfinite():
     with minifloat.monitor(model) as mon:
         model(torch.randn(4, 32)).sum().backward()
     assert mon.first_nonfinite == {"step": 0, "layer": "1", "where": "output"}
+
+
+def test_sampling_every_n_steps_still_checks_nonfinite_each_step():
+    layer = minifloat.nn.Linear(32, 32, recipe="mxfp8", bias=False)
+    model = torch.nn.Sequential(layer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with minifloat.monitor(model, every=2) as mon:
+        for step in range(4):
+            x = torch.randn(4, 32)
+            if step == 3:
+                x[0, 0] = float("nan")
+            model(x).sum().backward()
+            opt.step()
+    assert sorted({r["step"] for r in mon.records}) == [0, 2]
+    assert mon.first_nonfinite == {"step": 3, "layer": "0", "where": "output"}
+    with pytest.raises(minifloat.MinifloatError, match="every=0"):
+        minifloat.monitor(model, every=0)

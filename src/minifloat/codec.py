@@ -97,10 +97,15 @@ def _pow2(n: torch.Tensor | int) -> torch.Tensor:
     return ((n + 1023) << 52).view(torch.float64)
 
 
+def random_bits_int32(shape: tuple[int, ...], generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """The stochastic-rounding draws as raw int32 words (the compiled kernels read them so)."""
+    return torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, generator=generator, device=device)
+
+
 def random_bits(shape: tuple[int, ...], generator: torch.Generator | None = None, device=None) -> torch.Tensor:
-    """Uniform uint32 random bits (held in int64), one per element: the stochastic-rounding input."""
-    r = torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, generator=generator, device=device)
-    return r.to(torch.int64) & 0xFFFFFFFF
+    """Uniform uint32 random bits (held in int64), one per element: the stochastic-rounding input
+    (the draws of `random_bits_int32`, read as unsigned)."""
+    return random_bits_int32(shape, generator, device).to(torch.int64) & 0xFFFFFFFF
 
 
 def encode(

@@ -80,7 +80,8 @@ class LossScaler:
             for g in grads:
                 g.mul_(inv)
         for g in grads:
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float().cpu())
+            local = g.to_local() if hasattr(g, "to_local") else g  # FSDP2 shards: this rank's part
+            found = torch.maximum(found, (~torch.isfinite(local)).any().float().cpu())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         self._found_inf = bool(found) or bool(self._found_inf)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from minifloat.errors import MinifloatError
 from minifloat.quantize import decode_scales, layout_for
 
 
@@ -42,15 +43,20 @@ class Monitor:
             ``operand``, ``amax``, ``scale``, ``saturated``, ``flushed``.
         first_nonfinite: ``{"step", "layer", "where"}`` of the first non-finite output or
             input gradient seen, else None.
-        step: optimizer steps seen since the monitor started.
+        step: optimizer steps seen since the monitor started (set it when resuming).
+        every: record operands on every `every`-th step only (non-finite outputs and
+            gradients are checked on every step); 1 records all.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, every: int = 1) -> None:
         from minifloat.nn.linear import Linear
 
         self.records: list[dict] = []
         self.first_nonfinite: dict | None = None
         self.step = 0
+        if every < 1:
+            raise MinifloatError(f"Monitor(every={every}): record every ≥ 1 steps")
+        self.every = every
         self._names = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear):
@@ -64,6 +70,8 @@ class Monitor:
 
     @torch.no_grad()
     def observe(self, layer, operand: str, x: torch.Tensor, q) -> None:
+        if self.step % self.every:
+            return
         fmt = q.scheme.element_format
         x2 = x.reshape(-1, x.shape[-1]).float()
         grid = decode_scales(q).float()
@@ -110,7 +118,7 @@ class Monitor:
         self.close()
 
 
-def monitor(model: torch.nn.Module) -> Monitor:
-    """Start recording telemetry of `model`'s minifloat Linears; use as a context manager or
-    call ``.close()``."""
-    return Monitor(model)
+def monitor(model: torch.nn.Module, *, every: int = 1) -> Monitor:
+    """Start recording telemetry of `model`'s minifloat Linears (on every `every`-th step);
+    use as a context manager or call ``.close()``."""
+    return Monitor(model, every=every)

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from minifloat.cli import bench, error, formats, info, train
+from minifloat.cli import bench, compare, error, formats, info, train
 from minifloat.errors import MinifloatError
 
-SUBCOMMANDS = (formats, error, bench, info, train)
+SUBCOMMANDS = (formats, error, bench, info, train, compare)
 
 
 def build_parser() -> argparse.ArgumentParser:

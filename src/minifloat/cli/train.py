@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from minifloat.train.trainer import PRECISIONS, TrainConfig
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train the built-in GPT in one precision")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}")
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `train` and `compare` share: model, schedule, data."""
     p.add_argument("--model", default="small", choices=["tiny", "small", "base"])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=16)
@@ -21,10 +21,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)")
+    p.add_argument(
+        "--telemetry-every", type=int, default=10, help="steps between amax/scale records (0: off)"
+    )
+    p.add_argument(
+        "--quantize-head", action="store_true", help="quantize the LM head too (default: high precision)"
+    )
+    p.add_argument(
+        "--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)"
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train the built-in GPT in one precision")
+    p.add_argument(
+        "--precision", default="fp32", choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}"
+    )
+    add_training_arguments(p)
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
+    )
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help="a TrainConfig as JSON (as `minifloat compare` writes); other flags but --out/--resume are ignored")  # fmt: skip
     p.add_argument("--out", default="runs/train", help="output folder (log.jsonl, checkpoints/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -32,13 +54,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
+    """The TrainConfig the flags describe (`override` sets fields the command fixes itself)."""
+    if getattr(args, "config", None) is not None:
+        return TrainConfig.from_json(args.config)
     fields = dict(
-        precision=args.precision, model=args.model, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, grad_accum=args.grad_accum,
-        grad_clip=args.grad_clip, seed=args.seed, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, compile=args.compile,
-        activation_checkpointing=args.activation_checkpointing, data=args.data,
+        model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        warmup=args.warmup, grad_accum=args.grad_accum, grad_clip=args.grad_clip, seed=args.seed,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+        data=args.data, quantize_head=args.quantize_head, telemetry_every=args.telemetry_every,
     )  # fmt: skip
+    for name in ("precision", "checkpoint_every", "fsdp"):
+        if hasattr(args, name):
+            fields[name] = getattr(args, name)
     fields.update(override)
     return TrainConfig(**fields)
 
@@ -48,5 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = train(config_from_args(args), args.out, resume=args.resume, progress=not args.quiet)
     final = {k: v for k, v in result["final"].items() if k != "telemetry"}
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the run
+        return 0
     print(json.dumps({"final": final, "log": result["log"], "params": result["params"]}))
     return 0

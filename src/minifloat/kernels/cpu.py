@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from minifloat import scaling
-from minifloat.codec import random_bits, value_table
+from minifloat.codec import random_bits_int32, value_table
 from minifloat.formats import E4M3, FloatFormat
 from minifloat.quantize import decode_scales, layout_for
 
@@ -124,7 +124,7 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         tensor_scale = s_dec
     grid = (rows_pad // br, cols_pad // bc)
     scale_out = torch.empty(grid, dtype=torch.float32 if scheme.scale_format == "fp32" else torch.uint8)
-    bits = random_bits((rows_pad, cols_pad), generator).to(torch.int32) if rounding == "stochastic" else None
+    bits = random_bits_int32((rows_pad, cols_pad), generator) if rounding == "stochastic" else None
     e4m3_lut = value_table(E4M3, torch.float32)
     lib.mf_quantize(
         x.data_ptr(), _DTYPES[x.dtype], lay.rows, lay.cols, rows_pad, cols_pad, br, bc,

@@ -5,6 +5,11 @@ step accumulate gradients over micro-batches, unscale/clip/step, log a JSONL lin
 now and then, and checkpoint. Every random draw comes from generators whose states are in the
 checkpoint, so ``resume=True`` continues bit-identically.
 
+With ``fsdp=True`` (under ``torchrun``) each transformer block and the whole model are sharded
+with FSDP2 ``fully_shard`` (gloo on CPU); every rank draws the same global batch and takes its
+slice, so the loss curve is that of one process. Checkpoints hold full (gathered) weights and
+an FQN-keyed optimizer state either way, so sharded and single-process runs resume each other.
+
 Precisions: ``fp32``; ``bf16``/``fp16`` (GEMM operands rounded to that dtype with FP32
 accumulation — what a BF16/FP16 GEMM computes; torch's CPU autocast is used instead where the
 CPU has BF16 units); and every recipe of `minifloat.RECIPES`.
@@ -55,6 +60,8 @@ class TrainConfig:
     data: str | None = None  # None: the embedded stdlib corpus
     max_bytes: int = 4_000_000
     quantize_head: bool = False
+    fsdp: bool = False
+    telemetry_every: int = 10  # steps between amax/scale/saturation records (0: off)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -63,6 +70,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
             if getattr(self, name) < 1:
                 raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        if self.telemetry_every < 0 or self.eval_every < 0 or self.checkpoint_every < 0:
+            raise MinifloatError(
+                "--eval-every, --checkpoint-every and --telemetry-every must be ≥ 0 (0: off)"
+            )
         if self.seq_len > get_config(self.model).block_size:
             raise MinifloatError(
                 f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {get_config(self.model).block_size}"
@@ -70,6 +81,21 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> TrainConfig:
+        """Read a config written by `to_dict` (e.g. by ``minifloat compare``)."""
+        try:
+            fields = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise MinifloatError(f"cannot read the train config {path}: {err}") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(fields, dict) or set(fields) - known:
+            extra = sorted(set(fields) - known) if isinstance(fields, dict) else type(fields).__name__
+            raise MinifloatError(
+                f"{path}: not a train config (unknown fields {extra}); known: {', '.join(sorted(known))}"
+            )
+        return cls(**fields)
 
 
 def lr_at(step: int, c: TrainConfig) -> float:
@@ -157,10 +183,16 @@ def load_data(c: TrainConfig) -> Corpus:
     return stdlib_corpus(c.max_bytes) if c.data is None else load_corpus(c.data, c.max_bytes)
 
 
-def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    sd = model.state_dict()
+def _weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    sd = dict(sd)
     sd.pop("lm_head.weight", None)  # tied to wte.weight
     return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def _mean_over_ranks(value: float, world: int) -> float:
+    t = torch.tensor(value, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t) / world
 
 
 @torch.no_grad()
@@ -173,17 +205,97 @@ def evaluate(model, data: torch.Tensor, c: TrainConfig) -> float:
         for _ in range(c.eval_batches):
             x, y = get_batch(data, c.batch_size, c.seq_len, g)
             logits = model(x)
-            total += torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+            total += torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
+            ).item()
     model.train()
     return total / c.eval_batches
 
 
-def train(c: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True, monitor: bool = True) -> dict:
+def _init_distributed(c: TrainConfig) -> tuple[int, int, bool]:
+    """(rank, world size, whether we created the process group): (0, 1, False) without
+    ``fsdp``; under torchrun, a gloo process group unless the caller already made one."""
+    if not c.fsdp:
+        return 0, 1, False
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ and not dist.is_initialized():
+        raise MinifloatError(
+            "--fsdp runs under torchrun, e.g.: torchrun --nproc_per_node 2 -m minifloat train --fsdp ..."
+        )
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if c.batch_size % world:
+        raise MinifloatError(f"--batch-size {c.batch_size} must be a multiple of the {world} FSDP ranks")
+    return rank, world, created
+
+
+def _shard(model: GPT, world: int) -> None:
+    """FSDP2: shard each transformer block, then the rest (embeddings, tied head) at the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _state_options(c: TrainConfig):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=c.fsdp)
+
+
+def _resume_state(c: TrainConfig, model: GPT, ckpt_root: Path) -> dict:
+    """Load the latest checkpoint's weights into the (unsharded) `model`; return its state."""
+    path = checkpoint.latest_checkpoint(ckpt_root)
+    if path is None:
+        raise MinifloatError(f"--resume: no checkpoint under {ckpt_root}")
+    manifest, weights, state = checkpoint.load_checkpoint(path)
+    theirs = manifest["config"]
+    for key in ("model", "batch_size", "seq_len", "grad_accum", "seed", "data", "max_bytes"):
+        if theirs.get(key) != getattr(c, key):
+            raise MinifloatError(
+                f"{path}: checkpoint has {key}={theirs.get(key)!r}, this run {key}={getattr(c, key)!r}; "
+                f"resume with the same {key}"
+            )
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    bad = [
+        k
+        for k in missing
+        if k != "lm_head.weight" and not k.endswith(("amax_history", "scale", "amax_steps"))
+    ]
+    if bad or unexpected:
+        raise MinifloatError(
+            f"{path}: weights do not fit the {c.model} model (missing {bad[:3]}, unexpected {unexpected[:3]})"
+        )
+    state["path"] = str(path)
+    return state
+
+
+def train(
+    c: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True, monitor: bool = True
+) -> dict:
     """Train per `c`, writing ``log.jsonl`` and checkpoints under `out`; returns a summary."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    rank, world, own_group = _init_distributed(c)
+    main = rank == 0
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(c)
     model = build_model(c)
+    ckpt_root = out / "checkpoints"
+    state = _resume_state(c, model, ckpt_root) if resume else None
+    if c.fsdp:
+        _shard(model, world)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -193,27 +305,17 @@ def train(c: TrainConfig, out: str | Path, *, resume: bool = False, progress: bo
     scaler = LossScaler(enabled=c.precision == "fp16")
     data_gen = torch.Generator().manual_seed(c.seed)
     start = 0
-    ckpt_root = out / "checkpoints"
-    if resume:
-        path = checkpoint.latest_checkpoint(ckpt_root)
-        if path is None:
-            raise MinifloatError(f"--resume: no checkpoint under {ckpt_root}")
-        manifest, weights, state = checkpoint.load_checkpoint(path)
-        theirs = manifest["config"]
-        for key in ("model", "batch_size", "seq_len", "grad_accum", "seed", "data", "max_bytes"):
-            if theirs.get(key) != getattr(c, key):
-                raise MinifloatError(
-                    f"{path}: checkpoint has {key}={theirs.get(key)!r}, this run {key}={getattr(c, key)!r}; "
-                    f"resume with the same {key}"
-                )
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        bad = [k for k in missing if k != "lm_head.weight" and not k.endswith(("amax_history", "scale", "amax_steps"))]
-        if bad or unexpected:
-            raise MinifloatError(f"{path}: weights do not fit the {c.model} model (missing {bad[:3]}, unexpected {unexpected[:3]})")
-        opt.load_state_dict(state["optimizer"])
+    if state is not None:
+        try:
+            set_optimizer_state_dict(model, opt, state["optimizer"], options=_state_options(c))
+        except (KeyError, ValueError, RuntimeError) as err:
+            raise MinifloatError(
+                f"{state['path']}: the optimizer state does not fit this model ({err})"
+            ) from None
         scaler.load_state_dict(state["scaler"])
         data_gen.set_state(state["data_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        rngs = state.get("torch_rng_ranks") or [state["torch_rng"]]
+        torch.set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
         start = int(state["step"])
     if c.compile:
         model = torch.compile(model)
@@ -221,14 +323,15 @@ def train(c: TrainConfig, out: str | Path, *, resume: bool = False, progress: bo
         _enable_activation_checkpointing(model)
 
     mon = None
-    if monitor and c.precision in RECIPES:
+    if monitor and c.telemetry_every and c.precision in RECIPES:
         from minifloat.monitor import Monitor
 
-        mon = Monitor(model)
+        mon = Monitor(model, every=c.telemetry_every)
+        mon.step = start
     log_path = out / "log.jsonl"
-    if not resume and log_path.exists():
+    if main and not resume and log_path.exists():
         log_path.unlink()
-    bar = _progress(c.steps, start, progress)
+    bar = _progress(c.steps, start, progress and main)
     last = {}
     tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
     for step in range(start, c.steps):
@@ -239,13 +342,23 @@ def train(c: TrainConfig, out: str | Path, *, resume: bool = False, progress: bo
         loss_sum = 0.0
         for _ in range(c.grad_accum):
             x, y = get_batch(data.train, c.batch_size, c.seq_len, data_gen)
+            if world > 1:  # every rank drew the same global batch: take this rank's rows
+                per = c.batch_size // world
+                x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
             with _autocast_ctx(c):
                 logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
+            )
             scaler.scale(loss / c.grad_accum).backward()
             loss_sum += loss.item() / c.grad_accum
+        if world > 1:
+            loss_sum = _mean_over_ranks(loss_sum, world)
         scaler.unscale_(opt)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf")))
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf")
+        )
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         stepped = scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -260,18 +373,32 @@ def train(c: TrainConfig, out: str | Path, *, resume: bool = False, progress: bo
             mon.records.clear()
         if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
             last["val_loss"] = evaluate(model, data.val, c)
-        with open(log_path, "a") as f:
-            f.write(json.dumps(last) + "\n")
+        if main:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(last) + "\n")
         bar(last)
         if (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0) or step + 1 == c.steps:
+            # Collective under FSDP: every rank gathers, rank 0 writes.
+            inner = _unwrap(model)
+            weights = get_model_state_dict(inner, options=_state_options(c))
             state = {
-                "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "data_rng": data_gen.get_state(),
+                "optimizer": get_optimizer_state_dict(inner, opt, options=_state_options(c)),
+                "scaler": scaler.state_dict(), "data_rng": data_gen.get_state(),
                 "torch_rng": torch.get_rng_state(), "step": step + 1,
             }  # fmt: skip
-            checkpoint.save_checkpoint(ckpt_root, step + 1, _weights(_unwrap(model)), state, c.to_dict())
+            if world > 1:
+                rngs = [None] * world
+                torch.distributed.all_gather_object(rngs, torch.get_rng_state())
+                state["torch_rng_ranks"] = rngs
+            if main:
+                checkpoint.save_checkpoint(ckpt_root, step + 1, _weights(weights), state, c.to_dict())
+            if world > 1:
+                torch.distributed.barrier()
     if mon is not None:
         mon.close()
     bar(None)
+    if own_group:
+        torch.distributed.destroy_process_group()
     return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": _unwrap(model).num_params()}
 
 
@@ -291,14 +418,18 @@ def _telemetry(mon) -> dict:
     """Compact per-step telemetry: the worst saturation / flush fractions and a few amaxes."""
     recs = mon.records
     if not recs:
-        return {}
+        return {"first_nonfinite": mon.first_nonfinite} if mon.first_nonfinite else {}
     worst_sat = max(recs, key=lambda r: r["saturated"])
     return {
         "max_saturated": worst_sat["saturated"],
         "max_saturated_at": f"{worst_sat['layer']}:{worst_sat['operand']}",
         "max_flushed": max(r["flushed"] for r in recs),
-        "amax": {f"{r['layer']}:{r['operand']}": r["amax"] for r in recs if r["layer"].startswith("blocks.0.")},
-        "scale": {f"{r['layer']}:{r['operand']}": r["scale"] for r in recs if r["layer"].startswith("blocks.0.")},
+        "amax": {
+            f"{r['layer']}:{r['operand']}": r["amax"] for r in recs if r["layer"].startswith("blocks.0.")
+        },
+        "scale": {
+            f"{r['layer']}:{r['operand']}": r["scale"] for r in recs if r["layer"].startswith("blocks.0.")
+        },
         "first_nonfinite": mon.first_nonfinite,
     }
 
@@ -324,6 +455,9 @@ def _progress(total: int, start: int, enabled: bool):
 
     def plain(rec):
         if rec is not None and (rec["step"] % 10 == 0 or rec["step"] == total):
-            print(f"step {rec['step']}/{total} loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s", flush=True)
+            print(
+                f"step {rec['step']}/{total} loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s",
+                flush=True,
+            )
 
     return plain

@@ -1,0 +1,38 @@
+"""`minifloat compare`: train the built-in GPT in several precisions and write a report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from minifloat.cli.train import add_training_arguments, config_from_args
+from minifloat.compare import DEFAULT_PRECISIONS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="train in several precisions; write metrics.json, report.md and plots")
+    p.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS),
+                   help=f"comma-separated, the first is the reference (default {','.join(DEFAULT_PRECISIONS)})")  # fmt: skip
+    add_training_arguments(p)
+    p.add_argument(
+        "--out", default="runs/compare", help="output folder (metrics.json, report.md, *.png, runs/)"
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    p.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from minifloat.compare import compare, parse_precisions
+    from minifloat.report.compare import summary_table
+
+    precisions = parse_precisions(args.precisions)
+    base = config_from_args(args, precision=precisions[0])
+    metrics = compare(precisions, base, args.out, plots=not args.no_plots)
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        print()
+        print(summary_table(metrics))
+        print(f"\nreport: {args.out}/report.md   metrics: {args.out}/metrics.json")
+    return 0 if all(m["status"] != "failed" for m in metrics["runs"]) else 1

@@ -1,0 +1,257 @@
+"""`minifloat compare`: train the same GPT in several precisions and measure what each costs.
+
+Each precision trains in its own process (``python -m minifloat train --config ...``), with the
+same seed, so the same initial weights and the same data order; a child that crashes or
+diverges does not take the others down, and its peak resident memory is its own (from
+``wait4``). The parent reads each run's ``log.jsonl`` and derives the metrics below, then the
+report (`minifloat.report.compare`) draws the plots and writes ``report.md``.
+
+Metrics of one run (``metrics.json`` → ``runs[i]``):
+
+- ``final_train_loss``: mean training loss of the last 10 % of steps (at least one step);
+- ``final_val_loss``: the validation loss after the last step (fixed held-out windows);
+- ``val_loss_delta_pct``: ``100 · (val − val_ref) / val_ref``, the reference being the first
+  precision; ``step_time_ratio`` likewise for the step time;
+- ``step_time_s``: median over the steps after the first 10 % (compilation, allocator warm-up);
+- ``weight_bytes``: the model's weights at rest in that precision — quantized Linear weights
+  packed with their scales, everything else in BF16 (FP32 for ``fp32``);
+  ``master_weight_bytes`` the FP32 master copy every precision trains;
+- ``peak_rss_bytes``: the child process's peak resident memory;
+- ``status``: ``ok``, ``diverged`` (a non-finite loss, or a final loss above the first step's)
+  or ``failed`` (the process exited with an error, whose last lines are in ``error``).
+
+Example:
+    >>> from minifloat.train.trainer import TrainConfig
+    >>> weight_bytes(TrainConfig(precision="mxfp8", model="tiny", seq_len=32))["weight_bytes"] > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from minifloat.atomic import atomic_path
+from minifloat.errors import MinifloatError
+from minifloat.train.trainer import PRECISIONS, TrainConfig
+
+DEFAULT_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
+HALF_PRECISIONS = ("bf16", "fp16")
+
+
+def parse_precisions(text: str | Sequence[str]) -> list[str]:
+    """``"bf16,fp8"`` → ``["bf16", "fp8"]``, checking each name and refusing repeats."""
+    names = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    names = [p for p in names if p]
+    unknown = [p for p in names if p not in PRECISIONS]
+    if unknown:
+        raise MinifloatError(
+            f"unknown precision {unknown[0]!r} in --precisions; use any of {', '.join(PRECISIONS)}"
+        )
+    if len(names) < 1 or len(set(names)) != len(names):
+        raise MinifloatError(f"--precisions needs distinct names, got {','.join(names) or 'none'}")
+    return names
+
+
+def weight_bytes(c: TrainConfig) -> dict[str, int]:
+    """Bytes of the model's weights at rest in `c.precision` (see the module docstring)."""
+    from minifloat.nn.linear import Linear
+    from minifloat.quantize import quantize
+    from minifloat.train.trainer import build_model
+
+    model = build_model(c)
+    rest = 4 if c.precision == "fp32" else 2
+    quantized, seen, total = 0, set(), 0
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Linear):
+                q = quantize(m.weight.detach(), m.recipe.scheme("weight"))
+                total += q.nbytes
+                quantized += m.weight.numel()
+                seen.add(id(m.weight))
+        params = 0
+        for p in model.parameters():  # parameters() yields a tied weight once
+            params += p.numel()
+            if id(p) not in seen:
+                total += p.numel() * rest
+    return {
+        "weight_bytes": total,
+        "master_weight_bytes": 4 * params,
+        "params": params,
+        "quantized_params": quantized,
+    }
+
+
+def read_log(path: Path) -> list[dict]:
+    """The JSONL records of a run (a torn last line from a killed run is dropped)."""
+    records = []
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def run_metrics(records: list[dict], c: TrainConfig) -> dict:
+    """The per-run metrics (module docstring) from the JSONL `records` of one run."""
+    n = len(records)
+    if n == 0:
+        return {"steps_completed": 0}
+    tail = records[-max(1, n // 10) :]
+    timed = records[min(n - 1, max(1, n // 10)) :]
+    step_time = statistics.median(r["step_time_s"] for r in timed)
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    tel = [r["telemetry"] for r in records if r.get("telemetry")]
+    tokens = c.batch_size * c.seq_len * c.grad_accum
+    final_train = sum(r["loss"] for r in tail) / len(tail)
+    return {
+        "steps_completed": n,
+        "first_train_loss": records[0]["loss"],
+        "final_train_loss": final_train,
+        "final_val_loss": vals[-1] if vals else None,
+        "step_time_s": step_time,
+        "tokens_per_s": tokens / step_time,
+        "skipped_steps": int(records[-1].get("skipped_steps", 0)),
+        "nonfinite_steps": sum(1 for r in records if r.get("nonfinite") or not math.isfinite(r["loss"])),
+        "max_saturated": max((t.get("max_saturated", 0.0) for t in tel), default=None),
+        "max_flushed": max((t.get("max_flushed", 0.0) for t in tel), default=None),
+        "first_nonfinite": next((t["first_nonfinite"] for t in tel if t.get("first_nonfinite")), None),
+    }
+
+
+def _diverged(m: dict) -> bool:
+    values = [m.get("final_train_loss"), m.get("final_val_loss")]
+    if any(v is None or not math.isfinite(v) for v in values) or m.get("nonfinite_steps", 0) > 0:
+        return True
+    return m["final_train_loss"] > m["first_train_loss"]
+
+
+def _run_child(config_path: Path, out: Path, echo: Callable[[str], None]) -> tuple[int, int, list[str]]:
+    """Run one ``minifloat train`` child; returns (exit code, peak RSS bytes, last lines)."""
+    env = dict(os.environ, MINIFLOAT_NO_TQDM="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "minifloat", "train", "--config", str(config_path), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    last: deque[str] = deque(maxlen=20)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        last.append(line)
+        if not line.startswith("{"):  # the final JSON summary is read from the log instead
+            echo(line)
+    proc.stdout.close()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss * 1024, list(last)
+
+
+def environment() -> dict:
+    """Where the comparison ran: versions, CPU, threads, and each recipe's GEMM backend."""
+    from minifloat import __version__
+    from minifloat.devices import describe
+
+    info = describe()
+    cpu = info["devices"][0]
+    return {
+        "minifloat": __version__, "torch": torch.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "cpu": cpu["name"], "cpu_detail": cpu["detail"],
+        "fast_kernels": cpu["fast_kernels"], "threads": torch.get_num_threads(),
+        "backends": {r["recipe"]: r["backend"] for r in cpu["recipes"]},
+        "cuda": [d["name"] for d in info["devices"][1:]],
+    }  # fmt: skip
+
+
+def recipe_description(precision: str) -> dict:
+    """The exact recipe of `precision` (its dataclass fields), or how a high precision runs."""
+    from minifloat.recipes import RECIPES
+    from minifloat.train.trainer import native_bf16_cpu
+
+    if precision in RECIPES:
+        return RECIPES[precision].to_dict()
+    if precision == "fp32":
+        return {"recipe": "fp32", "gemm": "FP32 operands, FP32 accumulation"}
+    how = (
+        "torch.autocast"
+        if precision == "bf16" and native_bf16_cpu()
+        else "operands rounded to the dtype, FP32 accumulation"
+    )
+    return {
+        "recipe": precision,
+        "gemm": f"{precision.upper()} operands ({how}); weights, norms and optimizer in FP32",
+    }
+
+
+def compare(
+    precisions: Sequence[str],
+    base: TrainConfig,
+    out: str | Path,
+    *,
+    echo: Callable[[str], None] = print,
+    plots: bool = True,
+) -> dict:
+    """Train `base` in each of `precisions` and write ``metrics.json``, ``report.md`` and the
+    plots under `out`; returns the metrics. The first precision is the reference."""
+    precisions = parse_precisions(precisions)
+    if not base.eval_every:
+        base = dataclasses.replace(base, eval_every=base.steps)  # a final val loss is needed
+    out = Path(out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    runs = []
+    for i, precision in enumerate(precisions):
+        c = dataclasses.replace(base, precision=precision)
+        run_dir = out / "runs" / precision
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = run_dir / "config.json"
+        with atomic_path(config_path) as tmp:
+            tmp.write_text(json.dumps(c.to_dict(), indent=2))
+        echo(f"[{i + 1}/{len(precisions)}] {precision}: {c.model} model, {c.steps} steps")
+        t0 = time.perf_counter()
+        code, rss, last = _run_child(config_path, run_dir, lambda line, p=precision: echo(f"  [{p}] {line}"))
+        records = read_log(run_dir / "log.jsonl")
+        m = {"precision": precision, **run_metrics(records, c), **weight_bytes(c), "peak_rss_bytes": rss,
+             "wall_time_s": time.perf_counter() - t0, "log": str(run_dir / "log.jsonl"),
+             "recipe": recipe_description(precision)}  # fmt: skip
+        if code != 0 or m["steps_completed"] < c.steps:
+            m["status"], m["error"] = "failed", "\n".join(last[-8:]) or f"exit code {code}"
+        else:
+            m["status"] = "diverged" if _diverged(m) else "ok"
+        runs.append(m)
+    _relative_to_first(runs)
+    metrics = {"runs": runs, "config": {**base.to_dict(), "precisions": precisions}, "env": environment()}
+    metrics["config"].pop("precision")
+    with atomic_path(out / "metrics.json") as tmp:
+        tmp.write_text(json.dumps(metrics, indent=2, allow_nan=True))
+    from minifloat.report.compare import write_report
+
+    write_report(metrics, out, plots=plots)
+    return metrics
+
+
+def _relative_to_first(runs: list[dict]) -> None:
+    ref = runs[0]
+
+    def ratio(key: str, m: dict, pct: bool) -> float | None:
+        a, b = m.get(key), ref.get(key)
+        if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b == 0:
+            return None
+        return 100.0 * (a - b) / b if pct else a / b
+
+    for m in runs:
+        m["val_loss_delta_pct"] = ratio("final_val_loss", m, True)
+        m["train_loss_delta_pct"] = ratio("final_train_loss", m, True)
+        m["step_time_ratio"] = ratio("step_time_s", m, False)
+        m["weight_bytes_ratio"] = ratio("weight_bytes", m, False)

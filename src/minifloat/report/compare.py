@@ -1,0 +1,212 @@
+"""The report of `minifloat compare`: the summary table, ``report.md`` and three plots.
+
+- ``loss.png``: training loss (smoothed) and validation loss per step, every precision;
+- ``scales.png``: amax and scale per step of a few operands of the first transformer block,
+  for each quantized precision (from the run's telemetry; for block formats the encode scale
+  of the block with the largest amax);
+- ``speed_memory.png``: step time, weights at rest and peak memory per precision.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from minifloat.atomic import atomic_path
+from minifloat.compare import read_log
+
+# Operands whose amax/scale history is drawn: one activation, one weight, one gradient.
+SCALE_OPERANDS = ("blocks.0.attn.qkv:input", "blocks.0.mlp.fc:weight", "blocks.0.mlp.proj:grad_output")
+
+
+def _fmt(v, spec: str, missing: str = "—") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return missing if v is None else str(v)
+    return format(v, spec)
+
+
+def _mib(n) -> str:
+    return _fmt(None if n is None else n / 2**20, ".2f")
+
+
+def summary_table(metrics: dict) -> str:
+    """The runs as a Markdown table (readable as plain text too)."""
+    head = ("precision", "status", "final train", "final val", "Δ val vs " + metrics["runs"][0]["precision"],
+            "step s", "× step time", "tokens/s", "weights MiB", "peak RSS MiB", "skipped", "non-finite")  # fmt: skip
+    rows = []
+    for m in metrics["runs"]:
+        delta = m.get("val_loss_delta_pct")
+        rows.append((
+            m["precision"], m["status"], _fmt(m.get("final_train_loss"), ".4f"), _fmt(m.get("final_val_loss"), ".4f"),
+            "—" if delta is None else f"{delta:+.2f} %", _fmt(m.get("step_time_s"), ".3f"),
+            _fmt(m.get("step_time_ratio"), ".2f"), _fmt(m.get("tokens_per_s"), ",.0f"), _mib(m.get("weight_bytes")),
+            _mib(m.get("peak_rss_bytes")), str(m.get("skipped_steps", "—")), str(m.get("nonfinite_steps", "—")),
+        ))  # fmt: skip
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), sep, *(line(r) for r in rows)])
+
+
+def _ema(values: list[float], alpha: float) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None or not math.isfinite(acc) else (1 - alpha) * acc + alpha * v
+        out.append(acc)
+    return out
+
+
+def plot_loss(metrics: dict, path: Path) -> None:
+    from minifloat.report import require_matplotlib
+
+    plt = require_matplotlib()
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(13, 5))
+    for m in metrics["runs"]:
+        recs = read_log(Path(m["log"]))
+        if not recs:
+            continue
+        steps = [r["step"] for r in recs]
+        losses = [r["loss"] for r in recs]
+        label = m["precision"] + ("" if m["status"] == "ok" else f" ({m['status']})")
+        (line,) = ax_t.plot(steps, _ema(losses, min(1.0, 25 / len(losses))), lw=1.6, label=label)
+        ax_t.plot(steps, losses, lw=0.5, alpha=0.25, color=line.get_color())
+        val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+        if val:
+            ax_v.plot(*zip(*val, strict=True), marker="o", ms=3, lw=1.4, color=line.get_color(), label=label)
+    ax_t.set_title("training loss (smoothed; raw faint)")
+    ax_v.set_title("validation loss (fixed held-out windows)")
+    for ax in (ax_t, ax_v):
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/byte)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    _save(fig, path, plt)
+
+
+def plot_scales(metrics: dict, path: Path) -> bool:
+    """Amax and scale histories; False (and no file) when no run recorded telemetry."""
+    from minifloat.report import require_matplotlib
+
+    series = []
+    for m in metrics["runs"]:
+        recs = [r for r in read_log(Path(m["log"])) if r.get("telemetry", {}).get("amax")]
+        if recs:
+            series.append((m["precision"], recs))
+    if not series:
+        return False
+    plt = require_matplotlib()
+    fig, axes = plt.subplots(2, len(SCALE_OPERANDS), figsize=(5 * len(SCALE_OPERANDS), 7.5), squeeze=False)
+    for col, operand in enumerate(SCALE_OPERANDS):
+        for precision, recs in series:
+            pts = [
+                (r["step"], r["telemetry"]["amax"].get(operand), r["telemetry"]["scale"].get(operand))
+                for r in recs
+            ]
+            pts = [p for p in pts if p[1] is not None]
+            if not pts:
+                continue
+            steps, amax, scale = zip(*pts, strict=True)
+            axes[0][col].semilogy(steps, [max(a, 1e-30) for a in amax], lw=1.2, label=precision)
+            axes[1][col].semilogy(
+                steps, [s if s and math.isfinite(s) else float("nan") for s in scale], lw=1.2, label=precision
+            )
+        axes[0][col].set_title(f"{operand}: amax", fontsize=10)
+        axes[1][col].set_title(f"{operand}: scale", fontsize=10)
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xlabel("step")
+            ax.grid(True, which="major", alpha=0.3)
+            ax.legend(fontsize=8)
+    _save(fig, path, plt)
+    return True
+
+
+def plot_speed_memory(metrics: dict, path: Path) -> None:
+    from minifloat.report import require_matplotlib
+
+    plt = require_matplotlib()
+    runs = metrics["runs"]
+    names = [m["precision"] for m in runs]
+    panels = [
+        ("step time (s, median)", [m.get("step_time_s") or 0 for m in runs]),
+        ("weights at rest (MiB)", [(m.get("weight_bytes") or 0) / 2**20 for m in runs]),
+        ("peak RSS of the run (MiB)", [(m.get("peak_rss_bytes") or 0) / 2**20 for m in runs]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.5))
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+    _save(fig, path, plt)
+
+
+def _save(fig, path: Path, plt) -> None:
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
+    """Write ``report.md`` (and the plots, unless `plots` is False) under `out`."""
+    out = Path(out)
+    figures = []
+    if plots:
+        plot_loss(metrics, out / "loss.png")
+        figures.append(("Loss", "loss.png"))
+        if plot_scales(metrics, out / "scales.png"):
+            figures.append(("Amax and scales (first block)", "scales.png"))
+        plot_speed_memory(metrics, out / "speed_memory.png")
+        figures.append(("Speed and memory", "speed_memory.png"))
+    c, env = metrics["config"], metrics["env"]
+    ref = metrics["runs"][0]["precision"]
+    lines = [
+        "# minifloat compare",
+        "",
+        f"The `{c['model']}` GPT trained for {c['steps']} steps of {c['batch_size']}×{c['seq_len']} tokens "
+        f"(×{c['grad_accum']} accumulation) in each precision, with the same seed, initial weights and data order. "
+        f"Data: {c['data'] or 'the Python standard library sources on this machine'}.",
+        "",
+        summary_table(metrics),
+        "",
+        f"Δ val and × step time are relative to `{ref}`. Final train loss: mean of the last 10 % of steps. "
+        "Step time: median after the first 10 % of steps. Weights: quantized Linear weights packed with "
+        "their scales, the rest in BF16 (FP32 for fp32); every run also keeps an FP32 master copy "
+        f"({_mib(metrics['runs'][0].get('master_weight_bytes'))} MiB). Peak RSS: the whole training process.",
+        "",
+    ]
+    bad = [m for m in metrics["runs"] if m["status"] != "ok"]
+    if bad:
+        lines += ["## Runs that did not finish cleanly", ""]
+        for m in bad:
+            why = m.get("error") or (
+                f"non-finite steps: {m.get('nonfinite_steps')}, first non-finite layer: {m.get('first_nonfinite')}, "
+                f"final train loss {m.get('final_train_loss')} vs first {m.get('first_train_loss')}"
+            )
+            lines += [f"- **{m['precision']}: {m['status']}** — {why}"]
+        lines.append("")
+    for title, name in figures:
+        lines += [f"## {title}", "", f"![{title}]({name})", ""]
+    lines += [
+        "## Quantization telemetry",
+        "",
+        "| precision | max fraction saturated | max fraction flushed to zero |",
+        "|---|---|---|",
+    ]
+    for m in metrics["runs"]:
+        lines.append(
+            f"| {m['precision']} | {_fmt(m.get('max_saturated'), '.2e')} | {_fmt(m.get('max_flushed'), '.2e')} |"
+        )
+    lines += ["", "## Recipes", ""]
+    for m in metrics["runs"]:
+        lines += [f"- `{m['precision']}`: `{json.dumps(m['recipe'])}`"]
+    lines += ["", "## Configuration", "", "```json", json.dumps(c, indent=2), "```", "", "## Environment", "",
+              "```json", json.dumps(env, indent=2), "```", ""]  # fmt: skip
+    path = out / "report.md"
+    with atomic_path(path) as tmp:
+        tmp.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,144 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import minifloat
+from minifloat.cli import main
+from minifloat.compare import _diverged, compare, parse_precisions, run_metrics, weight_bytes
+from minifloat.train.model import GPT_SIZES
+from minifloat.train.trainer import TrainConfig
+
+RUN_KEYS = {
+    "precision": str, "status": str, "final_train_loss": float, "final_val_loss": float, "val_loss_delta_pct": float,
+    "step_time_s": float, "step_time_ratio": float, "tokens_per_s": float, "weight_bytes": int,
+    "master_weight_bytes": int, "peak_rss_bytes": int, "skipped_steps": int, "nonfinite_steps": int,
+    "steps_completed": int, "recipe": dict, "log": str,
+}  # fmt: skip
+
+
+def _base(**kw):
+    fields = dict(model="tiny", steps=6, batch_size=4, seq_len=32, eval_every=3, eval_batches=2, max_bytes=200_000,
+                  warmup=2, telemetry_every=2)  # fmt: skip
+    fields.update(kw)
+    return TrainConfig(**fields)
+
+
+def _tiny_linears():
+    """(out, in) of every Linear of the tiny GPT but the tied LM head, from its config."""
+    d, layers = GPT_SIZES["tiny"].n_embd, GPT_SIZES["tiny"].n_layer
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
+
+
+def test_parse_precisions_checks_names():
+    assert parse_precisions("bf16, fp8,nvfp4") == ["bf16", "fp8", "nvfp4"]
+    with pytest.raises(minifloat.MinifloatError, match="unknown precision 'fp7'"):
+        parse_precisions("bf16,fp7")
+    with pytest.raises(minifloat.MinifloatError, match="distinct"):
+        parse_precisions("fp8,fp8")
+
+
+@pytest.mark.parametrize(
+    "precision, bytes_per_weight",
+    [
+        # One FP32 scale per tensor / one E8M0 per 32 / E2M1 pairs + one E4M3 per 16×16 + FP32 tensor scale.
+        ("fp8", lambda o, i: o * i + 4),
+        ("mxfp8", lambda o, i: o * i + o * i // 32),
+        ("mxfp4", lambda o, i: o * i // 2 + o * i // 32),
+        ("nvfp4", lambda o, i: o * i // 2 + o * i // 256 + 4),
+    ],
+)
+def test_weight_bytes_follow_the_packed_formats(precision, bytes_per_weight):
+    got = weight_bytes(TrainConfig(precision=precision, model="tiny", seq_len=32))
+    linears = _tiny_linears()
+    quantized = sum(o * i for o, i in linears)
+    assert got["quantized_params"] == quantized
+    assert got["weight_bytes"] == sum(bytes_per_weight(o, i) for o, i in linears) + 2 * (
+        got["params"] - quantized
+    )
+    assert got["master_weight_bytes"] == 4 * got["params"]
+    assert (
+        weight_bytes(TrainConfig(precision="fp32", model="tiny", seq_len=32))["weight_bytes"]
+        == 4 * got["params"]
+    )
+    assert (
+        weight_bytes(TrainConfig(precision="bf16", model="tiny", seq_len=32))["weight_bytes"]
+        == 2 * got["params"]
+    )
+
+
+def test_run_metrics_from_a_log():
+    recs = [
+        {"step": i + 1, "loss": 5.0 - 0.1 * i, "step_time_s": 1.0 if i else 9.0, "skipped_steps": 0}
+        for i in range(20)
+    ]
+    recs[9]["val_loss"], recs[19]["val_loss"] = 4.5, 3.5
+    recs[5]["step_time_s"] = 3.0
+    m = run_metrics(recs, _base())
+    assert m["final_train_loss"] == pytest.approx((3.2 + 3.1) / 2)  # last 10 %: 2 steps
+    assert m["final_val_loss"] == 3.5 and m["step_time_s"] == 1.0  # the median skips warm-up
+    assert m["tokens_per_s"] == 4 * 32 and m["nonfinite_steps"] == 0
+    assert not _diverged(m)
+    recs[-1]["loss"] = float("nan")
+    assert _diverged(run_metrics(recs, _base()))
+    rising = [dict(r, loss=1.0 + 0.1 * i) for i, r in enumerate(recs)]
+    assert _diverged(run_metrics(rising, _base()))
+
+
+def test_compare_writes_metrics_report_and_plots(tmp_path):
+    metrics = compare(["fp32", "fp8", "nvfp4"], _base(), tmp_path, echo=lambda line: None)
+    on_disk = json.loads((tmp_path / "metrics.json").read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    assert [r["precision"] for r in on_disk["runs"]] == ["fp32", "fp8", "nvfp4"]
+    for run in on_disk["runs"]:
+        for key, kind in RUN_KEYS.items():
+            assert isinstance(run[key], kind), (run["precision"], key, run[key])
+        assert run["status"] == "ok" and run["steps_completed"] == 6
+        log = [json.loads(line) for line in Path(run["log"]).read_text().splitlines()]
+        assert run["final_val_loss"] == log[-1]["val_loss"]
+        assert run["peak_rss_bytes"] > 50 * 2**20
+    ref, fp8, nvfp4 = on_disk["runs"]
+    assert ref["val_loss_delta_pct"] == 0.0 and ref["step_time_ratio"] == 1.0
+    expected = 100 * (fp8["final_val_loss"] - ref["final_val_loss"]) / ref["final_val_loss"]
+    assert fp8["val_loss_delta_pct"] == pytest.approx(expected, rel=1e-12)
+    assert fp8["step_time_ratio"] == pytest.approx(fp8["step_time_s"] / ref["step_time_s"], rel=1e-12)
+    assert nvfp4["weight_bytes"] < fp8["weight_bytes"] < ref["weight_bytes"]
+    # Same seed, same data order: step 1 sees the same batch and initial weights in every
+    # precision, so the first losses agree to quantization error only.
+    firsts = [run["first_train_loss"] for run in on_disk["runs"]]
+    assert max(firsts) - min(firsts) < 0.02 and len(set(firsts)) > 1
+    assert on_disk["config"]["precisions"] == ["fp32", "fp8", "nvfp4"] and on_disk["config"]["steps"] == 6
+    assert on_disk["env"]["torch"] and on_disk["env"]["backends"]["fp8"] in ("emulated", "native")
+    assert on_disk["runs"][1]["recipe"]["recipe"] == "delayed"
+
+    report = (tmp_path / "report.md").read_text()
+    assert "| fp8 " in report and "![Loss](loss.png)" in report and "scales.png" in report
+    assert '"amax_history_len": 1024' in report  # the exact recipe
+    for name in ("loss.png", "scales.png", "speed_memory.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys):
+    bad = tmp_path / "bin.txt"
+    bad.write_bytes(b"\x00\x01" * 5000)
+    code = main(["compare", "--precisions", "fp32,fp8", "--model", "tiny", "--steps", "3", "--batch-size", "2",
+                 "--seq-len", "16", "--data", str(bad), "--no-plots", "--out", str(tmp_path / "fail")])  # fmt: skip
+    assert code == 1
+    metrics = json.loads((tmp_path / "fail" / "metrics.json").read_text())
+    assert [r["status"] for r in metrics["runs"]] == ["failed", "failed"]
+    assert "binary file" in metrics["runs"][0]["error"]
+    assert "failed" in capsys.readouterr().out
+
+    # A learning rate far too large: the loss ends above where it started.
+    metrics = compare(
+        ["fp32"],
+        _base(lr=50.0, warmup=1, steps=8, grad_clip=0.0),
+        tmp_path / "div",
+        echo=lambda s: None,
+        plots=False,
+    )
+    run = metrics["runs"][0]
+    assert run["status"] == "diverged", run
+    assert not math.isfinite(run["final_train_loss"]) or run["final_train_loss"] > run["first_train_loss"]
+    assert "diverged" in (tmp_path / "div" / "report.md").read_text()
