@@ -53,6 +53,22 @@ def test_fast_equals_reference_stochastic(name):
     assert_same(a, b)
 
 
+def test_stochastic_rounding_does_not_depend_on_the_thread_count():
+    """The random bits are a function of (seed, element index), not of the thread schedule."""
+    x = torch.randn(512, 640)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.quantize(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(3))
+        torch.set_num_threads(max(2, threads))
+        many = cpu.quantize(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(3))
+    finally:
+        torch.set_num_threads(threads)
+    assert_same(one, many)
+    other = cpu.quantize(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(one.data, other.data)
+
+
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
 @pytest.mark.parametrize("element", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"])
 def test_mx_rules_every_element(rule, element):

@@ -97,15 +97,48 @@ def _pow2(n: torch.Tensor | int) -> torch.Tensor:
     return ((n + 1023) << 52).view(torch.float64)
 
 
-def random_bits_int32(shape: tuple[int, ...], generator: torch.Generator | None = None, device=None) -> torch.Tensor:
-    """The stochastic-rounding draws as raw int32 words (the compiled kernels read them so)."""
-    return torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, generator=generator, device=device)
+_U32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x · c) mod 2^32 for uint32 values held in int64, with no int64 overflow (c split in halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _U32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply "lowbias32", a bijection of [0, 2^32))."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sr_seed(generator: torch.Generator | None = None, device=None) -> int:
+    """One 64-bit seed for a stochastic-rounding call, drawn from `generator` (or torch's)."""
+    lo, hi = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator, device=device).tolist()
+    return lo | hi << 32
+
+
+def sr_bits(seed: int, numel: int, device=None) -> torch.Tensor:
+    """Counter-based random bits: for element i (row-major), the uint32 (held in int64)
+    ``mix32(mix32(lo32(i) ^ lo32(seed)) ^ mix32(hi32(i) ^ hi32(seed) + 0x9E3779B9))``.
+
+    The compiled kernels compute the same function of (seed, i) inline, in any thread order,
+    so a stochastically rounded tensor does not depend on how the work is split."""
+    i = torch.arange(numel, dtype=torch.int64, device=device)
+    lo = _mix32((i & _U32) ^ (seed & _U32))
+    hi = _mix32((((i >> 32) ^ (seed >> 32)) + 0x9E3779B9) & _U32)
+    return _mix32(lo ^ hi)
 
 
 def random_bits(shape: tuple[int, ...], generator: torch.Generator | None = None, device=None) -> torch.Tensor:
-    """Uniform uint32 random bits (held in int64), one per element: the stochastic-rounding input
-    (the draws of `random_bits_int32`, read as unsigned)."""
-    return random_bits_int32(shape, generator, device).to(torch.int64) & 0xFFFFFFFF
+    """Uniform uint32 random bits (held in int64), one per element of `shape` in row-major
+    order: the stochastic-rounding input, `sr_bits` of a seed drawn from `generator`."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return sr_bits(sr_seed(generator, device), numel, device).view(shape)
 
 
 def encode(

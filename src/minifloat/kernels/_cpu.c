@@ -45,6 +45,21 @@ static inline uint32_t enc_rne(float y, const elem_t *p) {
     return a > 0x7f800000u ? (uint32_t)p->nan_code : c;
 }
 
+/* Counter-based stochastic-rounding bits of element i: codec.sr_bits, bit for bit. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+static inline uint32_t sr_bits(uint64_t seed, uint64_t i) {
+    const uint32_t lo = mix32((uint32_t)i ^ (uint32_t)seed);
+    const uint32_t hi = mix32(((uint32_t)(i >> 32) ^ (uint32_t)(seed >> 32)) + 0x9e3779b9u);
+    return mix32(lo ^ hi);
+}
+
 /* Stochastic rounding, in double exactly as codec.encode_with_bits computes it. */
 static inline uint32_t enc_sr(float y, uint32_t rb, const elem_t *p) {
     uint32_t u = f2u(y), a = u & 0x7fffffffu, neg = u >> 31;
@@ -192,10 +207,10 @@ static void pack_codes(const uint8_t *c, int64_t n, int bits, uint8_t *out) {
 #define TILE_ARGS const void *x, int dt, int64_t R, int64_t K, int64_t Kp, int64_t br, int64_t bc, \
     const elem_t *p, int bits, int mode, int rule, float fmt_max, float margin_mul, float inv_max,     \
     const float *given, int64_t gs_r, int64_t gs_c, float s_enc, float s_dec, const elem_t *e4m3,      \
-    const float *e4m3_lut, const uint32_t *rbits, uint8_t *out, void *scale_out, int64_t ngc,          \
+    const float *e4m3_lut, int sr, uint64_t seed, uint8_t *out, void *scale_out, int64_t ngc,         \
     int64_t row_bytes, int64_t ti, int64_t tj
 #define TILE_PASS x, dt, R, K, Kp, br, bc, p, bits, mode, rule, fmt_max, margin_mul, inv_max, given, gs_r, \
-    gs_c, s_enc, s_dec, e4m3, e4m3_lut, rbits, out, scale_out, ngc, row_bytes, ti, tj
+    gs_c, s_enc, s_dec, e4m3, e4m3_lut, sr, seed, out, scale_out, ngc, row_bytes, ti, tj
 
 /* One tile: amax, scale, encode, pack. Inlined once per input dtype (AM/EN are constants). */
 static inline __attribute__((always_inline)) void quantize_tile(TILE_ARGS, amax_fn AM, encode_fn EN,
@@ -256,10 +271,10 @@ static inline __attribute__((always_inline)) void quantize_tile(TILE_ARGS, amax_
         for (int64_t c = c0; c < c0 + bc; c += CHUNK) {
             const int64_t n = c0 + bc - c < CHUNK ? c0 + bc - c : CHUNK;
             const int64_t nin = r < R ? (K - c < n ? (K - c > 0 ? K - c : 0) : n) : 0;
-            if (rbits) {
+            if (sr) {
                 for (int64_t j = 0; j < n; j++) {
                     const float v = j < nin ? load(x, dt, r * K + c + j) : 0.0f;
-                    codes[j] = (uint8_t)enc_sr(v * enc, rbits[r * Kp + c + j], p);
+                    codes[j] = (uint8_t)enc_sr(v * enc, sr_bits(seed, (uint64_t)(r * Kp + c + j)), p);
                 }
             } else {
                 uint8_t *dst = bits == 8 ? out + r * row_bytes + c : codes;
@@ -276,7 +291,7 @@ void mf_quantize(const void *x, int dt, int64_t R, int64_t K, int64_t Rp, int64_
                  int64_t br, int64_t bc, const elem_t *p, int bits, int mode, int rule,
                  float fmt_max, float margin_mul, float inv_max, const float *given, int64_t gs_r,
                  int64_t gs_c, float s_enc, float s_dec, const elem_t *e4m3, const float *e4m3_lut,
-                 const uint32_t *rbits, uint8_t *out, void *scale_out, int nthreads) {
+                 int sr, uint64_t seed, uint8_t *out, void *scale_out, int nthreads) {
     const int64_t ngr = Rp / br, ngc = Kp / bc;
     const int64_t row_bytes = Kp * bits / 8;
 #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from minifloat import scaling
-from minifloat.codec import random_bits_int32, value_table
+from minifloat.codec import sr_seed, value_table
 from minifloat.formats import E4M3, FloatFormat
 from minifloat.quantize import decode_scales, layout_for
 
@@ -64,7 +64,8 @@ def library() -> ctypes.CDLL | None:
     lib.mf_amax.restype = _F
     lib.mf_amax.argtypes = [_P, _I, _L, _I, _I]
     lib.mf_quantize.restype = None
-    lib.mf_quantize.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I, _I, _I, _F, _F, _F, _P, _L, _L, _F, _F, _P, _P, _P, _P, _P, _I]
+    lib.mf_quantize.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I, _I, _I, _F, _F, _F, _P, _L, _L, _F, _F, _P, _P, _I,
+                               ctypes.c_uint64, _P, _P, _I]  # fmt: skip
     lib.mf_dequantize.restype = None
     lib.mf_dequantize.argtypes = [_P, _L, _L, _L, _I, _P, _P, _L, _L, _P, _I]
     return lib
@@ -124,14 +125,14 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         tensor_scale = s_dec
     grid = (rows_pad // br, cols_pad // bc)
     scale_out = torch.empty(grid, dtype=torch.float32 if scheme.scale_format == "fp32" else torch.uint8)
-    bits = random_bits_int32((rows_pad, cols_pad), generator) if rounding == "stochastic" else None
+    seed = sr_seed(generator) if rounding == "stochastic" else None
     e4m3_lut = value_table(E4M3, torch.float32)
     lib.mf_quantize(
         x.data_ptr(), _DTYPES[x.dtype], lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
         ctypes.byref(elem_params(fmt)), fmt.bits, mode, 0 if scheme.scale_rule == "floor" else 1,
         fmt.max, 2.0 ** -scheme.margin, float(torch.tensor(1.0 / fmt.max, dtype=torch.float32)),
         None if given is None else given.data_ptr(), gs_r, gs_c, float(s_enc), float(s_dec),
-        ctypes.byref(elem_params(E4M3)), e4m3_lut.data_ptr(), None if bits is None else bits.data_ptr(),
+        ctypes.byref(elem_params(E4M3)), e4m3_lut.data_ptr(), int(seed is not None), seed or 0,
         data.data_ptr(), scale_out.data_ptr(), torch.get_num_threads(),
     )
     if scheme.granularity == "tensor":
