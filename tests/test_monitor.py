@@ -60,3 +60,13 @@ def test_sampling_every_n_steps_still_checks_nonfinite_each_step():
     assert mon.first_nonfinite == {"step": 3, "layer": "0", "where": "output"}
     with pytest.raises(minifloat.MinifloatError, match="every=0"):
         minifloat.monitor(model, every=0)
+
+
+def test_a_block_whose_nvfp4_scale_underflows_counts_as_flushed_not_saturated():
+    layer = minifloat.nn.Linear(32, 16, recipe="nvfp4", bias=False)
+    x = torch.full((1, 32), 1e-9)  # second block: scale 1e-9/6 · 6·448/1e4 underflows E4M3
+    x[0, :16] = 1e4
+    with minifloat.monitor(torch.nn.Sequential(layer)) as mon:
+        layer(x)
+    inp = next(r for r in mon.records if r["operand"] == "input")
+    assert inp["flushed"] == 0.5 and inp["saturated"] == 0.0

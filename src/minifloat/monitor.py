@@ -88,7 +88,8 @@ class Monitor:
                 "operand": operand,
                 "amax": float(torch.where(finite, ax, 0.0).max()) if x2.numel() else 0.0,
                 "scale": float(1.0 / top) if top > 0 else float("nan"),
-                "saturated": float((ax > fmt.max * dec).sum()) / n,
+                # A block whose scale underflowed to 0 is flushed, not saturated.
+                "saturated": float(((ax > fmt.max * dec) & (dec > 0)).sum()) / n,
                 "flushed": float(((x2 != 0) & (values == 0)).sum()) / n,
             }
         )

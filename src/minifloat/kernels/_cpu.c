@@ -96,6 +96,17 @@ typedef _Float16 v8x __attribute__((vector_size(16)));
 
 static inline v8u vsel(v8i m, v8u a, v8u b) { return ((v8u)m & a) | (~(v8u)m & b); }
 
+/* Largest of 8 lanes in three shuffle steps (the small MX/NVFP4 tiles reduce every 16/32). */
+static inline uint32_t hmax8(v8u v) {
+    v8u s = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = vsel(s > v, s, v);
+    s = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v = vsel(s > v, s, v);
+    s = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    v = vsel(s > v, s, v);
+    return v[0];
+}
+
 /* Store the low byte of each of 8 lanes (GCC scalarizes __builtin_convertvector here). */
 static inline void store8(v8u c, uint8_t *dst) {
 #ifdef __AVX2__
@@ -122,11 +133,8 @@ static inline void store8(v8u c, uint8_t *dst) {
             a = vsel(a >= 0x7f800000u, (v8u){0}, a);                                           \
             best = vsel(a > best, a, best);                                                    \
         }                                                                                      \
-        uint32_t b = *best_out, t = 0;                                                         \
-        for (int k = 0; k < 8; k++) {                                                          \
-            b = best[k] > b ? best[k] : b;                                                     \
-            t = top[k] > t ? top[k] : t;                                                       \
-        }                                                                                      \
+        uint32_t b = *best_out, t = hmax8(top);                                                \
+        b = hmax8(best) > b ? hmax8(best) : b;                                                 \
         for (; i < n; i++) {                                                                   \
             uint32_t a = f2u(ld1_##NAME(x, i)) & 0x7fffffffu;                                   \
             t = a > t ? a : t;                                                                 \
@@ -187,7 +195,16 @@ float mf_amax(const void *x, int dt, int64_t n, int ignore_nan, int nthreads) {
 static void pack_codes(const uint8_t *c, int64_t n, int bits, uint8_t *out) {
     if (bits == 8) { memcpy(out, c, (size_t)n); return; }
     if (bits == 4) {
-        for (int64_t i = 0; i < n / 2; i++) out[i] = (uint8_t)(c[2 * i] | (c[2 * i + 1] << 4));
+        int64_t i = 0;
+#ifdef __AVX2__
+        /* 16 codes -> 8 bytes: maddubs forms c[2i] + 16 c[2i+1] per 16-bit lane, packus narrows. */
+        const __m128i lo_hi = _mm_set1_epi16(0x1001);
+        for (; i + 16 <= n; i += 16) {
+            const __m128i pairs = _mm_maddubs_epi16(_mm_loadu_si128((const __m128i *)(c + i)), lo_hi);
+            _mm_storel_epi64((__m128i *)(out + i / 2), _mm_packus_epi16(pairs, pairs));
+        }
+#endif
+        for (; i + 1 < n; i += 2) out[i / 2] = (uint8_t)(c[i] | (c[i + 1] << 4));
         return;
     }
     for (int64_t g = 0; g < n / 4; g++) { /* FP6: see packing.py for the layout */
