@@ -15,7 +15,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--grad-clip", type=float, default=1.0)

@@ -45,7 +45,7 @@ class TrainConfig:
     steps: int = 200
     batch_size: int = 16
     seq_len: int = 128
-    lr: float = 3e-3
+    lr: float = 1e-3  # 3e-3 trains the small GPT unstably (BF16 val loss 1.71 vs 1.31 at 600 steps)
     warmup: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
