@@ -124,3 +124,14 @@ def test_sigkill_during_checkpoint_write_resumes_from_the_last_complete_one(tmp_
     assert result["final"]["step"] == 6
     full = train(_cfg(), tmp_path / "full", progress=False)
     assert result["final"]["loss"] == full["final"]["loss"]
+
+
+def test_high_precision_last_blocks_and_head_stay_unquantized():
+    model = build_model(_cfg(precision="nvfp4", high_precision_last=1))
+    kinds = {fqn: type(m).__name__ for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds["blocks.0.mlp.fc"] == "Linear" and isinstance(model.blocks[0].mlp.fc, minifloat.nn.Linear)
+    assert not isinstance(model.blocks[1].mlp.fc, minifloat.nn.Linear)
+    assert not isinstance(model.lm_head, minifloat.nn.Linear)
+    assert isinstance(build_model(_cfg(precision="nvfp4", quantize_head=True)).lm_head, minifloat.nn.Linear)
+    with pytest.raises(minifloat.MinifloatError, match="has 2 blocks"):
+        _cfg(high_precision_last=3)

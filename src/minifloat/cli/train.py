@@ -61,7 +61,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup=args.warmup, grad_accum=args.grad_accum, grad_clip=args.grad_clip, seed=args.seed,
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
-        data=args.data, quantize_head=args.quantize_head, telemetry_every=args.telemetry_every,
+        data=args.data, quantize_head=args.quantize_head, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
     )  # fmt: skip
     for name in ("precision", "checkpoint_every", "fsdp"):
         if hasattr(args, name):

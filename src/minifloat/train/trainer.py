@@ -60,6 +60,7 @@ class TrainConfig:
     data: str | None = None  # None: the embedded stdlib corpus
     max_bytes: int = 4_000_000
     quantize_head: bool = False
+    high_precision_last: int = 0  # keep the Linears of the last N blocks unquantized (NVFP4's advice)
     fsdp: bool = False
     telemetry_every: int = 10  # steps between amax/scale/saturation records (0: off)
 
@@ -70,6 +71,11 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
             if getattr(self, name) < 1:
                 raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        if not 0 <= self.high_precision_last <= get_config(self.model).n_layer:
+            raise MinifloatError(
+                f"--high-precision-last {self.high_precision_last}: the {self.model} model has "
+                f"{get_config(self.model).n_layer} blocks"
+            )
         if self.telemetry_every < 0 or self.eval_every < 0 or self.checkpoint_every < 0:
             raise MinifloatError(
                 "--eval-every, --checkpoint-every and --telemetry-every must be ≥ 0 (0: off)"
@@ -161,7 +167,12 @@ def build_model(c: TrainConfig) -> GPT:
     """The GPT for `c`, initialised from `c.seed`, converted to `c.precision`."""
     torch.manual_seed(c.seed)
     model = GPT(get_config(c.model))
-    keep = (lambda fqn, m: True) if c.quantize_head else (lambda fqn, m: fqn != "lm_head")
+    n_layer = get_config(c.model).n_layer
+    high = {f"blocks.{i}." for i in range(n_layer - c.high_precision_last, n_layer)}
+
+    def keep(fqn: str, m) -> bool:  # True: quantize this Linear
+        return (c.quantize_head or fqn != "lm_head") and not any(fqn.startswith(h) for h in high)
+
     if c.precision in RECIPES:
         from minifloat.nn.convert import convert
 
