@@ -75,3 +75,14 @@ def test_bench_train_times_recipes_against_baselines(capsys):
 def test_bench_train_rejects_unknown_recipe_before_timing(capsys):
     assert main(["bench", "train", "--recipes", "fp7"]) == 2
     assert "unknown recipe 'fp7'" in capsys.readouterr().err
+
+
+def test_train_and_compare_flags_reach_the_config():
+    from minifloat.cli import build_parser
+    from minifloat.cli.train import config_from_args
+
+    for cmd in (["train", "--precision", "nvfp4"], ["compare"]):
+        args = build_parser().parse_args([*cmd, "--model", "tiny", "--seq-len", "32", "--high-precision-last", "1",
+                                          "--lr", "2e-3", "--eval-batches", "3", "--telemetry-every", "5"])  # fmt: skip
+        c = config_from_args(args, precision="nvfp4")
+        assert (c.high_precision_last, c.lr, c.eval_batches, c.telemetry_every) == (1, 2e-3, 3, 5)

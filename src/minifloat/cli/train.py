@@ -31,6 +31,10 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--quantize-head", action="store_true", help="quantize the LM head too (default: high precision)"
     )
     p.add_argument(
+        "--high-precision-last", type=int, default=0, metavar="N",
+        help="keep the last N transformer blocks in high precision (the NVFP4 recipe's advice)",
+    )  # fmt: skip
+    p.add_argument(
         "--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)"
     )
 
