@@ -142,3 +142,10 @@ def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys):
     assert run["status"] == "diverged", run
     assert not math.isfinite(run["final_train_loss"]) or run["final_train_loss"] > run["first_train_loss"]
     assert "diverged" in (tmp_path / "div" / "report.md").read_text()
+
+
+def test_loss_smoothing_is_centred():
+    from minifloat.report.compare import _smooth
+
+    assert _smooth([1.0, 2.0, 3.0, 4.0, 5.0], 1) == [1.5, 2.0, 3.0, 4.0, 4.5]
+    assert _smooth([1.0, float("nan"), 3.0], 1)[0] == 1.0  # non-finite: left as is

@@ -1,6 +1,7 @@
 """The report of `minifloat compare`: the summary table, ``report.md`` and three plots.
 
-- ``loss.png``: training loss (smoothed) and validation loss per step, every precision;
+- ``loss.png``: training loss (smoothed), its difference to the reference precision's, and
+  validation loss per step, every precision;
 - ``scales.png``: amax and scale per step of a few operands of the first transformer block,
   for each quantized precision (from the run's telemetry; for block formats the encode scale
   of the block with the largest amax);
@@ -52,34 +53,45 @@ def summary_table(metrics: dict) -> str:
     return "\n".join([line(head), sep, *(line(r) for r in rows)])
 
 
-def _ema(values: list[float], alpha: float) -> list[float]:
-    out, acc = [], None
+def _smooth(values: list[float], half: int) -> list[float]:
+    """Centred moving average over ``2·half + 1`` steps (shorter at the ends): no lag, unlike
+    an EMA, where the loss falls fast. Non-finite values pass through unsmoothed."""
+    if half < 1 or not all(math.isfinite(v) for v in values):
+        return list(values)
+    prefix = [0.0]
     for v in values:
-        acc = v if acc is None or not math.isfinite(acc) else (1 - alpha) * acc + alpha * v
-        out.append(acc)
-    return out
+        prefix.append(prefix[-1] + v)
+    n = len(values)
+    return [(prefix[min(n, i + half + 1)] - prefix[max(0, i - half)]) / (min(n, i + half + 1) - max(0, i - half)) for i in range(n)]
 
 
 def plot_loss(metrics: dict, path: Path) -> None:
     from minifloat.report import require_matplotlib
 
     plt = require_matplotlib()
-    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax_t, ax_d, ax_v) = plt.subplots(1, 3, figsize=(19, 5))
+    ref_name, ref = metrics["runs"][0]["precision"], None
     for m in metrics["runs"]:
         recs = read_log(Path(m["log"]))
         if not recs:
             continue
         steps = [r["step"] for r in recs]
         losses = [r["loss"] for r in recs]
+        smooth = _smooth(losses, len(losses) // 50)
+        ref = smooth if ref is None else ref
         label = m["precision"] + ("" if m["status"] == "ok" else f" ({m['status']})")
-        (line,) = ax_t.plot(steps, _ema(losses, min(1.0, 25 / len(losses))), lw=1.6, label=label)
+        (line,) = ax_t.plot(steps, smooth, lw=1.6, label=label)
         ax_t.plot(steps, losses, lw=0.5, alpha=0.25, color=line.get_color())
+        n = min(len(smooth), len(ref))
+        ax_d.plot(steps[:n], [a - b for a, b in zip(smooth[:n], ref[:n], strict=True)], lw=1.4, color=line.get_color(), label=label)
         val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
         if val:
             ax_v.plot(*zip(*val, strict=True), marker="o", ms=3, lw=1.4, color=line.get_color(), label=label)
     ax_t.set_title("training loss (smoothed; raw faint)")
     ax_v.set_title("validation loss (fixed held-out windows)")
-    for ax in (ax_t, ax_v):
+    ax_d.set_title(f"smoothed training loss minus {ref_name}'s")
+    ax_d.axhline(0.0, color="k", lw=0.6)
+    for ax in (ax_t, ax_d, ax_v):
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/byte)")
         ax.grid(True, alpha=0.3)
