@@ -41,6 +41,7 @@ rounds twice; the two agree on every float64 that is a float32.)
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal
 
 import torch
@@ -135,10 +136,7 @@ def sr_bits(seed: int, numel: int, device=None) -> torch.Tensor:
 def random_bits(shape: tuple[int, ...], generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """Uniform uint32 random bits (held in int64), one per element of `shape` in row-major
     order: the stochastic-rounding input, `sr_bits` of a seed drawn from `generator`."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    return sr_bits(sr_seed(generator, device), numel, device).view(shape)
+    return sr_bits(sr_seed(generator, device), math.prod(shape), device).view(shape)
 
 
 def encode(

@@ -54,10 +54,13 @@ static inline uint32_t mix32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
-static inline uint32_t sr_bits(uint64_t seed, uint64_t i) {
-    const uint32_t lo = mix32((uint32_t)i ^ (uint32_t)seed);
-    const uint32_t hi = mix32(((uint32_t)(i >> 32) ^ (uint32_t)(seed >> 32)) + 0x9e3779b9u);
-    return mix32(lo ^ hi);
+/* The high-word term, the same for all 2^32 indices sharing i >> 32 (hoisted by callers). */
+static inline uint32_t sr_hi(uint64_t seed, uint64_t i) {
+    return mix32(((uint32_t)(i >> 32) ^ (uint32_t)(seed >> 32)) + 0x9e3779b9u);
+}
+
+static inline uint32_t sr_bits(uint64_t seed, uint64_t i, uint32_t hi) {
+    return mix32(mix32((uint32_t)i ^ (uint32_t)seed) ^ hi);
 }
 
 /* Stochastic rounding, in double exactly as codec.encode_with_bits computes it. */
@@ -289,9 +292,13 @@ static inline __attribute__((always_inline)) void quantize_tile(TILE_ARGS, amax_
             const int64_t n = c0 + bc - c < CHUNK ? c0 + bc - c : CHUNK;
             const int64_t nin = r < R ? (K - c < n ? (K - c > 0 ? K - c : 0) : n) : 0;
             if (sr) {
+                const uint64_t i0 = (uint64_t)(r * Kp + c);
+                uint32_t hi = sr_hi(seed, i0);
                 for (int64_t j = 0; j < n; j++) {
+                    const uint64_t i = i0 + (uint64_t)j;
+                    if ((uint32_t)i == 0 && j > 0) hi = sr_hi(seed, i); /* crossed a 2^32 boundary */
                     const float v = j < nin ? load(x, dt, r * K + c + j) : 0.0f;
-                    codes[j] = (uint8_t)enc_sr(v * enc, sr_bits(seed, (uint64_t)(r * Kp + c + j)), p);
+                    codes[j] = (uint8_t)enc_sr(v * enc, sr_bits(seed, i, hi), p);
                 }
             } else {
                 uint8_t *dst = bits == 8 ? out + r * row_bytes + c : codes;
