@@ -44,6 +44,37 @@ def test_fast_equals_reference(name, shape, dtype):
     assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
 
 
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("shape", [(3, 4500), (300, 520)])
+def test_fast_equals_reference_across_spans_and_chunks(name, shape):
+    """Rows longer than the kernels' 2048-column span, and several column chunks per block row
+    (2-D blocks are processed 256 columns at a time); NaN / inf / zero blocks far from the start."""
+    x = special_input(shape, torch.float32, seed=11)
+    flat = x.view(-1)
+    flat[2100:2140] = 0
+    flat[4321] = float("nan")
+    flat[3333] = -float("inf")
+    scheme = get_scheme(name)
+    assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+    assert_same(cpu.quantize(x.bfloat16(), scheme), quantize_reference(x.bfloat16(), scheme))
+
+
+@pytest.mark.parametrize(
+    ("base", "block"),
+    [("fp8_block128", (1, 12)), ("mxfp4", (1, 6)), ("mxfp6_e3m2", (3, 20)), ("nvfp4", (2, 48)),
+     ("fp8_block128", (2, 3000)), ("mxfp8", (1, 2500)), ("mxfp4", (4, 4096))],
+)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_fast_equals_reference_for_blocks_of_any_width(base, block, rounding):
+    """Block widths that are not 8 * 2^k columns take the kernels' per-block path; blocks wider
+    than the kernels' 2048-column span are encoded in pieces."""
+    scheme = get_scheme(base).replace(block=block)
+    x = special_input((37, 2 * 2048 + 100), torch.float32, seed=3)
+    a = cpu.quantize(x, scheme, rounding=rounding, generator=torch.Generator().manual_seed(1))
+    b = quantize_reference(x, scheme, rounding=rounding, generator=torch.Generator().manual_seed(1))
+    assert_same(a, b)
+
+
 @pytest.mark.parametrize("name", ["fp8", "mxfp4", "mxfp6_e2m3", "nvfp4", "nvfp4_2d", "fp8_block128", "fp4"])
 def test_fast_equals_reference_stochastic(name):
     x = special_input((33, 200), torch.float32, seed=5)

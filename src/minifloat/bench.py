@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from minifloat.kernels.allocator import keeps_freed_memory
 from minifloat.quantize import dequantize, quantize
 from minifloat.schemes import SCHEMES
 
@@ -51,7 +52,7 @@ def torchao_quantizers(x: torch.Tensor) -> dict[str, Callable[[], object]]:
     }
 
 
-def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, reps: int = 5) -> dict:
+def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, reps: int = 9) -> dict:
     """Quantize / dequantize throughput of every scheme vs a plain sum (the read bound) and
     vs torchao, interleaved over `reps` repetitions; medians."""
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
@@ -85,6 +86,7 @@ def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, 
         "threads": torch.get_num_threads(),
         "read_bound_gelem_s": n / read / 1e9,
         "torchao": bool(peers),
+        "keeps_freed_memory": keeps_freed_memory(),
         "reps": reps,
         "results": rows_out,
     }

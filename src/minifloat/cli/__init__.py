@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from minifloat.cli import bench, compare, error, formats, info, train
 from minifloat.errors import MinifloatError
+from minifloat.kernels.allocator import keep_freed_memory
 
 SUBCOMMANDS = (formats, error, bench, info, train, compare)
 
@@ -24,8 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; user mistakes print one line on stderr and return exit code 2."""
+    """Run the CLI; user mistakes print one line on stderr and return exit code 2.
+    As a command (argv None) it owns its process, so large freed buffers stay in its heap
+    (`keep_freed_memory`) unless ``--default-allocator`` says otherwise."""
     args = build_parser().parse_args(argv)
+    if argv is None and not getattr(args, "default_allocator", False):
+        keep_freed_memory()
     try:
         return args.run(args) or 0
     except MinifloatError as err:

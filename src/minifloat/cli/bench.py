@@ -28,13 +28,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden", type=int, default=4096, help="train: hidden width (default 4096)")
     p.add_argument("--tokens", type=int, default=2048, help="train: tokens per step (default 2048)")
     p.add_argument("--no-bf16", action="store_true", help="train: skip the BF16 autocast baseline (slow on CPUs without BF16 units)")
-    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 5 quantize, 3 train)")
+    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 9 quantize, 3 train)")
+    p.add_argument("--default-allocator", action="store_true",
+                   help="leave glibc's malloc as it is: large outputs are page-faulted in again on every call")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    reps = args.reps if args.reps is not None else (5 if args.what == "quantize" else 3)
+    reps = args.reps if args.reps is not None else (9 if args.what == "quantize" else 3)
     if reps < 1:
         raise MinifloatError(f"--reps must be ≥ 1, got {reps}")
     if args.what == "train":
@@ -49,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"input {out['shape'][0]}x{out['shape'][1]} float32, {out['threads']} threads, "
           f"median of {out['reps']}; read bound (sum) {out['read_bound_gelem_s']:.2f} Gelem/s")
+    print("allocator: " + ("freed buffers stay in the heap (minifloat.kernels.allocator)" if out["keeps_freed_memory"]
+                           else "glibc default (outputs above 32 MiB are page-faulted in on every call)"))
     if not out["torchao"]:
         print("torchao is not installed: no comparison (pip install 'minifloat[bench]')")
     print(f"{'scheme':18} {'quant Gelem/s':>13} {'x read':>7} {'dequant Gelem/s':>15} {'x read':>7} {'torchao':>8} {'speedup':>8}")

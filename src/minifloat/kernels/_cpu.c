@@ -13,6 +13,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <float.h>
+#ifndef PF
+#define PF 1024
+#endif
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -88,84 +91,259 @@ static inline uint32_t enc_sr(float y, uint32_t rb, const elem_t *p) {
     return (uint32_t)code | (neg ? (uint32_t)p->sign_mask : 0);
 }
 
-/* Hot loops, one copy per input dtype, written with GCC vector extensions (8 lanes: AVX2
- * where the build machine has it, SSE otherwise) so that they vectorize whatever the compiler's
- * auto-vectorizer decides. The scalar tails call the same scalar code as everything else. */
+/* ---- Vector helpers ------------------------------------------------------------------------
+ * GCC vector extensions (8 lanes: AVX2 where the build machine has it, SSE pairs otherwise),
+ * with AVX2 intrinsics for the few operations GCC does not map to one instruction. */
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef _Float16 v8x __attribute__((vector_size(16)));
 
-static inline v8u vsel(v8i m, v8u a, v8u b) { return ((v8u)m & a) | (~(v8u)m & b); }
+#ifdef __AVX2__
+static inline v8i vmin(v8i a, v8i b) { return (v8i)_mm256_min_epi32((__m256i)a, (__m256i)b); }
+static inline v8i vmax(v8i a, v8i b) { return (v8i)_mm256_max_epi32((__m256i)a, (__m256i)b); }
+/* m ? a : b, lane-wise (m is all ones or all zeros per lane). */
+static inline v8i vsel(v8i m, v8i a, v8i b) {
+    return (v8i)_mm256_blendv_epi8((__m256i)b, (__m256i)a, (__m256i)m);
+}
+static inline int vany(v8i m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
+#else
+static inline v8i vsel(v8i m, v8i a, v8i b) { return (m & a) | (~m & b); }
+static inline v8i vmin(v8i a, v8i b) { return vsel(a < b, a, b); }
+static inline v8i vmax(v8i a, v8i b) { return vsel(a > b, a, b); }
+static inline int vany(v8i m) {
+    int r = 0;
+    for (int k = 0; k < 8; k++) r |= m[k];
+    return r != 0;
+}
+#endif
 
-/* Largest of 8 lanes in three shuffle steps (the small MX/NVFP4 tiles reduce every 16/32). */
-static inline uint32_t hmax8(v8u v) {
-    v8u s = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-    v = vsel(s > v, s, v);
-    s = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-    v = vsel(s > v, s, v);
-    s = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
-    v = vsel(s > v, s, v);
+/* Largest of 8 non-negative lanes in three shuffle steps. */
+static inline int32_t hmax8(v8i v) {
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
     return v[0];
 }
 
-/* Store the low byte of each of 8 lanes (GCC scalarizes __builtin_convertvector here). */
-static inline void store8(v8u c, uint8_t *dst) {
+/* Lane b = the largest lane of t[b]: 8 vectors reduced at once by a transpose (the block maxima
+ * of 8 small blocks cost 22 operations instead of 8 separate horizontal reductions). */
+static inline v8i reduce8(const v8i *t) {
+    v8i u[4], w[2];
+    for (int q = 0; q < 4; q++) /* halves: [t(2q) lo | t(2q+1) lo] vs [.. hi | .. hi] */
+        u[q] = vmax(__builtin_shufflevector(t[2 * q], t[2 * q + 1], 0, 1, 2, 3, 8, 9, 10, 11),
+                    __builtin_shufflevector(t[2 * q], t[2 * q + 1], 4, 5, 6, 7, 12, 13, 14, 15));
+    for (int q = 0; q < 2; q++) /* lane pairs, within 128-bit halves */
+        w[q] = vmax(__builtin_shufflevector(u[2 * q], u[2 * q + 1], 0, 2, 8, 10, 4, 6, 12, 14),
+                    __builtin_shufflevector(u[2 * q], u[2 * q + 1], 1, 3, 9, 11, 5, 7, 13, 15));
+    const v8i z = vmax(__builtin_shufflevector(w[0], w[1], 0, 2, 8, 10, 4, 6, 12, 14),
+                       __builtin_shufflevector(w[0], w[1], 1, 3, 9, 11, 5, 7, 13, 15));
+    return __builtin_shufflevector(z, z, 0, 4, 1, 5, 2, 6, 3, 7);
+}
+
+/* Codes (0..255 per int32 lane) to bytes: 8 lanes, or 4 vectors = 32 bytes in order. */
+static inline void store8(v8i c, uint8_t *dst) {
 #ifdef __AVX2__
-    const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m256i t = _mm256_shuffle_epi8((__m256i)c, bytes);
-    t = _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
-    _mm_storel_epi64((__m128i *)dst, _mm256_castsi256_si128(t));
+    const __m256i p = _mm256_packus_epi32((__m256i)c, (__m256i)c);           /* 0-3 0-3 | 4-7 4-7 */
+    const __m256i b = _mm256_packus_epi16(p, p);                                /* bytes 0-3 .. | 4-7 .. */
+    const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    _mm_storel_epi64((__m128i *)dst, _mm_unpacklo_epi32(lo, hi));
 #else
     for (int k = 0; k < 8; k++) dst[k] = (uint8_t)c[k];
 #endif
 }
 
-#define DEFINE_LOOPS(NAME, T, LOAD1, LOAD8)                                                     \
-    static inline float ld1_##NAME(const T *x, int64_t i) { return LOAD1; }                    \
-    static inline v8f ld8_##NAME(const T *x, int64_t i) { LOAD8; }                              \
-    static inline __attribute__((always_inline)) void amax_##NAME(const void *xv, int64_t n, uint32_t *best_out, int *nan_out) {     \
-        const T *x = (const T *)xv;                                                            \
-        v8u best = {0}, top = {0};                                                             \
-        int64_t i = 0;                                                                         \
-        for (; i + 8 <= n; i += 8) {                                                           \
-            v8u a = (v8u)ld8_##NAME(x, i) & 0x7fffffffu;                                       \
-            top = vsel(a > top, a, top);                                                       \
-            a = vsel(a >= 0x7f800000u, (v8u){0}, a);                                           \
-            best = vsel(a > best, a, best);                                                    \
-        }                                                                                      \
-        uint32_t b = *best_out, t = hmax8(top);                                                \
-        b = hmax8(best) > b ? hmax8(best) : b;                                                 \
-        for (; i < n; i++) {                                                                   \
-            uint32_t a = f2u(ld1_##NAME(x, i)) & 0x7fffffffu;                                   \
-            t = a > t ? a : t;                                                                 \
-            a = a >= 0x7f800000u ? 0 : a;                                                      \
-            b = a > b ? a : b;                                                                 \
-        }                                                                                      \
-        *best_out = b;                                                                         \
-        *nan_out |= t > 0x7f800000u;                                                           \
-    }                                                                                          \
-    static inline __attribute__((always_inline)) void encode_##NAME(const void *xv, int64_t n, float enc, elem_t p,                 \
-                              uint8_t *restrict codes) {                                       \
-        const T *x = (const T *)xv;                                                            \
-        const uint32_t shift = 23 - p.man_bits;                                                \
-        const v8u round = (v8u){0} + (p.rebias + (1u << (shift - 1)) - 1);                     \
-        const v8f magic = (v8f){0} + u2f(p.magic_bits);                                        \
-        int64_t j = 0;                                                                         \
-        for (; j + 8 <= n; j += 8) {                                                           \
-            v8u u = (v8u)(ld8_##NAME(x, j) * enc);                                              \
-            v8u a = u & 0x7fffffffu;                                                           \
-            v8u sub = (v8u)((v8f)a + magic) - p.magic_bits;                                    \
-            v8u nrm = (a + round + ((a >> shift) & 1u)) >> shift;                              \
-            v8u c = vsel(a < p.min_normal_bits, sub, nrm);                                     \
-            c = vsel(a > p.max_bits, (v8u){0} + (uint32_t)p.max_code, c);                      \
-            c |= vsel((v8i)u < 0, (v8u){0} + (uint32_t)p.sign_mask, (v8u){0});                 \
-            c = vsel(a > 0x7f800000u, (v8u){0} + (uint32_t)p.nan_code, c);                      \
-            store8(c, codes + j);                                                              \
-        }                                                                                      \
-        for (; j < n; j++) codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc, &p);            \
+static inline void store32(v8i c0, v8i c1, v8i c2, v8i c3, uint8_t *dst) {
+#ifdef __AVX2__
+    const __m256i a = _mm256_packus_epi32((__m256i)c0, (__m256i)c1);  /* c0 0-3, c1 0-3 | c0 4-7, c1 4-7 */
+    const __m256i b = _mm256_packus_epi32((__m256i)c2, (__m256i)c3);
+    const __m256i y = _mm256_packus_epi16(a, b);  /* c0lo c1lo c2lo c3lo | c0hi c1hi c2hi c3hi */
+    _mm256_storeu_si256((__m256i *)dst,
+                        _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    store8(c0, dst), store8(c1, dst + 8), store8(c2, dst + 16), store8(c3, dst + 24);
+#endif
+}
+
+/* Pack n codes (one per byte) into `bits`-wide fields; see packing.py for the layouts:
+ * FP4: byte i = c[2i] | c[2i+1] << 4;  FP6: 3 bytes = c[4g] | c[4g+1] << 6 | c[4g+2] << 12 | c[4g+3] << 18. */
+static void pack_codes(const uint8_t *c, int64_t n, int bits, uint8_t *out) {
+    int64_t i = 0;
+    if (bits == 8) { memcpy(out, c, (size_t)n); return; }
+    if (bits == 4) {
+#ifdef __AVX2__
+        const __m256i lo_hi = _mm256_set1_epi16(0x1001); /* maddubs: c[2i] + 16 c[2i+1] per 16-bit lane */
+        for (; i + 32 <= n; i += 32) {
+            const __m256i w = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(c + i)), lo_hi);
+            const __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            _mm_storeu_si128((__m128i *)(out + i / 2), b);
+        }
+#endif
+        for (; i + 1 < n; i += 2) out[i / 2] = (uint8_t)(c[i] | (c[i + 1] << 4));
+        return;
+    }
+#ifdef __AVX2__
+    const __m256i by64 = _mm256_set1_epi16(0x4001), by4096 = _mm256_set1_epi32(0x10000001);
+    const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
+                                             0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+    for (; i + 32 <= n; i += 32) {
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(c + i)), by64);
+        const __m256i words = _mm256_shuffle_epi8(_mm256_madd_epi16(pairs, by4096), squeeze);
+        uint8_t *o = out + i / 4 * 3;
+        const __m128i lo = _mm256_castsi256_si128(words), hi = _mm256_extracti128_si256(words, 1);
+        _mm_storel_epi64((__m128i *)o, lo);
+        memcpy(o + 8, (const char *)&lo + 8, 4);
+        _mm_storel_epi64((__m128i *)(o + 12), hi);
+        memcpy(o + 20, (const char *)&hi + 8, 4);
+    }
+#endif
+    for (; i + 3 < n; i += 4) {
+        const uint8_t *q = c + i;
+        uint8_t *o = out + i / 4 * 3;
+        o[0] = (uint8_t)(q[0] | ((q[1] & 3) << 6));
+        o[1] = (uint8_t)((q[1] >> 2) | ((q[2] & 15) << 4));
+        o[2] = (uint8_t)((q[2] >> 4) | (q[3] << 2));
+    }
+}
+
+/* Unpack n codes (n a multiple of the pack group) into one byte each. */
+static void unpack_codes(const uint8_t *in, int64_t n, int bits, uint8_t *c) {
+    int64_t i = 0;
+    if (bits == 4) {
+#ifdef __AVX2__
+        const __m128i nib = _mm_set1_epi8(15);
+        for (; i + 32 <= n; i += 32) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(in + i / 2));
+            const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+            _mm_storeu_si128((__m128i *)(c + i), _mm_unpacklo_epi8(lo, hi));
+            _mm_storeu_si128((__m128i *)(c + i + 16), _mm_unpackhi_epi8(lo, hi));
+        }
+#endif
+        for (; i + 1 < n; i += 2) c[i] = in[i / 2] & 15, c[i + 1] = in[i / 2] >> 4;
+        return;
+    }
+#ifdef __AVX2__ /* 12 bytes -> 4 words of 24 bits -> 16 codes; reads 16 bytes, so stop early */
+    const __m128i spread = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    for (; i + 16 <= n && (i + 16) / 4 * 3 + 4 <= n / 4 * 3; i += 16) {
+        const __m128i w = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(in + i / 4 * 3)), spread);
+        __m128i v = _mm_and_si128(w, _mm_set1_epi32(0x3f));
+        v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 2), _mm_set1_epi32(0x3f00)));
+        v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 4), _mm_set1_epi32(0x3f0000)));
+        v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 6), _mm_set1_epi32(0x3f000000)));
+        _mm_storeu_si128((__m128i *)(c + i), v);
+    }
+#endif
+    for (; i + 3 < n; i += 4) {
+        const uint8_t *g = in + i / 4 * 3;
+        const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
+        c[i] = w & 63, c[i + 1] = (w >> 6) & 63, c[i + 2] = (w >> 12) & 63, c[i + 3] = (w >> 18) & 63;
+    }
+}
+
+/* ---- Element encoding, 8 lanes: the same integer recipe as enc_rne, except that NaN lanes
+ * come out saturated; callers track the largest |bits| and fix NaN lanes afterwards. */
+typedef struct {
+    int32_t shift, sgn_shift, round, magic_bits, min_normal, max_code, sign_mask;
+    float magic;
+} vconst_t;
+
+static vconst_t vconst(const elem_t *p, int bits) {
+    const int32_t shift = 23 - p->man_bits;
+    return (vconst_t){shift, 32 - bits, (int32_t)(p->rebias + (1u << (shift - 1)) - 1), (int32_t)p->magic_bits,
+                      (int32_t)p->min_normal_bits, p->max_code, p->sign_mask, u2f(p->magic_bits)};
+}
+
+static inline __attribute__((always_inline)) v8i enc8(v8f y, const vconst_t *k, v8i *top) {
+    const v8i u = (v8i)y, a = u & 0x7fffffff;
+    *top = vmax(*top, a);
+    const v8i sub = (v8i)((v8f)a + k->magic) - k->magic_bits;
+    const v8i nrm = (a + k->round + ((a >> k->shift) & 1)) >> k->shift;
+    const v8i c = vmin(vsel(a < k->min_normal, sub, nrm), (v8i){0} + k->max_code);
+    return c | ((v8i)((v8u)u >> k->sgn_shift) & k->sign_mask);
+}
+
+/* ---- Per input dtype: loads, block maxima, the encode loop ------------------------------- */
+#define DEFINE_LOOPS(NAME, T, LOAD1, LOAD8)                                                        \
+    static inline float ld1_##NAME(const T *x, int64_t i) { return LOAD1; }                       \
+    static inline v8f ld8_##NAME(const T *x, int64_t i) { LOAD8; }                                 \
+    /* Largest finite |x| bits into *best (kept if larger), NaN seen into *nan. */                 \
+    static inline __attribute__((always_inline)) void amax_##NAME(const void *xv, int64_t n,      \
+                                                                 uint32_t *best, int *nan) {       \
+        const T *x = (const T *)xv;                                                               \
+        v8i fin = {0}, top = {0};                                                                 \
+        int64_t i = 0;                                                                            \
+        for (; i + 8 <= n; i += 8) {                                                              \
+            const v8i a = (v8i)ld8_##NAME(x, i) & 0x7fffffff;                                       \
+            top = vmax(top, a);                                                                   \
+            fin = vmax(fin, a & (a < 0x7f800000));                                                 \
+        }                                                                                         \
+        uint32_t b = *best, t = (uint32_t)hmax8(top), f = (uint32_t)hmax8(fin);                    \
+        b = f > b ? f : b;                                                                        \
+        for (; i < n; i++) {                                                                      \
+            uint32_t a = f2u(ld1_##NAME(x, i)) & 0x7fffffffu;                                      \
+            t = a > t ? a : t;                                                                    \
+            b = a < 0x7f800000u && a > b ? a : b;                                                 \
+        }                                                                                         \
+        *best = b;                                                                                \
+        *nan |= t > 0x7f800000u;                                                                  \
+    }                                                                                             \
+    /* Largest |x| bits (inf and NaN included) over n = 8k elements. */                           \
+    static inline __attribute__((always_inline)) v8i top_##NAME(const void *xv, int64_t n, v8i t) { \
+        const T *x = (const T *)xv;                                                               \
+        for (int64_t i = 0; i < n; i += 8) t = vmax(t, (v8i)ld8_##NAME(x, i) & 0x7fffffff);         \
+        return t;                                                                                 \
+    }                                                                                             \
+    /* Largest |x| bits (inf, NaN included) of 8 adjacent blocks of bc = 8k columns, over rows   \
+     * of `stride` elements: lane b for block b. */                                              \
+    static inline __attribute__((always_inline)) v8i tops8_##NAME(const void *xv, int64_t bc,     \
+                                                                  int64_t rows, int64_t stride) { \
+        const T *x = (const T *)xv;                                                               \
+        v8i t[8] = {{0}};                                                                         \
+        for (int64_t r = 0; r < rows; r++)                                                        \
+            for (int b = 0; b < 8; b++)                                                           \
+                for (int64_t i = 0; i < bc; i += 8) {                                             \
+                    if ((((b * bc + i) * (int64_t)sizeof(T)) & 63) == 0)                          \
+                        __builtin_prefetch(x + r * stride + b * bc + i + PF / sizeof(T));          \
+                    t[b] = vmax(t[b], (v8i)ld8_##NAME(x, r * stride + b * bc + i) & 0x7fffffff);  \
+                }                                                                                 \
+        return reduce8(t);                                                                        \
+    }                                                                                             \
+    /* acc[b] = max(acc[b], |x| bits) over block b's columns of one row, for nb blocks of bc = 8k */ \
+    static inline __attribute__((always_inline)) void rowacc_##NAME(const void *xv, int64_t nb,     \
+                                                                    int64_t bc, v8i *acc) {        \
+        const T *x = (const T *)xv;                                                               \
+        for (int64_t b = 0; b < nb; b++) {                                                        \
+            v8i a = acc[b];                                                                       \
+            for (int64_t i = 0; i < bc; i += 8) a = vmax(a, (v8i)ld8_##NAME(x, b * bc + i) & 0x7fffffff); \
+            acc[b] = a;                                                                           \
+        }                                                                                         \
+    }                                                                                             \
+    /* codes[j] = enc_rne(x[j] * enc[(j / 8) >> lb]) for j < n: blocks of 8 << lb columns. */                                       \
+    static inline __attribute__((always_inline)) void encode_##NAME(                             \
+        const void *xv, int64_t n, const float *enc, int lb, const vconst_t *k, const elem_t *p,         \
+        uint8_t *restrict codes, int64_t ahead) {                                                  \
+        const T *x = (const T *)xv;                                                               \
+        const vconst_t kc = *k; /* a local copy: byte stores may alias *k, and would reload it */ \
+        k = &kc;                                                                                  \
+        v8i top = {0};                                                                            \
+        int64_t j = 0;                                                                            \
+        for (; j + 32 <= n; j += 32) {                                                            \
+            if (ahead) { /* the next chunk's lines, so that its amax pass finds them in cache */   \
+                __builtin_prefetch((const char *)(x + j) + ahead);                                 \
+                if (sizeof(T) == 4) __builtin_prefetch((const char *)(x + j) + ahead + 64);         \
+            }                                                                                     \
+            const v8i c0 = enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top);                          \
+            const v8i c1 = enc8(ld8_##NAME(x, j + 8) * enc[((j >> 3) + 1) >> lb], k, &top);                \
+            const v8i c2 = enc8(ld8_##NAME(x, j + 16) * enc[((j >> 3) + 2) >> lb], k, &top);               \
+            const v8i c3 = enc8(ld8_##NAME(x, j + 24) * enc[((j >> 3) + 3) >> lb], k, &top);               \
+            store32(c0, c1, c2, c3, codes + j);                                                   \
+        }                                                                                         \
+        for (; j + 8 <= n; j += 8) store8(enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top), codes + j); \
+        for (; j < n; j++) codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);        \
+        if (hmax8(top) > 0x7f800000) /* a NaN lane (x, or 0 * inf): NaN encodes canonically */     \
+            for (j = 0; j < n; j++)                                                               \
+                if (isnan(ld1_##NAME(x, j) * enc[(j >> 3) >> lb])) codes[j] = (uint8_t)p->nan_code;       \
     }
 
 DEFINE_LOOPS(f32, float, x[i], v8f v; memcpy(&v, x + i, 32); return v)
@@ -174,11 +352,10 @@ DEFINE_LOOPS(bf16, uint16_t, u2f((uint32_t)x[i] << 16),
 DEFINE_LOOPS(f16, _Float16, (float)x[i], v8x h; memcpy(&h, x + i, 16); return __builtin_convertvector(h, v8f))
 
 typedef void (*amax_fn)(const void *, int64_t, uint32_t *, int *);
-typedef void (*encode_fn)(const void *, int64_t, float, elem_t, uint8_t *);
 static const amax_fn AMAX[3] = {amax_f32, amax_bf16, amax_f16};
 static const int ESIZE[3] = {4, 2, 2};
 
-/* Largest finite |x| as float32 bits (NaN -> flagged), over n elements. */
+/* Largest finite |x| as float32 (NaN if any and not ignore_nan), over n elements. */
 float mf_amax(const void *x, int dt, int64_t n, int ignore_nan, int nthreads) {
     const int64_t step = 1 << 16, nchunks = (n + step - 1) / step;
     uint32_t best = 0;
@@ -195,162 +372,393 @@ float mf_amax(const void *x, int dt, int64_t n, int ignore_nan, int nthreads) {
     return (any_nan && !ignore_nan) ? NAN : u2f(best);
 }
 
-static void pack_codes(const uint8_t *c, int64_t n, int bits, uint8_t *out) {
-    if (bits == 8) { memcpy(out, c, (size_t)n); return; }
-    if (bits == 4) {
-        int64_t i = 0;
-#ifdef __AVX2__
-        /* 16 codes -> 8 bytes: maddubs forms c[2i] + 16 c[2i+1] per 16-bit lane, packus narrows. */
-        const __m128i lo_hi = _mm_set1_epi16(0x1001);
-        for (; i + 16 <= n; i += 16) {
-            const __m128i pairs = _mm_maddubs_epi16(_mm_loadu_si128((const __m128i *)(c + i)), lo_hi);
-            _mm_storel_epi64((__m128i *)(out + i / 2), _mm_packus_epi16(pairs, pairs));
-        }
-#endif
-        for (; i + 1 < n; i += 2) out[i / 2] = (uint8_t)(c[i] | (c[i + 1] << 4));
-        return;
+/* ---- Quantize ----------------------------------------------------------------------------- */
+#define CH 2048 /* columns per span: a span of the input and its codes stay in L1/L2 */
+
+typedef struct {
+    const void *x;
+    int dt;
+    int64_t R, K, Kp, br, bc, ngc, row_bytes, cw;
+    elem_t p, e4m3;
+    vconst_t k, k4m3;
+    int bits, mode, rule, sr;
+    float fmt_max, margin_mul, inv_max, s_enc, s_dec;
+    const float *given, *e4m3_lut, *tile_amax; /* tile_amax: block maxima from mf_block_amax, or NULL */
+    int64_t gs_r, gs_c;
+    int lb;
+    uint64_t seed;
+    uint8_t *out;
+    void *scale_out;
+} job_t;
+
+/* Encode scale of one block from its finite amax (NaN when the block holds a NaN), storing the
+ * block's scale (decode scale, or its E8M0 / E4M3 code) at index t. */
+static float block_scale(const job_t *J, float amax, int64_t t) {
+    if (J->mode == SC_FP32) {
+        float s = J->fmt_max / amax;
+        s = s * J->margin_mul;
+        if (isinf(s)) s = FLT_MAX;
+        if (amax == 0.0f) s = 1.0f;
+        ((float *)J->scale_out)[t] = 1.0f / s;
+        return s;
     }
-    for (int64_t g = 0; g < n / 4; g++) { /* FP6: see packing.py for the layout */
-        const uint8_t *q = c + 4 * g;
-        out[3 * g] = (uint8_t)(q[0] | ((q[1] & 3) << 6));
-        out[3 * g + 1] = (uint8_t)((q[1] >> 2) | ((q[2] & 15) << 4));
-        out[3 * g + 2] = (uint8_t)((q[2] >> 4) | (q[3] << 2));
+    if (J->mode == SC_E8M0) {
+        if (isnan(amax)) {
+            ((uint8_t *)J->scale_out)[t] = 0xFF;
+            return NAN;
+        }
+        /* floor(log2 v) and ceil(log2 v) from the float32 bits; frexpf only for subnormal v. */
+        const float v = J->rule == 0 ? amax : amax * J->inv_max;
+        const uint32_t vb = f2u(v), ef = vb >> 23, mant = vb & 0x7fffffu;
+        int E;
+        if (ef != 0) {
+            E = (int)ef - 127 + (J->rule == 0 ? -J->p.emax : (mant != 0));
+        } else {
+            int e = 0;
+            const float m = frexpf(v, &e);
+            E = J->rule == 0 ? e - 1 - J->p.emax : (e - 1) + (m != 0.5f);
+        }
+        E = E < -127 ? -127 : (E > 127 ? 127 : E);
+        if (amax == 0.0f) E = 0;
+        ((uint8_t *)J->scale_out)[t] = (uint8_t)(E + 127);
+        return E <= 126 ? u2f((uint32_t)(127 - E) << 23) : u2f(0x00400000u); /* 2^-E */
+    }
+    /* SC_NVFP4: E4M3(amax / 6 / tensor scale), decoded, inverted */
+    float s = (amax / 6.0f) * J->s_enc;
+    if (s > FLT_MAX) s = FLT_MAX;
+    const uint32_t code = enc_rne(s, &J->e4m3);
+    ((uint8_t *)J->scale_out)[t] = (uint8_t)code;
+    const float dec = J->e4m3_lut[code] * J->s_dec;
+    return dec == 0.0f ? 0.0f : 1.0f / dec;
+}
+
+/* block_scale for 8 blocks at once (the small MX / NVFP4 blocks make this the hot scalar work);
+ * returns 0 when a lane needs the scalar path (subnormal E8M0 input), having stored nothing. */
+static inline int block_scales8(const job_t *J, v8f amax, int64_t t, float *enc) {
+    const v8i isnan_ = amax != amax;
+    v8f e;
+    if (J->mode == SC_FP32) {
+        v8f s = J->fmt_max / amax;
+        s = s * J->margin_mul;
+        s = (v8f)vsel(((v8i)s & 0x7fffffff) == 0x7f800000, (v8i){0} + (int32_t)f2u(FLT_MAX), (v8i)s);
+        s = (v8f)vsel(amax == 0.0f, (v8i){0} + (int32_t)f2u(1.0f), (v8i)s);
+        const v8f d = 1.0f / s;
+        memcpy((float *)J->scale_out + t, &d, 32);
+        e = s;
+    } else if (J->mode == SC_E8M0) {
+        const v8f v = J->rule == 0 ? amax : amax * J->inv_max;
+        const v8i vb = (v8i)v, ef = (vb >> 23) & 0xff, zero = amax == 0.0f;
+        if (vany((ef == 0) & ~zero)) return 0; /* subnormal: frexpf in block_scale */
+        v8i E = ef - 127 + (J->rule == 0 ? (v8i){0} - J->p.emax : -((vb & 0x7fffff) != 0));
+        E = vmax(vmin(E, (v8i){0} + 127), (v8i){0} - 127);
+        E = vsel(zero, (v8i){0}, E);
+        const v8i code = vsel(isnan_, (v8i){0} + 0xff, E + 127);
+        store8(code, (uint8_t *)J->scale_out + t);
+        e = (v8f)vsel(E <= 126, (127 - E) << 23, (v8i){0} + 0x00400000);
+        e = (v8f)vsel(isnan_, (v8i)((v8f){0} + NAN), (v8i)e);
+    } else {
+        v8f s = (amax / 6.0f) * J->s_enc;
+        s = (v8f)vsel(s > FLT_MAX, (v8i){0} + (int32_t)f2u(FLT_MAX), (v8i)s);
+        v8i top = {0};
+        const v8i code = vsel(isnan_, (v8i){0} + J->e4m3.nan_code, enc8(s, &J->k4m3, &top));
+        store8(code, (uint8_t *)J->scale_out + t);
+        v8f dec;
+#ifdef __AVX2__
+        dec = _mm256_i32gather_ps(J->e4m3_lut, (__m256i)code, 4);
+#else
+        for (int q = 0; q < 8; q++) dec[q] = J->e4m3_lut[code[q]];
+#endif
+        dec = dec * J->s_dec;
+        e = (v8f)vsel(dec == 0.0f, (v8i){0}, (v8i)(1.0f / dec));
+    }
+    memcpy(enc, &e, 32);
+    return 1;
+}
+
+/* amax[b] of the nb blocks of block row g from column c0: the largest finite |x|, NaN when the
+ * block holds a NaN. Returns the largest finite |x| of the chunk as float32 bits (NaN ignored). */
+static inline __attribute__((always_inline)) uint32_t block_amaxes(const job_t *J, int64_t g, int64_t c0, int64_t nb,
+                                                                   amax_fn AM, int dt, int esize, float *amax) {
+    const int64_t br = J->br, bc = J->bc, R = J->R, K = J->K;
+    const int64_t r0 = g * br, r1 = r0 + br < R ? r0 + br : R; /* rows >= R are padding */
+    const char *x = (const char *)J->x;
+    uint32_t all = 0;
+    int64_t b = 0;
+    if (br > 1 && bc % 8 == 0 && K > c0) { /* 2-D: read the rows once, in order; one accumulator per block */
+        const int64_t nf = (K - c0) / bc < nb ? (K - c0) / bc : nb; /* whole blocks */
+        v8i acc[CH + 8];
+        memset(acc, 0, (size_t)nf * sizeof(v8i));
+        for (int64_t r = r0; r < r1; r++) {
+            const char *xr = x + (r * K + c0) * esize;
+            if (dt == DT_F32) rowacc_f32(xr, nf, bc, acc);
+            else if (dt == DT_BF16) rowacc_bf16(xr, nf, bc, acc);
+            else rowacc_f16(xr, nf, bc, acc);
+        }
+        for (; b < nf; b++) {
+            uint32_t best = (uint32_t)hmax8(acc[b]);
+            int nan = 0;
+            if (best >= 0x7f800000u) { /* inf or NaN in the block: the exact path */
+                best = 0;
+                for (int64_t r = r0; r < r1; r++) AM(x + (r * K + c0 + b * bc) * esize, bc, &best, &nan);
+            }
+            amax[b] = nan ? NAN : u2f(best);
+            all = best > all ? best : all;
+        }
+    }
+    if (bc == 16 || bc == 32) /* 8 whole small blocks at a time; the exact path only where one is not finite */
+        for (; b + 8 <= nb && c0 + (b + 8) * bc <= K; b += 8) {
+            const char *xb = x + (r0 * K + c0 + b * bc) * esize;
+            /* constant widths (MX 32, NVFP4 16): unrolled, the 8 maxima stay in registers */
+#define TOPS8(W) (dt == DT_F32 ? tops8_f32(xb, W, r1 - r0, K) : dt == DT_BF16 ? tops8_bf16(xb, W, r1 - r0, K) \
+                                                                : tops8_f16(xb, W, r1 - r0, K))
+            const v8i t = bc == 16 ? TOPS8(16) : TOPS8(32);
+#undef TOPS8
+            memcpy(amax + b, &t, 32);
+            if (vany(t >= 0x7f800000))
+                for (int q = 0; q < 8; q++) {
+                    if ((uint32_t)t[q] < 0x7f800000u) continue;
+                    uint32_t best = 0;
+                    int nan = 0;
+                    for (int64_t r = r0; r < r1; r++) AM(x + (r * K + c0 + (b + q) * bc) * esize, bc, &best, &nan);
+                    amax[b + q] = nan ? NAN : u2f(best);
+                    all = best > all ? best : all;
+                }
+            const v8i fin = t & (t < 0x7f800000);
+            const uint32_t m = (uint32_t)hmax8(fin);
+            all = m > all ? m : all;
+        }
+    for (; b < nb; b++) { /* one block: whole (max of |bits| first), partial or narrow */
+        const int64_t cb = c0 + b * bc;
+        uint32_t best = 0;
+        int nan = 0;
+        if (bc % 8 == 0 && cb + bc <= K) {
+            v8i t = {0};
+            for (int64_t r = r0; r < r1; r++) {
+                const char *xr = x + (r * K + cb) * esize;
+                t = dt == DT_F32 ? top_f32(xr, bc, t) : dt == DT_BF16 ? top_bf16(xr, bc, t) : top_f16(xr, bc, t);
+            }
+            best = (uint32_t)hmax8(t);
+            if (best < 0x7f800000u) {
+                amax[b] = u2f(best);
+                all = best > all ? best : all;
+                continue;
+            }
+            best = 0;
+        }
+        for (int64_t r = r0; r < r1; r++)
+            if (cb < K) AM(x + (r * K + cb) * esize, (cb + bc < K ? cb + bc : K) - cb, &best, &nan);
+        amax[b] = nan ? NAN : u2f(best);
+        all = best > all ? best : all;
+    }
+    return all;
+}
+
+/* One chunk: the blocks [c0, c0 + cw) of block row g — amax, scales, encode, pack. */
+static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J, int64_t g, int64_t c0,
+                                                                 amax_fn AM, int dt, int esize) {
+    const int64_t br = J->br, bc = J->bc, R = J->R, K = J->K, r0 = g * br;
+    const int64_t c1 = c0 + J->cw < J->Kp ? c0 + J->cw : J->Kp, nb = (c1 - c0) / bc, b0 = c0 / bc;
+    const char *x = (const char *)J->x;
+    float enc[CH + 8]; /* blocks per chunk: up to CH (1-column blocks) */
+
+    if (J->mode == SC_FP32_GIVEN) {
+        for (int64_t b = 0; b < nb; b++) {
+            enc[b] = J->given[g * J->gs_r + (b0 + b) * J->gs_c];
+            ((float *)J->scale_out)[g * J->ngc + b0 + b] = 1.0f / enc[b];
+        }
+    } else {
+        float amax[CH + 8];
+        if (J->tile_amax) memcpy(amax, J->tile_amax + g * J->ngc + b0, (size_t)nb * 4);
+        else block_amaxes(J, g, c0, nb, AM, dt, esize, amax);
+        const int64_t t0 = g * J->ngc + b0;
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8) {
+            v8f a;
+            memcpy(&a, amax + b, 32);
+            if (!block_scales8(J, a, t0 + b, enc + b))
+                for (int q = 0; q < 8; q++) enc[b + q] = block_scale(J, amax[b + q], t0 + b + q);
+        }
+        for (; b < nb; b++) enc[b] = block_scale(J, amax[b], t0 + b);
+    }
+
+    float stage[CH];
+    uint8_t codes[CH];
+    /* When the next chunk starts with an amax pass, prefetch it while encoding this one: the
+     * same row cw columns on, or (chunks of whole rows) the same column br rows on. */
+    const int64_t ahead = J->mode == SC_FP32_GIVEN || J->tile_amax ? 0 : J->cw >= J->Kp ? br * K : J->cw;
+    /* Spans of at most CH columns that start on block boundaries: whole blocks (bc <= CH), or
+     * pieces of one block. Column j of a span lies in its block (j / 8) >> lb (-1: blocks not
+     * 8 * 2^k wide, encoded one block at a time). */
+    const int64_t sw = bc <= CH ? CH / bc * bc : CH;
+    const int lb = bc > CH || nb == 1 ? 62 : J->lb;
+    for (int64_t r = r0; r < r0 + br; r++) {
+        for (int64_t s0 = c0, n; s0 < c1; s0 += n) {
+            const int64_t bend = bc > CH ? c0 + ((s0 - c0) / bc + 1) * bc : c1; /* this span's end */
+            n = (bend < c1 ? bend : c1) - s0;
+            n = n < sw ? n : sw;
+            const float *es = enc + (s0 - c0) / bc;
+            uint8_t *dst = J->out + r * J->row_bytes + s0 * J->bits / 8;
+            uint8_t *cd = J->bits == 8 ? dst : codes;
+            const int64_t nin = r < R ? (K - s0 < n ? (K - s0 > 0 ? K - s0 : 0) : n) : 0;
+            const char *src = x + (r * K + s0) * esize;
+            if (nin < n) { /* padding: zeros past the last row / column */
+                for (int64_t j = 0; j < n; j++) stage[j] = j < nin ? load(x, dt, r * K + s0 + j) : 0.0f;
+                src = (const char *)stage;
+            }
+            const int sdt = nin < n ? DT_F32 : dt;
+            if (J->sr) {
+                const uint64_t i0 = (uint64_t)(r * J->Kp + s0);
+                uint32_t hi = sr_hi(J->seed, i0);
+                int64_t b = 0, left = bc > CH ? n : bc; /* spans start on a block boundary */
+                for (int64_t j = 0; j < n; j++, left--) {
+                    if (left == 0) b++, left = bc;
+                    const uint64_t i = i0 + (uint64_t)j;
+                    if ((uint32_t)i == 0 && j > 0) hi = sr_hi(J->seed, i); /* crossed a 2^32 boundary */
+                    cd[j] = (uint8_t)enc_sr(load(src, sdt, j) * es[b], sr_bits(J->seed, i, hi), &J->p);
+                }
+            } else {
+                for (int64_t b = 0, step = lb >= 0 ? n : bc; b * step < n; b++) { /* one call, or one per block */
+                    const int64_t o = b * step, len = n - o < step ? n - o : step;
+                    const float *e = lb >= 0 ? es : es + b;
+                    const int l = lb >= 0 ? lb : 62;
+                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, l, &J->k, &J->p, cd + o, ahead * 4);
+                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, ahead * 2);
+                    else encode_f16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, ahead * 2);
+                }
+            }
+            if (J->bits != 8) pack_codes(codes, n, J->bits, dst);
+        }
     }
 }
 
-#define CHUNK 256
-
-/* Quantize the (R, K) input padded to (Rp, Kp) in tiles of (br, bc): amax, scale, encode, pack.
- * params: element format; e4m3: the E4M3 params (NVFP4 block scales).
- * given/gs_r/gs_c: SC_FP32_GIVEN encode scales (strides 0 broadcast one value).
- * scale_out: float decode scales (SC_FP32*) or uint8 scale codes (E8M0, E4M3), grid row-major. */
-#define TILE_ARGS const void *x, int dt, int64_t R, int64_t K, int64_t Kp, int64_t br, int64_t bc, \
-    const elem_t *p, int bits, int mode, int rule, float fmt_max, float margin_mul, float inv_max,     \
-    const float *given, int64_t gs_r, int64_t gs_c, float s_enc, float s_dec, const elem_t *e4m3,      \
-    const float *e4m3_lut, int sr, uint64_t seed, uint8_t *out, void *scale_out, int64_t ngc,         \
-    int64_t row_bytes, int64_t ti, int64_t tj
-#define TILE_PASS x, dt, R, K, Kp, br, bc, p, bits, mode, rule, fmt_max, margin_mul, inv_max, given, gs_r, \
-    gs_c, s_enc, s_dec, e4m3, e4m3_lut, sr, seed, out, scale_out, ngc, row_bytes, ti, tj
-
-/* One tile: amax, scale, encode, pack. Inlined once per input dtype (AM/EN are constants). */
-static inline __attribute__((always_inline)) void quantize_tile(TILE_ARGS, amax_fn AM, encode_fn EN,
-                                                                int esize) {
-    const int64_t t = ti * ngc + tj, r0 = ti * br, c0 = tj * bc;
-    const int64_t c1 = c0 + bc < K ? c0 + bc : K;
-    float enc = 1.0f;
-    if (mode != SC_FP32_GIVEN) {
-        uint32_t best = 0;
-        int any_nan = 0;
-        for (int64_t r = r0; r < r0 + br && r < R; r++)
-            if (c1 > c0) AM((const char *)x + (r * K + c0) * esize, c1 - c0, &best, &any_nan);
-        const float amax = any_nan ? NAN : u2f(best);
-        if (mode == SC_FP32) {
-            float s = fmt_max / amax;
-            s = s * margin_mul;
-            if (isinf(s)) s = FLT_MAX;
-            if (amax == 0.0f) s = 1.0f;
-            enc = s;
-            ((float *)scale_out)[t] = 1.0f / enc;
-        } else if (mode == SC_E8M0) {
-            if (any_nan) {
-                enc = NAN;
-                ((uint8_t *)scale_out)[t] = 0xFF;
-            } else {
-                /* floor(log2 v) and ceil(log2 v) from the float32 bits; frexpf only for
-                 * subnormal v (rare), where the exponent field says nothing. */
-                const float v = rule == 0 ? amax : amax * inv_max;
-                const uint32_t vb = f2u(v), ef = vb >> 23, mant = vb & 0x7fffffu;
-                int E;
-                if (ef != 0) {
-                    E = (int)ef - 127 + (rule == 0 ? -p->emax : (mant != 0));
-                } else {
-                    int e = 0;
-                    const float m = frexpf(v, &e);
-                    E = rule == 0 ? e - 1 - p->emax : (e - 1) + (m != 0.5f);
-                }
-                E = E < -127 ? -127 : (E > 127 ? 127 : E);
-                if (amax == 0.0f) E = 0;
-                enc = E <= 126 ? u2f((uint32_t)(127 - E) << 23) : u2f(0x00400000u); /* 2^-E */
-                ((uint8_t *)scale_out)[t] = (uint8_t)(E + 127);
-            }
-        } else { /* SC_NVFP4 */
-            float s = (amax / 6.0f) * s_enc;
-            if (s > FLT_MAX) s = FLT_MAX;
-            const uint32_t code = enc_rne(s, e4m3);
-            ((uint8_t *)scale_out)[t] = (uint8_t)code;
-            const float dec = e4m3_lut[code] * s_dec;
-            enc = dec == 0.0f ? 0.0f : 1.0f / dec;
-        }
-    } else {
-        enc = given[ti * gs_r + tj * gs_c];
-        ((float *)scale_out)[t] = 1.0f / enc;
+/* Columns per chunk: whole blocks; 1-D: one span (CH columns) or one block. */
+static int64_t chunk_width(int64_t br, int64_t bc) {
+    if (br > 1) { /* 2-D: a band of br rows, read in order for the amax, then again from L2 (512 KiB) */
+        const int64_t cw = ((1 << 17) / br < CH * bc ? (1 << 17) / br : CH * bc) / bc * bc;
+        return cw < bc ? bc : cw;
     }
+    return bc >= CH ? bc : CH / bc * bc;
+}
 
-    uint8_t codes[CHUNK];
-    for (int64_t r = r0; r < r0 + br; r++) {
-        for (int64_t c = c0; c < c0 + bc; c += CHUNK) {
-            const int64_t n = c0 + bc - c < CHUNK ? c0 + bc - c : CHUNK;
-            const int64_t nin = r < R ? (K - c < n ? (K - c > 0 ? K - c : 0) : n) : 0;
-            if (sr) {
-                const uint64_t i0 = (uint64_t)(r * Kp + c);
-                uint32_t hi = sr_hi(seed, i0);
-                for (int64_t j = 0; j < n; j++) {
-                    const uint64_t i = i0 + (uint64_t)j;
-                    if ((uint32_t)i == 0 && j > 0) hi = sr_hi(seed, i); /* crossed a 2^32 boundary */
-                    const float v = j < nin ? load(x, dt, r * K + c + j) : 0.0f;
-                    codes[j] = (uint8_t)enc_sr(v * enc, sr_bits(seed, i, hi), p);
-                }
-            } else {
-                uint8_t *dst = bits == 8 ? out + r * row_bytes + c : codes;
-                EN((const char *)x + (r * K + c) * esize, nin, enc, *p, dst);
-                for (int64_t j = nin; j < n; j++) dst[j] = (uint8_t)enc_rne(0.0f * enc, p);
-                if (bits == 8) continue;
-            }
-            pack_codes(codes, n, bits, out + r * row_bytes + c * bits / 8);
-        }
-    }
+/* lb with bc == 8 << lb, or -1 when the blocks are not 8 * 2^k columns wide. */
+static int block_shift(int64_t bc) {
+    for (int lb = 0; lb < 40; lb++)
+        if ((int64_t)8 << lb == bc) return lb;
+    return -1;
 }
 
 void mf_quantize(const void *x, int dt, int64_t R, int64_t K, int64_t Rp, int64_t Kp,
                  int64_t br, int64_t bc, const elem_t *p, int bits, int mode, int rule,
                  float fmt_max, float margin_mul, float inv_max, const float *given, int64_t gs_r,
                  int64_t gs_c, float s_enc, float s_dec, const elem_t *e4m3, const float *e4m3_lut,
-                 int sr, uint64_t seed, uint8_t *out, void *scale_out, int nthreads) {
-    const int64_t ngr = Rp / br, ngc = Kp / bc;
-    const int64_t row_bytes = Kp * bits / 8;
+                 int sr, uint64_t seed, const float *tile_amax, uint8_t *out, void *scale_out, int nthreads) {
+    const int64_t cw = chunk_width(br, bc);
+    job_t J = {x, dt, R, K, Kp, br, bc, Kp / bc, Kp * bits / 8, cw,
+               *p, *e4m3, vconst(p, bits), vconst(e4m3, 8), bits, mode, rule, sr,
+               fmt_max, margin_mul, inv_max, s_enc, s_dec, given, e4m3_lut, tile_amax, gs_r, gs_c, block_shift(bc),
+               seed, out, scale_out};
+    const int64_t ngr = Rp / br, nch = (Kp + J.cw - 1) / J.cw;
 #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
-    for (int64_t ti = 0; ti < ngr; ti++)
-        for (int64_t tj = 0; tj < ngc; tj++) {
-            if (dt == DT_F32) quantize_tile(TILE_PASS, amax_f32, encode_f32, 4);
-            else if (dt == DT_BF16) quantize_tile(TILE_PASS, amax_bf16, encode_bf16, 2);
-            else quantize_tile(TILE_PASS, amax_f16, encode_f16, 2);
+    for (int64_t g = 0; g < ngr; g++)
+        for (int64_t ch = 0; ch < nch; ch++) {
+            if (dt == DT_F32) quantize_chunk(&J, g, ch * J.cw, amax_f32, DT_F32, 4);
+            else if (dt == DT_BF16) quantize_chunk(&J, g, ch * J.cw, amax_bf16, DT_BF16, 2);
+            else quantize_chunk(&J, g, ch * J.cw, amax_f16, DT_F16, 2);
         }
 }
 
-/* Dequantize: out[r, c] = lut[code] * dec_scale[tile] for r < R, c < K (cropped, row-major). */
-void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int bits,
-                   const float *lut, const float *dec_scale, int64_t R, int64_t K, float *out,
-                   int nthreads) {
-    const int64_t ngc = Kp / bc, row_bytes = Kp * bits / 8;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t r = 0; r < R; r++) {
-        const uint8_t *row = data + r * row_bytes;
-        const float *ds = dec_scale + (r / br) * ngc;
-        float *o = out + r * K;
-        for (int64_t jb = 0; jb < ngc; jb++) {
-            const float s = ds[jb];
-            const int64_t ca = jb * bc, cb = ca + bc < K ? ca + bc : K;
-            if (bits == 8) {
-                for (int64_t c = ca; c < cb; c++) o[c] = lut[row[c]] * s;
-            } else if (bits == 4) {
-                for (int64_t c = ca; c < cb; c++) o[c] = lut[(row[c >> 1] >> ((c & 1) * 4)) & 15] * s;
-            } else {
-                for (int64_t c = ca; c < cb; c++) {
-                    const uint8_t *g = row + 3 * (c >> 2);
-                    const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
-                    o[c] = lut[(w >> (6 * (c & 3))) & 63] * s;
-                }
-            }
+/* First pass of NVFP4's two-level scaling: the block maxima (as quantize_chunk's phase 1 computes
+ * them) into tile_amax (the scale grid), and the tensor's largest finite |x| (NaN ignored), so
+ * that mf_quantize's second pass reads 1/16 of the data to get its block scales back. */
+float mf_block_amax(const void *x, int dt, int64_t R, int64_t K, int64_t Rp, int64_t Kp, int64_t br, int64_t bc,
+                    float *tile_amax, int nthreads) {
+    job_t J = {0};
+    J.x = x, J.dt = dt, J.R = R, J.K = K, J.Kp = Kp, J.br = br, J.bc = bc, J.ngc = Kp / bc;
+    J.cw = chunk_width(br, bc);
+    const int64_t ngr = Rp / br, nch = (Kp + J.cw - 1) / J.cw;
+    uint32_t all = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2) reduction(max : all)
+    for (int64_t g = 0; g < ngr; g++)
+        for (int64_t ch = 0; ch < nch; ch++) {
+            const int64_t c0 = ch * J.cw, c1 = c0 + J.cw < Kp ? c0 + J.cw : Kp;
+            float *dst = tile_amax + g * J.ngc + c0 / bc;
+            uint32_t m;
+            if (dt == DT_F32) m = block_amaxes(&J, g, c0, (c1 - c0) / bc, amax_f32, DT_F32, 4, dst);
+            else if (dt == DT_BF16) m = block_amaxes(&J, g, c0, (c1 - c0) / bc, amax_bf16, DT_BF16, 2, dst);
+            else m = block_amaxes(&J, g, c0, (c1 - c0) / bc, amax_f16, DT_F16, 2, dst);
+            all = m > all ? m : all;
         }
-    }
+    return u2f(all);
+}
+
+/* ---- Dequantize: out[r, c] = value(code) * dec_scale[block] for r < R, c < K ---------------- */
+typedef struct {
+    int32_t mag_mask, sgn_shift, mshift, rebias, magic_bits, min_normal_code, max_mag;
+    float magic;
+} dconst_t;
+
+/* Decode 8 codes arithmetically (normal: exponent rebias; subnormal: the magic-number trick in
+ * reverse); *special collects lanes above the largest finite code (NaN / inf, fixed by the LUT). */
+static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
+    const v8i mag = c & d->mag_mask, sgn = (c & ~d->mag_mask) << d->sgn_shift;
+    const v8i nrm = (mag << d->mshift) + d->rebias;
+    const v8i sub = (v8i)((v8f)(mag + d->magic_bits) - d->magic);
+    *special |= mag > d->max_mag;
+    return (v8f)(vsel(mag < d->min_normal_code, sub, nrm) | sgn);
+}
+
+static inline v8i load_codes8(const uint8_t *c) {
+#ifdef __AVX2__
+    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+#else
+    v8i v;
+    for (int k = 0; k < 8; k++) v[k] = c[k];
+    return v;
+#endif
+}
+
+/* scales: float32 decode scales (slut NULL), or 8-bit scale codes decoded as slut[code] * ts. */
+void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int bits, const elem_t *p,
+                   const float *lut, const void *scales, const float *slut, float ts, int64_t R, int64_t K,
+                   float *out, int nthreads) {
+    const int64_t ngc = Kp / bc, row_bytes = Kp * bits / 8, nsp = (K + CH - 1) / CH;
+    const int32_t m = p->man_bits;
+    const int lb = ngc == 1 ? 62 : block_shift(bc);
+    const dconst_t d = {p->sign_mask - 1, 32 - bits, 23 - m, (126 + p->emin) << 23,
+                        (int32_t)p->magic_bits, 1 << m, p->max_code & (p->sign_mask - 1), u2f(p->magic_bits)};
+#define SCALE(t) (slut ? slut[((const uint8_t *)scales)[t]] * ts : ((const float *)scales)[t])
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t sp = 0; sp < nsp; sp++) {
+            const int64_t s0 = sp * CH, n = K - s0 < CH ? K - s0 : CH; /* output columns [s0, s0 + n) */
+            const uint8_t *row = data + r * row_bytes;
+            const int64_t t0 = (r / br) * ngc; /* this row's first block */
+            uint8_t buf[CH + 32];
+            const uint8_t *codes = row + s0;
+            if (bits != 8) {
+                const int64_t g = bits == 4 ? 2 : 4, nu = (n + g - 1) / g * g; /* whole pack groups */
+                unpack_codes(row + s0 * bits / 8, nu, bits, buf);
+                codes = buf;
+            }
+            float *o = out + r * K + s0;
+            if (lb < 0) { /* blocks not 8 * 2^k wide: one column at a time */
+                for (int64_t j = 0; j < n; j++) o[j] = lut[codes[j]] * SCALE(t0 + (s0 + j) / bc);
+                continue;
+            }
+            /* sv[q]: the scale of the span's q-th block; column s0 + j lies in block (j / 8) >> lb */
+            float sv[CH / 8 + 1];
+            const int64_t fb = ngc == 1 ? 0 : s0 / bc, nbs = ngc == 1 ? 1 : (n + bc - 1) / bc;
+            for (int64_t q = 0; q < nbs; q++) sv[q] = SCALE(t0 + fb + q);
+            v8i special = {0};
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                const v8f v = dec8(load_codes8(codes + j), &d, &special) * sv[(j >> 3) >> lb];
+                memcpy(o + j, &v, 32);
+            }
+            for (; j < n; j++) o[j] = lut[codes[j]] * sv[(j >> 3) >> lb];
+            if (vany(special)) /* NaN / inf codes: from the table */
+                for (j = 0; j < n; j++)
+                    if ((codes[j] & d.mag_mask) > d.max_mag) o[j] = lut[codes[j]] * sv[(j >> 3) >> lb];
+        }
+#undef SCALE
 }

@@ -12,8 +12,8 @@ import torch
 
 from minifloat import scaling
 from minifloat.codec import sr_seed, value_table
-from minifloat.formats import E4M3, FloatFormat
-from minifloat.quantize import decode_scales, layout_for
+from minifloat.formats import E4M3, E8M0, FloatFormat
+from minifloat.quantize import layout_for
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"fp32": 0, "fp32_given": 1, "e8m0": 2, "e4m3": 3}
@@ -65,9 +65,11 @@ def library() -> ctypes.CDLL | None:
     lib.mf_amax.argtypes = [_P, _I, _L, _I, _I]
     lib.mf_quantize.restype = None
     lib.mf_quantize.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I, _I, _I, _F, _F, _F, _P, _L, _L, _F, _F, _P, _P, _I,
-                               ctypes.c_uint64, _P, _P, _I]  # fmt: skip
+                               ctypes.c_uint64, _P, _P, _P, _I]  # fmt: skip
+    lib.mf_block_amax.restype = _F
+    lib.mf_block_amax.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I]
     lib.mf_dequantize.restype = None
-    lib.mf_dequantize.argtypes = [_P, _L, _L, _L, _I, _P, _P, _L, _L, _P, _I]
+    lib.mf_dequantize.argtypes = [_P, _L, _L, _L, _I, _P, _P, _P, _P, _F, _L, _L, _P, _I]
     return lib
 
 
@@ -118,8 +120,15 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         gs_r, gs_c = given.stride()
         if scheme.granularity == "tensor":  # one scale: tile by rows so the threads share the work
             br, gs_r, gs_c = 1, 0, 0
+    tile_amax = None
     if scheme.is_nvfp4:
-        g = tensor_amax(x, ignore_nan=True) if amax is None else torch.as_tensor(amax, dtype=torch.float32)
+        if amax is None:  # first pass: block maxima (kept for the second) and the tensor amax
+            tile_amax = torch.empty(rows_pad // br, cols_pad // bc, dtype=torch.float32)
+            g = torch.tensor(lib.mf_block_amax(
+                x.data_ptr(), _DTYPES[x.dtype], lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
+                tile_amax.data_ptr(), torch.get_num_threads()), dtype=torch.float32)  # fmt: skip
+        else:
+            g = torch.as_tensor(amax, dtype=torch.float32)
         s_enc = scaling.nvfp4_global_scale(g.reshape(()))
         s_dec = 1.0 / s_enc
         tensor_scale = s_dec
@@ -133,7 +142,7 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         fmt.max, 2.0 ** -scheme.margin, float(torch.tensor(1.0 / fmt.max, dtype=torch.float32)),
         None if given is None else given.data_ptr(), gs_r, gs_c, float(s_enc), float(s_dec),
         ctypes.byref(elem_params(E4M3)), e4m3_lut.data_ptr(), int(seed is not None), seed or 0,
-        data.data_ptr(), scale_out.data_ptr(), torch.get_num_threads(),
+        None if tile_amax is None else tile_amax.data_ptr(), data.data_ptr(), scale_out.data_ptr(), torch.get_num_threads(),
     )
     if scheme.granularity == "tensor":
         scale_out = scale_out[:1, :1].clone()
@@ -145,10 +154,15 @@ def dequantize(q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=torch.float32)
     if out.numel():
         fmt = q.scheme.element_format
-        ds = decode_scales(q).float().contiguous()
-        lut = value_table(fmt, torch.float32)
+        if q.scheme.scale_format == "fp32":  # decode scales as they are
+            scales, slut, ts = q.scale.float().contiguous(), None, 1.0
+        else:  # 8-bit scale codes, decoded in the kernel: E8M0, or E4M3 times the tensor scale
+            scales = q.scale.contiguous().view(torch.uint8)
+            slut = value_table(E8M0 if q.scheme.scale_format == "e8m0" else E4M3, torch.float32)
+            ts = 1.0 if q.tensor_scale is None else float(q.tensor_scale)
         library().mf_dequantize(
             q.data.contiguous().data_ptr(), lay.cols_pad, lay.block_rows, lay.block_cols, fmt.bits,
-            lut.data_ptr(), ds.data_ptr(), lay.rows, lay.cols, out.data_ptr(), torch.get_num_threads(),
-        )
+            ctypes.byref(elem_params(fmt)), value_table(fmt, torch.float32).data_ptr(), scales.data_ptr(),
+            None if slut is None else slut.data_ptr(), ts, lay.rows, lay.cols, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
     return out if dtype == torch.float32 else out.to(dtype)
