@@ -74,12 +74,15 @@ static inline uint32_t enc_sr(float y, uint32_t rb, const elem_t *p) {
     if (a == 0x7f800000u) {
         code = p->max_code;
     } else {
-        double mag = fabs((double)y);
-        int e = 0;
-        if (mag > 0) { frexp(mag, &e); e -= 1; } else { e = p->emin; }
+        const double mag = (double)u2f(a);
+        /* floor(log2 |y|) from the bits (as frexp would give it, minus one) */
+        int e = a >= 0x00800000u ? (int)(a >> 23) - 127 : a ? 31 - __builtin_clz(a) - 149 : p->emin;
         if (e < p->emin) e = p->emin;
         if (e > p->emax) e = p->emax;
-        double r = ldexp(mag, p->man_bits - e);
+        uint64_t pb = (uint64_t)(1023 + p->man_bits - e) << 52; /* 2^(m - e), exact scaling */
+        double pw;
+        memcpy(&pw, &pb, 8);
+        double r = mag * pw;
         double cap = (double)(1 << (p->man_bits + 2));
         if (r > cap) r = cap;
         double k = floor(r);
