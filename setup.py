@@ -14,7 +14,7 @@ setup(
         Extension(
             "minifloat.kernels._cpu",
             sources=["src/minifloat/kernels/_cpu.c"],
-            extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", *arch],
+            extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi", *arch],
             extra_link_args=["-fopenmp"],
             optional=True,
         )
