@@ -478,6 +478,22 @@ static inline int block_scales8(const job_t *J, v8f amax, int64_t t, float *enc)
     return 1;
 }
 
+/* The block amax from the largest |x| bits `top` of its rows [r0, r1) and columns [cb, cb + len):
+ * top itself when finite, else the exact pass (largest finite |x|, NaN when the block holds a
+ * NaN). The block's largest finite |x| also raises *all. */
+static inline __attribute__((always_inline)) float block_result(uint32_t top, const char *x, int64_t r0, int64_t r1,
+                                                                int64_t K, int64_t cb, int64_t len, amax_fn AM,
+                                                                int esize, uint32_t *all) {
+    uint32_t best = top;
+    int nan = 0;
+    if (top >= 0x7f800000u) {
+        best = 0;
+        for (int64_t r = r0; r < r1 && len > 0; r++) AM(x + (r * K + cb) * esize, len, &best, &nan);
+    }
+    *all = best > *all ? best : *all;
+    return nan ? NAN : u2f(best);
+}
+
 /* amax[b] of the nb blocks of block row g from column c0: the largest finite |x|, NaN when the
  * block holds a NaN. Returns the largest finite |x| of the chunk as float32 bits (NaN ignored). */
 static inline __attribute__((always_inline)) uint32_t block_amaxes(const job_t *J, int64_t g, int64_t c0, int64_t nb,
@@ -497,18 +513,10 @@ static inline __attribute__((always_inline)) uint32_t block_amaxes(const job_t *
             else if (dt == DT_BF16) rowacc_bf16(xr, nf, bc, acc);
             else rowacc_f16(xr, nf, bc, acc);
         }
-        for (; b < nf; b++) {
-            uint32_t best = (uint32_t)hmax8(acc[b]);
-            int nan = 0;
-            if (best >= 0x7f800000u) { /* inf or NaN in the block: the exact path */
-                best = 0;
-                for (int64_t r = r0; r < r1; r++) AM(x + (r * K + c0 + b * bc) * esize, bc, &best, &nan);
-            }
-            amax[b] = nan ? NAN : u2f(best);
-            all = best > all ? best : all;
-        }
+        for (; b < nf; b++)
+            amax[b] = block_result((uint32_t)hmax8(acc[b]), x, r0, r1, K, c0 + b * bc, bc, AM, esize, &all);
     }
-    if (bc == 16 || bc == 32) /* 8 whole small blocks at a time; the exact path only where one is not finite */
+    if (bc == 16 || bc == 32) /* 8 whole small blocks at a time */
         for (; b + 8 <= nb && c0 + (b + 8) * bc <= K; b += 8) {
             const char *xb = x + (r0 * K + c0 + b * bc) * esize;
             /* constant widths (MX 32, NVFP4 16): unrolled, the 8 maxima stay in registers */
@@ -516,42 +524,21 @@ static inline __attribute__((always_inline)) uint32_t block_amaxes(const job_t *
                                                                 : tops8_f16(xb, W, r1 - r0, K))
             const v8i t = bc == 16 ? TOPS8(16) : TOPS8(32);
 #undef TOPS8
-            memcpy(amax + b, &t, 32);
-            if (vany(t >= 0x7f800000))
-                for (int q = 0; q < 8; q++) {
-                    if ((uint32_t)t[q] < 0x7f800000u) continue;
-                    uint32_t best = 0;
-                    int nan = 0;
-                    for (int64_t r = r0; r < r1; r++) AM(x + (r * K + c0 + (b + q) * bc) * esize, bc, &best, &nan);
-                    amax[b + q] = nan ? NAN : u2f(best);
-                    all = best > all ? best : all;
-                }
-            const v8i fin = t & (t < 0x7f800000);
-            const uint32_t m = (uint32_t)hmax8(fin);
-            all = m > all ? m : all;
+            for (int q = 0; q < 8; q++)
+                amax[b + q] = block_result((uint32_t)t[q], x, r0, r1, K, c0 + (b + q) * bc, bc, AM, esize, &all);
         }
     for (; b < nb; b++) { /* one block: whole (max of |bits| first), partial or narrow */
-        const int64_t cb = c0 + b * bc;
-        uint32_t best = 0;
-        int nan = 0;
-        if (bc % 8 == 0 && cb + bc <= K) {
+        const int64_t cb = c0 + b * bc, len = cb >= K ? 0 : (cb + bc < K ? bc : K - cb);
+        uint32_t top = 0x7f800001u; /* not known: the exact pass */
+        if (bc % 8 == 0 && len == bc) {
             v8i t = {0};
             for (int64_t r = r0; r < r1; r++) {
                 const char *xr = x + (r * K + cb) * esize;
                 t = dt == DT_F32 ? top_f32(xr, bc, t) : dt == DT_BF16 ? top_bf16(xr, bc, t) : top_f16(xr, bc, t);
             }
-            best = (uint32_t)hmax8(t);
-            if (best < 0x7f800000u) {
-                amax[b] = u2f(best);
-                all = best > all ? best : all;
-                continue;
-            }
-            best = 0;
+            top = (uint32_t)hmax8(t);
         }
-        for (int64_t r = r0; r < r1; r++)
-            if (cb < K) AM(x + (r * K + cb) * esize, (cb + bc < K ? cb + bc : K) - cb, &best, &nan);
-        amax[b] = nan ? NAN : u2f(best);
-        all = best > all ? best : all;
+        amax[b] = block_result(top, x, r0, r1, K, cb, len, AM, esize, &all);
     }
     return all;
 }
@@ -604,7 +591,9 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
             uint8_t *cd = J->bits == 8 ? dst : codes;
             const int64_t nin = r < R ? (K - s0 < n ? (K - s0 > 0 ? K - s0 : 0) : n) : 0;
             const char *src = x + (r * K + s0) * esize;
-            if (nin < n) { /* padding: zeros past the last row / column */
+            int64_t pf = ahead;
+            if (nin < n) { /* padding: zeros past the last row / column (nothing to prefetch) */
+                pf = 0;
                 for (int64_t j = 0; j < n; j++) stage[j] = j < nin ? load(x, dt, r * K + s0 + j) : 0.0f;
                 src = (const char *)stage;
             }
@@ -624,9 +613,9 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                     const int64_t o = b * step, len = n - o < step ? n - o : step;
                     const float *e = lb >= 0 ? es : es + b;
                     const int l = lb >= 0 ? lb : 62;
-                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, l, &J->k, &J->p, cd + o, ahead * 4);
-                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, ahead * 2);
-                    else encode_f16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, ahead * 2);
+                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, l, &J->k, &J->p, cd + o, pf * 4);
+                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, pf * 2);
+                    else encode_f16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, pf * 2);
                 }
             }
             if (J->bits != 8) pack_codes(codes, n, J->bits, dst);
