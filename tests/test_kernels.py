@@ -120,6 +120,33 @@ def test_given_scale_amax_and_margin():
         assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
 
 
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [
+        ("nvfp4", {"amax": torch.tensor(1e30)}),  # block scales underflow to 0: inf * 0
+        ("fp8", {"scale": torch.tensor(0.0)}),
+        ("fp8", {"scale": torch.tensor(float("inf"))}),  # 0 * inf
+        ("fp8", {}),  # tensor scale from the kernel's own amax: inf and no NaN
+        ("fp8_rowwise", {}),
+        ("mxfp8", {}),
+        ("nvfp4", {}),
+    ],
+)
+def test_nan_products_are_found(name, kw):
+    """The kernels look for NaN lanes only where x * scale can be NaN (a NaN in x, a scale of 0,
+    inf or NaN); products of inf and 0 scales, and inf inputs under finite scales, in the
+    vector loop (not only in the scalar tail)."""
+    x = torch.randn(4, 4096)
+    x[1, 100] = float("inf")
+    x[2, 1000:1032] = 0
+    x[2, 1010] = -float("inf")
+    x[3, 3000:3100] = 0
+    scheme = get_scheme(name)
+    assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
+    if kw and scheme.element_format.nan_code is not None:  # FP4 has no NaN: inf * 0 saturates to 0
+        assert cpu.dequantize(cpu.quantize(x, scheme, **kw)).isnan().any()
+
+
 def test_amax_kernel():
     x = special_input((1000,), torch.float32, seed=3)
     assert torch.isnan(cpu.tensor_amax(x))

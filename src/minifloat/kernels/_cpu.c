@@ -247,23 +247,87 @@ static void unpack_codes(const uint8_t *in, int64_t n, int bits, uint8_t *c) {
 /* ---- Element encoding, 8 lanes: the same integer recipe as enc_rne, except that NaN lanes
  * come out saturated; callers track the largest |bits| and fix NaN lanes afterwards. */
 typedef struct {
-    int32_t shift, sgn_shift, round, magic_bits, min_normal, max_code, sign_mask;
+    int32_t shift, sgn_shift, round, magic_bits, min_normal, max_code, sign_mask, byte_shift;
     float magic;
 } vconst_t;
 
 static vconst_t vconst(const elem_t *p, int bits) {
     const int32_t shift = 23 - p->man_bits;
     return (vconst_t){shift, 32 - bits, (int32_t)(p->rebias + (1u << (shift - 1)) - 1), (int32_t)p->magic_bits,
-                      (int32_t)p->min_normal_bits, p->max_code, p->sign_mask, u2f(p->magic_bits)};
+                      (int32_t)p->min_normal_bits, p->max_code, p->sign_mask, 8 - bits, u2f(p->magic_bits)};
+}
+
+/* The code of |y| from its bits a (no sign). */
+static inline __attribute__((always_inline)) v8i enc8_mag(v8i a, const vconst_t *k) {
+    const v8i sub = (v8i)((v8f)a + k->magic) - k->magic_bits;
+    const v8i nrm = (a + k->round + ((a >> k->shift) & 1)) >> k->shift;
+    return vmin(vsel(a < k->min_normal, sub, nrm), (v8i){0} + k->max_code);
 }
 
 static inline __attribute__((always_inline)) v8i enc8(v8f y, const vconst_t *k, v8i *top) {
     const v8i u = (v8i)y, a = u & 0x7fffffff;
     *top = vmax(*top, a);
-    const v8i sub = (v8i)((v8f)a + k->magic) - k->magic_bits;
-    const v8i nrm = (a + k->round + ((a >> k->shift) & 1)) >> k->shift;
-    const v8i c = vmin(vsel(a < k->min_normal, sub, nrm), (v8i){0} + k->max_code);
-    return c | ((v8i)((v8u)u >> k->sgn_shift) & k->sign_mask);
+    return enc8_mag(a, k) | ((v8i)((v8u)u >> k->sgn_shift) & k->sign_mask);
+}
+
+/* 32 codes in order from the magnitude codes m0-m3 and the float bits u0-u3 they take their signs
+ * from. AVX2: the signs come from saturating packs of the bits themselves (a negative int32 stays
+ * negative down to int8), so they cost 5 operations per 32 codes instead of 3 per 8. */
+static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m2, v8i m3, v8i u0, v8i u1, v8i u2,
+                                                           v8i u3, const vconst_t *k, uint8_t *dst) {
+#ifdef __AVX2__
+    const __m256i y = _mm256_packus_epi16(_mm256_packus_epi32((__m256i)m0, (__m256i)m1),
+                                          _mm256_packus_epi32((__m256i)m2, (__m256i)m3));
+    const __m256i neg = _mm256_packs_epi16(_mm256_packs_epi32((__m256i)u0, (__m256i)u1),
+                                           _mm256_packs_epi32((__m256i)u2, (__m256i)u3));
+    /* bit 7 of each byte is the sign; sub-byte formats want it at bit (bits - 1) */
+    const __m256i sg = _mm256_srl_epi16(_mm256_and_si256(neg, _mm256_set1_epi8((char)0x80)),
+                                        _mm_cvtsi32_si128(k->byte_shift));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(_mm256_or_si256(y, sg),
+                                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+#define SIGNED(m, u) ((m) | ((v8i)((v8u)(u) >> k->sgn_shift) & k->sign_mask))
+    store32(SIGNED(m0, u0), SIGNED(m1, u1), SIGNED(m2, u2), SIGNED(m3, u3), dst);
+#undef SIGNED
+#endif
+}
+
+/* Encode 32 elements from x + j (loader LD, block scales enc[(j / 8) >> lb]) into codes + j; with
+ * TRACK, the largest |bits| into top (to find NaN lanes, which come out saturated). */
+#define ENC32(LD, TRACK)                                                                           \
+    for (; j + 32 <= n; j += 32) {                                                                 \
+        if (ahead) { /* the next chunk's lines, so that its amax pass finds them in cache */        \
+            __builtin_prefetch((const char *)(x + j) + ahead);                                      \
+            if (sizeof(*x) == 4) __builtin_prefetch((const char *)(x + j) + ahead + 64);            \
+        }                                                                                          \
+        const v8i u0 = (v8i)(LD(x, j) * enc[(j >> 3) >> lb]);                                      \
+        const v8i u1 = (v8i)(LD(x, j + 8) * enc[((j >> 3) + 1) >> lb]);                            \
+        const v8i u2 = (v8i)(LD(x, j + 16) * enc[((j >> 3) + 2) >> lb]);                           \
+        const v8i u3 = (v8i)(LD(x, j + 24) * enc[((j >> 3) + 3) >> lb]);                           \
+        const v8i a0 = u0 & 0x7fffffff, a1 = u1 & 0x7fffffff, a2 = u2 & 0x7fffffff, a3 = u3 & 0x7fffffff; \
+        if (TRACK) top = vmax(top, vmax(vmax(a0, a1), vmax(a2, a3)));                              \
+        store32s(enc8_mag(a0, k), enc8_mag(a1, k), enc8_mag(a2, k), enc8_mag(a3, k), u0, u1, u2, u3, k, \
+                 codes + j);                                                                       \
+    }
+
+typedef struct {
+    int32_t mag_mask, sgn_shift, mshift, rebias, magic_bits, min_normal_code, max_mag;
+    float magic;
+} dconst_t;
+
+static dconst_t dconst(const elem_t *p, int bits) {
+    return (dconst_t){p->sign_mask - 1, 32 - bits, 23 - p->man_bits, (126 + p->emin) << 23, (int32_t)p->magic_bits,
+                      1 << p->man_bits, p->max_code & (p->sign_mask - 1), u2f(p->magic_bits)};
+}
+
+/* Decode 8 codes arithmetically (normal: exponent rebias; subnormal: the magic-number trick in
+ * reverse); *special collects lanes above the largest finite code (NaN / inf, fixed by the LUT). */
+static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
+    const v8i mag = c & d->mag_mask, sgn = (c & ~d->mag_mask) << d->sgn_shift;
+    const v8i nrm = (mag << d->mshift) + d->rebias;
+    const v8i sub = (v8i)((v8f)(mag + d->magic_bits) - d->magic);
+    *special |= mag > d->max_mag;
+    return (v8f)(vsel(mag < d->min_normal_code, sub, nrm) | sgn);
 }
 
 /* ---- Per input dtype: loads, block maxima, the encode loop ------------------------------- */
@@ -325,26 +389,16 @@ static inline __attribute__((always_inline)) v8i enc8(v8f y, const vconst_t *k, 
     /* codes[j] = enc_rne(x[j] * enc[(j / 8) >> lb]) for j < n: blocks of 8 << lb columns. */                                       \
     static inline __attribute__((always_inline)) void encode_##NAME(                             \
         const void *xv, int64_t n, const float *enc, int lb, const vconst_t *k, const elem_t *p,         \
-        uint8_t *restrict codes, int64_t ahead) {                                                  \
+        uint8_t *restrict codes, int64_t ahead, int track) {                                       \
         const T *x = (const T *)xv;                                                               \
         const vconst_t kc = *k; /* a local copy: byte stores may alias *k, and would reload it */ \
         k = &kc;                                                                                  \
         v8i top = {0};                                                                            \
         int64_t j = 0;                                                                            \
-        for (; j + 32 <= n; j += 32) {                                                            \
-            if (ahead) { /* the next chunk's lines, so that its amax pass finds them in cache */   \
-                __builtin_prefetch((const char *)(x + j) + ahead);                                 \
-                if (sizeof(T) == 4) __builtin_prefetch((const char *)(x + j) + ahead + 64);         \
-            }                                                                                     \
-            const v8i c0 = enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top);                          \
-            const v8i c1 = enc8(ld8_##NAME(x, j + 8) * enc[((j >> 3) + 1) >> lb], k, &top);                \
-            const v8i c2 = enc8(ld8_##NAME(x, j + 16) * enc[((j >> 3) + 2) >> lb], k, &top);               \
-            const v8i c3 = enc8(ld8_##NAME(x, j + 24) * enc[((j >> 3) + 3) >> lb], k, &top);               \
-            store32(c0, c1, c2, c3, codes + j);                                                   \
-        }                                                                                         \
+        if (track) ENC32(ld8_##NAME, 1) else ENC32(ld8_##NAME, 0)                                \
         for (; j + 8 <= n; j += 8) store8(enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top), codes + j); \
         for (; j < n; j++) codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);        \
-        if (hmax8(top) > 0x7f800000) /* a NaN lane (x, or 0 * inf): NaN encodes canonically */     \
+        if (track && hmax8(top) > 0x7f800000) /* a NaN lane (x, or 0 * inf): NaN is canonical */   \
             for (j = 0; j < n; j++)                                                               \
                 if (isnan(ld1_##NAME(x, j) * enc[(j >> 3) >> lb])) codes[j] = (uint8_t)p->nan_code;       \
     }
@@ -384,7 +438,8 @@ typedef struct {
     int64_t R, K, Kp, br, bc, ngc, row_bytes, cw;
     elem_t p, e4m3;
     vconst_t k, k4m3;
-    int bits, mode, rule, sr;
+    dconst_t d4m3;
+    int bits, mode, rule, sr, no_nan; /* no_nan: the caller knows x holds no NaN */
     float fmt_max, margin_mul, inv_max, s_enc, s_dec;
     const float *given, *e4m3_lut, *tile_amax; /* tile_amax: block maxima from mf_block_amax, or NULL */
     int64_t gs_r, gs_c;
@@ -465,14 +520,10 @@ static inline int block_scales8(const job_t *J, v8f amax, int64_t t, float *enc)
         v8i top = {0};
         const v8i code = vsel(isnan_, (v8i){0} + J->e4m3.nan_code, enc8(s, &J->k4m3, &top));
         store8(code, (uint8_t *)J->scale_out + t);
-        v8f dec;
-#ifdef __AVX2__
-        dec = _mm256_i32gather_ps(J->e4m3_lut, (__m256i)code, 4);
-#else
-        for (int q = 0; q < 8; q++) dec[q] = J->e4m3_lut[code[q]];
-#endif
-        dec = dec * J->s_dec;
+        v8i special = {0}; /* the NaN code: NaN lanes are set below */
+        const v8f dec = dec8(code, &J->d4m3, &special) * J->s_dec;
         e = (v8f)vsel(dec == 0.0f, (v8i){0}, (v8i)(1.0f / dec));
+        e = (v8f)vsel(isnan_, (v8i)((v8f){0} + NAN), (v8i)e);
     }
     memcpy(enc, &e, 32);
     return 1;
@@ -502,6 +553,7 @@ static inline __attribute__((always_inline)) uint32_t block_amaxes(const job_t *
     const int64_t r0 = g * br, r1 = r0 + br < R ? r0 + br : R; /* rows >= R are padding */
     const char *x = (const char *)J->x;
     uint32_t all = 0;
+    v8i fin = {0}; /* the largest of the all-finite groups of 8 blocks */
     int64_t b = 0;
     if (br > 1 && bc % 8 == 0 && K > c0) { /* 2-D: read the rows once, in order; one accumulator per block */
         const int64_t nf = (K - c0) / bc < nb ? (K - c0) / bc : nb; /* whole blocks */
@@ -524,9 +576,14 @@ static inline __attribute__((always_inline)) uint32_t block_amaxes(const job_t *
                                                                 : tops8_f16(xb, W, r1 - r0, K))
             const v8i t = bc == 16 ? TOPS8(16) : TOPS8(32);
 #undef TOPS8
-            for (int q = 0; q < 8; q++)
-                amax[b + q] = block_result((uint32_t)t[q], x, r0, r1, K, c0 + (b + q) * bc, bc, AM, esize, &all);
+            if (!vany(t > 0x7f7fffff)) { /* all finite: the maxima are the amaxes */
+                memcpy(amax + b, &t, 32);
+                fin = vmax(fin, t);
+            } else
+                for (int q = 0; q < 8; q++)
+                    amax[b + q] = block_result((uint32_t)t[q], x, r0, r1, K, c0 + (b + q) * bc, bc, AM, esize, &all);
         }
+    all = (uint32_t)hmax8(fin) > all ? (uint32_t)hmax8(fin) : all;
     for (; b < nb; b++) { /* one block: whole (max of |bits| first), partial or narrow */
         const int64_t cb = c0 + b * bc, len = cb >= K ? 0 : (cb + bc < K ? bc : K - cb);
         uint32_t top = 0x7f800001u; /* not known: the exact pass */
@@ -541,6 +598,13 @@ static inline __attribute__((always_inline)) uint32_t block_amaxes(const job_t *
         amax[b] = block_result(top, x, r0, r1, K, cb, len, AM, esize, &all);
     }
     return all;
+}
+
+/* Whether some encode scale is 0, inf or NaN: only then (or with a NaN in x) can x * scale be NaN. */
+static int any_unsafe(const float *enc, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (f2u(enc[i]) & 0x7fffffffu) - 1u >= 0x7f7fffffu;
+    return (int)bad;
 }
 
 /* One chunk: the blocks [c0, c0 + cw) of block row g — amax, scales, encode, pack. */
@@ -571,6 +635,9 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
         for (; b < nb; b++) enc[b] = block_scale(J, amax[b], t0 + b);
     }
 
+    /* NaN lanes need finding only if x * scale can be NaN: a NaN in x (which makes its block's
+     * computed scale NaN), or a scale of 0, inf or NaN (0 * inf, inf * 0). */
+    const int track = (J->mode == SC_FP32_GIVEN && !J->no_nan) || any_unsafe(enc, nb);
     float stage[CH];
     uint8_t codes[CH];
     /* When the next chunk starts with an amax pass, prefetch it while encoding this one: the
@@ -613,9 +680,9 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                     const int64_t o = b * step, len = n - o < step ? n - o : step;
                     const float *e = lb >= 0 ? es : es + b;
                     const int l = lb >= 0 ? lb : 62;
-                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, l, &J->k, &J->p, cd + o, pf * 4);
-                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, pf * 2);
-                    else encode_f16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, pf * 2);
+                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, l, &J->k, &J->p, cd + o, pf * 4, track);
+                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, pf * 2, track);
+                    else encode_f16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, pf * 2, track);
                 }
             }
             if (J->bits != 8) pack_codes(codes, n, J->bits, dst);
@@ -643,10 +710,11 @@ void mf_quantize(const void *x, int dt, int64_t R, int64_t K, int64_t Rp, int64_
                  int64_t br, int64_t bc, const elem_t *p, int bits, int mode, int rule,
                  float fmt_max, float margin_mul, float inv_max, const float *given, int64_t gs_r,
                  int64_t gs_c, float s_enc, float s_dec, const elem_t *e4m3, const float *e4m3_lut,
-                 int sr, uint64_t seed, const float *tile_amax, uint8_t *out, void *scale_out, int nthreads) {
+                 int sr, uint64_t seed, const float *tile_amax, int no_nan, uint8_t *out, void *scale_out,
+                 int nthreads) {
     const int64_t cw = chunk_width(br, bc);
     job_t J = {x, dt, R, K, Kp, br, bc, Kp / bc, Kp * bits / 8, cw,
-               *p, *e4m3, vconst(p, bits), vconst(e4m3, 8), bits, mode, rule, sr,
+               *p, *e4m3, vconst(p, bits), vconst(e4m3, 8), dconst(e4m3, 8), bits, mode, rule, sr, no_nan,
                fmt_max, margin_mul, inv_max, s_enc, s_dec, given, e4m3_lut, tile_amax, gs_r, gs_c, block_shift(bc),
                seed, out, scale_out};
     const int64_t ngr = Rp / br, nch = (Kp + J.cw - 1) / J.cw;
@@ -684,21 +752,6 @@ float mf_block_amax(const void *x, int dt, int64_t R, int64_t K, int64_t Rp, int
 }
 
 /* ---- Dequantize: out[r, c] = value(code) * dec_scale[block] for r < R, c < K ---------------- */
-typedef struct {
-    int32_t mag_mask, sgn_shift, mshift, rebias, magic_bits, min_normal_code, max_mag;
-    float magic;
-} dconst_t;
-
-/* Decode 8 codes arithmetically (normal: exponent rebias; subnormal: the magic-number trick in
- * reverse); *special collects lanes above the largest finite code (NaN / inf, fixed by the LUT). */
-static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
-    const v8i mag = c & d->mag_mask, sgn = (c & ~d->mag_mask) << d->sgn_shift;
-    const v8i nrm = (mag << d->mshift) + d->rebias;
-    const v8i sub = (v8i)((v8f)(mag + d->magic_bits) - d->magic);
-    *special |= mag > d->max_mag;
-    return (v8f)(vsel(mag < d->min_normal_code, sub, nrm) | sgn);
-}
-
 static inline v8i load_codes8(const uint8_t *c) {
 #ifdef __AVX2__
     return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
@@ -714,10 +767,8 @@ void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int 
                    const float *lut, const void *scales, const float *slut, float ts, int64_t R, int64_t K,
                    float *out, int nthreads) {
     const int64_t ngc = Kp / bc, row_bytes = Kp * bits / 8, nsp = (K + CH - 1) / CH;
-    const int32_t m = p->man_bits;
     const int lb = ngc == 1 ? 62 : block_shift(bc);
-    const dconst_t d = {p->sign_mask - 1, 32 - bits, 23 - m, (126 + p->emin) << 23,
-                        (int32_t)p->magic_bits, 1 << m, p->max_code & (p->sign_mask - 1), u2f(p->magic_bits)};
+    const dconst_t d = dconst(p, bits);
 #define SCALE(t) (slut ? slut[((const uint8_t *)scales)[t]] * ts : ((const float *)scales)[t])
 #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
     for (int64_t r = 0; r < R; r++)

@@ -65,7 +65,7 @@ def library() -> ctypes.CDLL | None:
     lib.mf_amax.argtypes = [_P, _I, _L, _I, _I]
     lib.mf_quantize.restype = None
     lib.mf_quantize.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I, _I, _I, _F, _F, _F, _P, _L, _L, _F, _F, _P, _P, _I,
-                               ctypes.c_uint64, _P, _P, _P, _I]  # fmt: skip
+                               ctypes.c_uint64, _P, _I, _P, _P, _I]  # fmt: skip
     lib.mf_block_amax.restype = _F
     lib.mf_block_amax.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I]
     lib.mf_dequantize.restype = None
@@ -115,11 +115,14 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         elif amax is not None:
             enc = scaling.fp32_scale(_grid_scale(amax, lay, "amax"), fmt, scheme.margin)
         else:
-            enc = scaling.fp32_scale(tensor_amax(x), fmt, scheme.margin).reshape(1, 1)
+            a = tensor_amax(x)  # NaN when x holds one; finite: x holds none
+            no_nan = int(bool(torch.isfinite(a)))
+            enc = scaling.fp32_scale(a, fmt, scheme.margin).reshape(1, 1)
         mode, given = _MODES["fp32_given"], enc.contiguous()
         gs_r, gs_c = given.stride()
         if scheme.granularity == "tensor":  # one scale: tile by rows so the threads share the work
             br, gs_r, gs_c = 1, 0, 0
+    no_nan = 0
     tile_amax = None
     if scheme.is_nvfp4:
         if amax is None:  # first pass: block maxima (kept for the second) and the tensor amax
@@ -142,7 +145,7 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         fmt.max, 2.0 ** -scheme.margin, float(torch.tensor(1.0 / fmt.max, dtype=torch.float32)),
         None if given is None else given.data_ptr(), gs_r, gs_c, float(s_enc), float(s_dec),
         ctypes.byref(elem_params(E4M3)), e4m3_lut.data_ptr(), int(seed is not None), seed or 0,
-        None if tile_amax is None else tile_amax.data_ptr(), data.data_ptr(), scale_out.data_ptr(), torch.get_num_threads(),
+        None if tile_amax is None else tile_amax.data_ptr(), no_nan, data.data_ptr(), scale_out.data_ptr(), torch.get_num_threads(),
     )
     if scheme.granularity == "tensor":
         scale_out = scale_out[:1, :1].clone()
