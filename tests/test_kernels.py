@@ -45,10 +45,11 @@ def test_fast_equals_reference(name, shape, dtype):
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
-@pytest.mark.parametrize("shape", [(3, 4500), (300, 520)])
+@pytest.mark.parametrize("shape", [(3, 4500), (300, 520), (17, 16500)])
 def test_fast_equals_reference_across_spans_and_chunks(name, shape):
     """Rows longer than the kernels' 2048-column span, and several column chunks per block row
-    (2-D blocks are processed 256 columns at a time); NaN / inf / zero blocks far from the start."""
+    (2-D bands are 2^18 / block_rows columns wide: 2048 for 128x128, 16384 for 16x16 blocks);
+    NaN / inf / zero blocks far from the start."""
     x = special_input(shape, torch.float32, seed=11)
     flat = x.view(-1)
     flat[2100:2140] = 0
@@ -145,6 +146,20 @@ def test_nan_products_are_found(name, kw):
     assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
     if kw and scheme.element_format.nan_code is not None:  # FP4 has no NaN: inf * 0 saturates to 0
         assert cpu.dequantize(cpu.quantize(x, scheme, **kw)).isnan().any()
+
+
+@pytest.mark.parametrize("where", [5, 65536 + 3, 70003 - 2])  # first chunk, second chunk, the tail
+@pytest.mark.parametrize("special", [float("inf"), float("nan")])
+def test_amax_kernel_special_values_anywhere(where, special):
+    """The amax kernel takes the largest |bits| first and the exact pass only for a 64Ki-element
+    chunk that holds inf or NaN: specials in any chunk, and in the tail past the last 8 elements."""
+    x = torch.randn(70003)
+    x[where] = special
+    finite = x.abs()[torch.isfinite(x)].max()
+    assert cpu.tensor_amax(x, ignore_nan=True).item() == finite.item()
+    assert torch.isnan(cpu.tensor_amax(x)) == (special != special)
+    if special == special:
+        assert cpu.tensor_amax(x).item() == finite.item()
 
 
 def test_amax_kernel():
