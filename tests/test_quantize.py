@@ -142,6 +142,8 @@ def test_given_scale_and_amax_are_the_delayed_path():
         quantize(x, "mxfp8", scale=1.0)
     with pytest.raises(MinifloatError, match=r"scale of shape \(3,\) does not fit the scale grid \(8, 1\)"):
         quantize(x, "fp8_rowwise", scale=torch.ones(3))
+    with pytest.raises(MinifloatError, match=r"amax= for nvfp4 is the tensor amax, one value; got shape \(3,\)"):
+        quantize(x, "nvfp4", amax=torch.ones(3))
 
 
 def test_stochastic_rounding_is_unbiased_and_reproducible():

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from minifloat import AmaxHistory, MinifloatError, get_format, scale_from_amax
-from minifloat.scaling import e8m0_exponent, finite_amax, fp32_scale, nvfp4_global_scale
+from minifloat.scaling import (
+    e8m0_exponent,
+    finite_amax,
+    fp32_scale,
+    fp32_scale_scalar,
+    nvfp4_global_scale,
+    nvfp4_global_scale_scalar,
+)
 
 E4M3, E2M1 = get_format("e4m3"), get_format("e2m1")
 
@@ -45,6 +52,31 @@ def test_nvfp4_global_scale():
     assert nvfp4_global_scale(torch.tensor(2688.0)).item() == 1.0
     assert nvfp4_global_scale(torch.tensor(0.0)).item() == 1.0
     assert nvfp4_global_scale(torch.tensor(1e-44)).item() == torch.finfo(torch.float32).max
+
+
+def float32_sweep() -> torch.Tensor:
+    """Non-negative float32 amaxes: random bit patterns over the whole range (subnormals
+    included), and the edges: 0, the smallest subnormal, FLT_MAX, inf, NaN."""
+    bits = torch.randint(0, 0x7F800000, (4000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    edges = torch.tensor([0.0, 1e-45, 1.1754942e-38, 1.0, 448.0, 2688.0, 3.4028235e38, math.inf, math.nan])
+    return torch.cat([bits.to(torch.int32).view(torch.float32), edges])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e3m2", "e2m1"])
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_scalar_fp32_scale_equals_the_tensor_rule(fmt, margin):
+    """The kernels' per-call scalar versions of the rules give the tensor rules' float32 bits."""
+    amax = float32_sweep()
+    want = fp32_scale(amax, get_format(fmt), margin)
+    got = torch.tensor([fp32_scale_scalar(a, get_format(fmt), margin) for a in amax.tolist()], dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_scalar_nvfp4_global_scale_equals_the_tensor_rule():
+    amax = float32_sweep()
+    want = nvfp4_global_scale(amax)
+    got = torch.tensor([nvfp4_global_scale_scalar(a) for a in amax.tolist()], dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_finite_amax():

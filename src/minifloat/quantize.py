@@ -181,6 +181,11 @@ def quantize(
         )
     if amax is not None and scheme.is_mx:
         raise MinifloatError(f"amax= does not apply to {scheme.name}: MX scales come from each block's amax")
+    if amax is not None and scheme.is_nvfp4 and torch.as_tensor(amax).numel() != 1:
+        raise MinifloatError(
+            f"amax= for {scheme.name} is the tensor amax, one value; got shape {tuple(torch.as_tensor(amax).shape)} "
+            f"(the block scales come from each block's amax)"
+        )
     from minifloat import kernels
 
     impl = kernels.quantize_impl(x)

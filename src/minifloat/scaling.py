@@ -25,6 +25,7 @@ NaN-propagating except for the NVFP4 tensor amax, which skips NaN so that a NaN 
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,48 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     s = torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=amax.device) / amax
     s = s.clamp_max(FLOAT32_MAX)
     return torch.where((amax == 0) | (s == 0), 1.0, s)
+
+
+def as_float32(v: float) -> float:
+    """`v` rounded to float32 (to nearest even; beyond the range: ±inf), as a Python float.
+
+    One float32 operation done in float64 and rounded once gives the float32 result bit for
+    bit (+, -, *, / of float32 operands: 53 >= 2·24 + 2 bits), which is how the scalar rules
+    below equal their tensor versions.
+
+    Example:
+        >>> as_float32(0.1), as_float32(1e39)
+        (0.10000000149011612, inf)
+    """
+    return ctypes.c_float(v).value
+
+
+def fp32_scale_scalar(amax: float, fmt: FloatFormat, margin: int = 0) -> float:
+    """`fp32_scale` of one float32 amax without tensor operations (the per-call cost of a
+    just-in-time tensor scale in the CPU kernels).
+
+    Example:
+        >>> fp32_scale_scalar(3.5, get_format("e4m3")), fp32_scale_scalar(0.0, get_format("e4m3"))
+        (128.0, 1.0)
+    """
+    if amax == 0:
+        return 1.0
+    s = as_float32(as_float32(fmt.max / amax) * as_float32(math.ldexp(1.0, -margin)))  # NaN amax: NaN
+    return FLOAT32_MAX if math.isinf(s) else s
+
+
+def nvfp4_global_scale_scalar(amax: float) -> float:
+    """`nvfp4_global_scale` of one float32 amax without tensor operations.
+
+    Example:
+        >>> nvfp4_global_scale_scalar(2688.0), nvfp4_global_scale_scalar(0.0)
+        (1.0, 1.0)
+    """
+    if amax == 0:
+        return 1.0
+    s = as_float32(NVFP4_GLOBAL_NUMERATOR / amax)
+    s = FLOAT32_MAX if s > FLOAT32_MAX else s  # NaN stays NaN, as clamp_max keeps it
+    return 1.0 if s == 0 else s
 
 
 def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:

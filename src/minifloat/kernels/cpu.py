@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import math
 import warnings
 
 import torch
@@ -89,6 +90,20 @@ def tensor_amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32)
 
 
+@functools.cache
+def _scheme_args(scheme) -> tuple:
+    """mf_quantize's per-scheme arguments, from the element format's parameters to the
+    E4M3 table (held here, so its pointer stays valid): built once per scheme."""
+    fmt = scheme.element_format
+    lut = value_table(E4M3, torch.float32)
+    return (
+        (ctypes.byref(elem_params(fmt)), fmt.bits, _MODES[scheme.scale_format], int(scheme.scale_rule != "floor"),
+         fmt.max, math.ldexp(1.0, -scheme.margin), scaling.as_float32(1.0 / fmt.max)),
+        (ctypes.byref(elem_params(E4M3)), lut.data_ptr()),
+        lut,
+    )
+
+
 def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=None):
     from minifloat.quantize import _grid_scale
     from minifloat.tensor import QuantizedTensor
@@ -101,52 +116,54 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
     fmt = scheme.element_format
     lay = layout_for(x.shape, scheme)
     x = x.contiguous()
+    dt, threads = _DTYPES[x.dtype], torch.get_num_threads()
     rows_pad, cols_pad = lay.rows_pad, lay.cols_pad
     data = torch.empty(rows_pad, cols_pad * fmt.bits // 8, dtype=torch.uint8)
     br, bc = lay.block_rows, lay.block_cols
-    mode = _MODES[scheme.scale_format]
-    given = None
+    (elem, bits, mode, rule, fmt_max, margin_mul, inv_max), e4m3_args, _ = _scheme_args(scheme)
+    given = None  # the encode scale(s) when known before the pass: a tensor, or one ctypes float
     gs_r = gs_c = 0
-    s_enc = s_dec = torch.tensor(1.0)
+    s_enc = s_dec = 1.0
+    no_nan = 0  # 1: x is known to hold no NaN, so the kernel need not look for NaN lanes
     tensor_scale = None
     if scheme.scale_format == "fp32" and (scale is not None or amax is not None or scheme.granularity == "tensor"):
         if scale is not None:
-            enc = _grid_scale(scale, lay, "scale")
+            given = _grid_scale(scale, lay, "scale")
         elif amax is not None:
-            enc = scaling.fp32_scale(_grid_scale(amax, lay, "amax"), fmt, scheme.margin)
-        else:
-            a = tensor_amax(x)  # NaN when x holds one; finite: x holds none
-            no_nan = int(bool(torch.isfinite(a)))
-            enc = scaling.fp32_scale(a, fmt, scheme.margin).reshape(1, 1)
-        mode, given = _MODES["fp32_given"], enc.contiguous()
-        gs_r, gs_c = given.stride()
+            given = scaling.fp32_scale(_grid_scale(amax, lay, "amax"), fmt, scheme.margin)
+        else:  # just in time: the tensor amax (NaN when x holds one), then its scale
+            a = lib.mf_amax(x.data_ptr(), dt, x.numel(), 0, threads)
+            no_nan = int(not math.isnan(a))
+            given = ctypes.c_float(scaling.fp32_scale_scalar(a, fmt, scheme.margin))
+        if isinstance(given, torch.Tensor):
+            gs_r, gs_c = given.stride()
+        mode = _MODES["fp32_given"]
         if scheme.granularity == "tensor":  # one scale: tile by rows so the threads share the work
             br, gs_r, gs_c = 1, 0, 0
-    no_nan = 0
     tile_amax = None
     if scheme.is_nvfp4:
         if amax is None:  # first pass: block maxima (kept for the second) and the tensor amax
             tile_amax = torch.empty(rows_pad // br, cols_pad // bc, dtype=torch.float32)
-            g = torch.tensor(lib.mf_block_amax(
-                x.data_ptr(), _DTYPES[x.dtype], lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
-                tile_amax.data_ptr(), torch.get_num_threads()), dtype=torch.float32)  # fmt: skip
+            g = lib.mf_block_amax(x.data_ptr(), dt, lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
+                                  tile_amax.data_ptr(), threads)  # fmt: skip
         else:
-            g = torch.as_tensor(amax, dtype=torch.float32)
-        s_enc = scaling.nvfp4_global_scale(g.reshape(()))
-        s_dec = 1.0 / s_enc
-        tensor_scale = s_dec
+            g = float(torch.as_tensor(amax, dtype=torch.float32))
+        s_enc = scaling.nvfp4_global_scale_scalar(g)
+        s_dec = scaling.as_float32(1.0 / s_enc)
+        tensor_scale = torch.tensor(s_dec, dtype=torch.float32)
     grid = (rows_pad // br, cols_pad // bc)
     scale_out = torch.empty(grid, dtype=torch.float32 if scheme.scale_format == "fp32" else torch.uint8)
     seed = sr_seed(generator) if rounding == "stochastic" else None
-    e4m3_lut = value_table(E4M3, torch.float32)
+    if isinstance(given, torch.Tensor):
+        given_ptr = given.data_ptr()
+    else:
+        given_ptr = None if given is None else ctypes.addressof(given)
     lib.mf_quantize(
-        x.data_ptr(), _DTYPES[x.dtype], lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
-        ctypes.byref(elem_params(fmt)), fmt.bits, mode, 0 if scheme.scale_rule == "floor" else 1,
-        fmt.max, 2.0 ** -scheme.margin, float(torch.tensor(1.0 / fmt.max, dtype=torch.float32)),
-        None if given is None else given.data_ptr(), gs_r, gs_c, float(s_enc), float(s_dec),
-        ctypes.byref(elem_params(E4M3)), e4m3_lut.data_ptr(), int(seed is not None), seed or 0,
-        None if tile_amax is None else tile_amax.data_ptr(), no_nan, data.data_ptr(), scale_out.data_ptr(), torch.get_num_threads(),
-    )
+        x.data_ptr(), dt, lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
+        elem, bits, mode, rule, fmt_max, margin_mul, inv_max, given_ptr, gs_r, gs_c, s_enc, s_dec,
+        *e4m3_args, int(seed is not None), seed or 0,
+        None if tile_amax is None else tile_amax.data_ptr(), no_nan, data.data_ptr(), scale_out.data_ptr(), threads,
+    )  # fmt: skip
     if scheme.granularity == "tensor":
         scale_out = scale_out[:1, :1].clone()
     return QuantizedTensor(data, scale_out, tensor_scale, x.shape, scheme, x.dtype)
