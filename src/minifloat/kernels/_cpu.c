@@ -296,7 +296,7 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
  * TRACK, the largest |bits| into top (to find NaN lanes, which come out saturated). */
 #define ENC32(LD, TRACK)                                                                           \
     for (; j + 32 <= n; j += 32) {                                                                 \
-        if (ahead) { /* the next chunk's lines, so that its amax pass finds them in cache */        \
+        if (ahead) { /* the next chunk's lines, so that its first read finds them in cache */      \
             __builtin_prefetch((const char *)(x + j) + ahead);                                      \
             if (sizeof(*x) == 4) __builtin_prefetch((const char *)(x + j) + ahead + 64);            \
         }                                                                                          \

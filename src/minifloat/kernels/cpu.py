@@ -83,11 +83,14 @@ def supports(x: torch.Tensor) -> bool:
     return x.dtype in _DTYPES and runs_on(x.device)
 
 
+def amax_value(x: torch.Tensor, *, ignore_nan: bool = False) -> float:
+    """`scaling.finite_amax` of a whole (contiguous) tensor in one parallel pass, as a float."""
+    return library().mf_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), int(ignore_nan), torch.get_num_threads())
+
+
 def tensor_amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
     """`scaling.finite_amax` of a whole tensor in one parallel pass."""
-    x = x.contiguous()
-    v = library().mf_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), int(ignore_nan), torch.get_num_threads())
-    return torch.tensor(v, dtype=torch.float32)
+    return torch.tensor(amax_value(x.contiguous(), ignore_nan=ignore_nan), dtype=torch.float32)
 
 
 @functools.cache
@@ -121,7 +124,7 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
     data = torch.empty(rows_pad, cols_pad * fmt.bits // 8, dtype=torch.uint8)
     br, bc = lay.block_rows, lay.block_cols
     (elem, bits, mode, rule, fmt_max, margin_mul, inv_max), e4m3_args, _ = _scheme_args(scheme)
-    given = None  # the encode scale(s) when known before the pass: a tensor, or one ctypes float
+    given = None  # the encode scale(s), when known before the pass
     gs_r = gs_c = 0
     s_enc = s_dec = 1.0
     no_nan = 0  # 1: x is known to hold no NaN, so the kernel need not look for NaN lanes
@@ -132,11 +135,10 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         elif amax is not None:
             given = scaling.fp32_scale(_grid_scale(amax, lay, "amax"), fmt, scheme.margin)
         else:  # just in time: the tensor amax (NaN when x holds one), then its scale
-            a = lib.mf_amax(x.data_ptr(), dt, x.numel(), 0, threads)
+            a = amax_value(x)
             no_nan = int(not math.isnan(a))
-            given = ctypes.c_float(scaling.fp32_scale_scalar(a, fmt, scheme.margin))
-        if isinstance(given, torch.Tensor):
-            gs_r, gs_c = given.stride()
+            given = torch.tensor([[scaling.fp32_scale_scalar(a, fmt, scheme.margin)]], dtype=torch.float32)
+        gs_r, gs_c = given.stride()
         mode = _MODES["fp32_given"]
         if scheme.granularity == "tensor":  # one scale: tile by rows so the threads share the work
             br, gs_r, gs_c = 1, 0, 0
@@ -154,13 +156,10 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
     grid = (rows_pad // br, cols_pad // bc)
     scale_out = torch.empty(grid, dtype=torch.float32 if scheme.scale_format == "fp32" else torch.uint8)
     seed = sr_seed(generator) if rounding == "stochastic" else None
-    if isinstance(given, torch.Tensor):
-        given_ptr = given.data_ptr()
-    else:
-        given_ptr = None if given is None else ctypes.addressof(given)
     lib.mf_quantize(
         x.data_ptr(), dt, lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
-        elem, bits, mode, rule, fmt_max, margin_mul, inv_max, given_ptr, gs_r, gs_c, s_enc, s_dec,
+        elem, bits, mode, rule, fmt_max, margin_mul, inv_max, None if given is None else given.data_ptr(), gs_r, gs_c,
+        s_enc, s_dec,
         *e4m3_args, int(seed is not None), seed or 0,
         None if tile_amax is None else tile_amax.data_ptr(), no_nan, data.data_ptr(), scale_out.data_ptr(), threads,
     )  # fmt: skip
