@@ -3,9 +3,11 @@ every case is timed in interleaved repetitions and reported as the median."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -38,11 +40,27 @@ def interleaved_medians(cases: dict[str, Callable[[], object]], reps: int, progr
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+@contextlib.contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    """Importing torchao logs a warning per CUDA-only extension it cannot load on this machine,
+    and torch's pytree one per Enum it registers: noise in a benchmark table, so held back."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def torchao_quantizers(x: torch.Tensor) -> dict[str, Callable[[], object]]:
     """torchao's CPU quantizers for the schemes it has (empty when torchao is absent)."""
     try:
-        from torchao.prototype.mx_formats.mx_tensor import to_mx
-        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+        with _quiet_torchao_import():
+            from torchao.prototype.mx_formats.mx_tensor import to_mx
+            from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return {}
     return {
@@ -105,7 +123,8 @@ def _mlp(layers: int, dim: int, hidden: int) -> torch.nn.Sequential:
 def _torchao_float8(model: torch.nn.Module):
     """torchao's float8 training in emulation (its CPU path), or None when unavailable."""
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        with _quiet_torchao_import():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
     return convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
