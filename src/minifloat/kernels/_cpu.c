@@ -775,6 +775,72 @@ static inline v8i load_codes8(const uint8_t *c) {
 #endif
 }
 
+#ifdef __AVX2__
+/* o[j] = value(code j) * sv[(j / 8) >> lb] for the n codes packed two per byte in pk, by table:
+ * every value of a 4-bit format (E2M1) is a float32 whose low 16 bits are zero, so two 16-entry
+ * byte lookups (vpshufb) give its bits; 32 codes take ~20 operations instead of ~60. */
+static inline void fp4_values(const uint8_t *pk, int64_t n, const float *sv, int lb, __m256i t3, __m256i t2,
+                              const float *lut, float *o) {
+    const __m128i nib = _mm_set1_epi8(15);
+    const __m256i z = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(pk + j / 2));
+        const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+        const __m256i c = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)); /* 0-15 | 16-31 */
+        const __m256i b3 = _mm256_shuffle_epi8(t3, c), b2 = _mm256_shuffle_epi8(t2, c);
+        const __m256i wl = _mm256_unpacklo_epi8(b2, b3), wh = _mm256_unpackhi_epi8(b2, b3); /* 0-7|16-23, 8-15|24-31 */
+        const __m256i f0 = _mm256_unpacklo_epi16(z, wl), f1 = _mm256_unpackhi_epi16(z, wl);
+        const __m256i f2 = _mm256_unpacklo_epi16(z, wh), f3 = _mm256_unpackhi_epi16(z, wh);
+        const v8f v0 = (v8f)_mm256_permute2x128_si256(f0, f1, 0x20), v1 = (v8f)_mm256_permute2x128_si256(f2, f3, 0x20);
+        const v8f v2 = (v8f)_mm256_permute2x128_si256(f0, f1, 0x31), v3 = (v8f)_mm256_permute2x128_si256(f2, f3, 0x31);
+        const v8f w0 = v0 * sv[(j >> 3) >> lb], w1 = v1 * sv[((j >> 3) + 1) >> lb];
+        const v8f w2 = v2 * sv[((j >> 3) + 2) >> lb], w3 = v3 * sv[((j >> 3) + 3) >> lb];
+        memcpy(o + j, &w0, 32), memcpy(o + j + 8, &w1, 32), memcpy(o + j + 16, &w2, 32), memcpy(o + j + 24, &w3, 32);
+    }
+    for (; j < n; j++) o[j] = lut[(pk[j / 2] >> (j & 1) * 4) & 15] * sv[(j >> 3) >> lb];
+}
+
+/* The same for 6-bit codes (4 per 3 bytes, see pack_codes): 32-entry tables of the magnitudes'
+ * bytes (two lookups and a blend each), the sign from bit 5; reads whole 16-byte groups within
+ * the avail bytes from pk. */
+static inline void fp6_values(const uint8_t *pk, int64_t n, int64_t avail, const float *sv, int lb,
+                              const __m256i *t, const float *lut, float *o) {
+    const __m128i spread = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    const __m256i z = _mm256_setzero_si256(), m15 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
+    int64_t j = 0;
+    for (; j + 32 <= n && j / 4 * 3 + 28 <= avail; j += 32) {
+        __m128i q[2];
+        for (int h = 0; h < 2; h++) { /* 12 bytes -> 16 codes, as unpack_codes */
+            const __m128i w = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(pk + (j + 16 * h) / 4 * 3)), spread);
+            __m128i v = _mm_and_si128(w, _mm_set1_epi32(0x3f));
+            v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 2), _mm_set1_epi32(0x3f00)));
+            v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 4), _mm_set1_epi32(0x3f0000)));
+            q[h] = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 6), _mm_set1_epi32(0x3f000000)));
+        }
+        const __m256i c = _mm256_set_m128i(q[1], q[0]), idx = _mm256_and_si256(c, m15);
+        const __m256i upper = _mm256_cmpeq_epi8(_mm256_and_si256(c, b16), b16); /* magnitudes 16-31 */
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi8(32)), 2); /* bit 5 -> 7 */
+        const __m256i b3 = _mm256_or_si256(
+            _mm256_blendv_epi8(_mm256_shuffle_epi8(t[0], idx), _mm256_shuffle_epi8(t[1], idx), upper), sign);
+        const __m256i b2 = _mm256_blendv_epi8(_mm256_shuffle_epi8(t[2], idx), _mm256_shuffle_epi8(t[3], idx), upper);
+        const __m256i wl = _mm256_unpacklo_epi8(b2, b3), wh = _mm256_unpackhi_epi8(b2, b3);
+        const __m256i f0 = _mm256_unpacklo_epi16(z, wl), f1 = _mm256_unpackhi_epi16(z, wl);
+        const __m256i f2 = _mm256_unpacklo_epi16(z, wh), f3 = _mm256_unpackhi_epi16(z, wh);
+        const v8f v0 = (v8f)_mm256_permute2x128_si256(f0, f1, 0x20), v1 = (v8f)_mm256_permute2x128_si256(f2, f3, 0x20);
+        const v8f v2 = (v8f)_mm256_permute2x128_si256(f0, f1, 0x31), v3 = (v8f)_mm256_permute2x128_si256(f2, f3, 0x31);
+        const v8f w0 = v0 * sv[(j >> 3) >> lb], w1 = v1 * sv[((j >> 3) + 1) >> lb];
+        const v8f w2 = v2 * sv[((j >> 3) + 2) >> lb], w3 = v3 * sv[((j >> 3) + 3) >> lb];
+        memcpy(o + j, &w0, 32), memcpy(o + j + 8, &w1, 32), memcpy(o + j + 16, &w2, 32), memcpy(o + j + 24, &w3, 32);
+    }
+    for (; j < n; j++) {
+        const uint8_t *g = pk + j / 4 * 3;
+        const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
+        o[j] = lut[(w >> (j & 3) * 6) & 63] * sv[(j >> 3) >> lb];
+    }
+}
+#endif
+
 /* scales: float32 decode scales (slut NULL), or 8-bit scale codes decoded as slut[code] * ts. */
 void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int bits, const elem_t *p,
                    const float *lut, const void *scales, const float *slut, float ts, int64_t R, int64_t K,
@@ -782,6 +848,21 @@ void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int 
     const int64_t ngc = Kp / bc, row_bytes = Kp * bits / 8, nsp = (K + CH - 1) / CH;
     const int lb = ngc == 1 ? 62 : block_shift(bc);
     const dconst_t d = dconst(p, bits);
+    /* 4- and 6-bit formats whose values all have zero low 16 bits decode by byte tables of
+     * their magnitudes (fp4_values / fp6_values): bytes 3 and 2 of the float32 bits of codes
+     * 0-31; 6-bit codes with the sign bit must be those of their magnitude, negated. */
+#ifdef __AVX2__
+    uint8_t b3[32] = {0}, b2[32] = {0};
+    int by_table = bits == 4 || bits == 6;
+    for (int c = 0; c < 1 << bits && by_table; c++) {
+        const uint32_t u = f2u(lut[c]), m = f2u(lut[c & 31]) | (bits == 6 && (c & 32) ? 0x80000000u : 0);
+        by_table = (u & 0xffff) == 0 && (bits == 4 || u == m);
+        if (c < 32) b3[c] = (uint8_t)(u >> 24), b2[c] = (uint8_t)(u >> 16);
+    }
+    __m256i tab[4]; /* byte 3 of codes 0-15, 16-31; byte 2 of codes 0-15, 16-31 */
+    for (int h = 0; h < 4; h++)
+        tab[h] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((h < 2 ? b3 : b2) + 16 * (h & 1))));
+#endif
 #define SCALE(t) (slut ? slut[((const uint8_t *)scales)[t]] * ts : ((const float *)scales)[t])
 #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
     for (int64_t r = 0; r < R; r++)
@@ -789,6 +870,20 @@ void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int 
             const int64_t s0 = sp * CH, n = K - s0 < CH ? K - s0 : CH; /* output columns [s0, s0 + n) */
             const uint8_t *row = data + r * row_bytes;
             const int64_t t0 = (r / br) * ngc; /* this row's first block */
+            float *o = out + r * K + s0;
+            /* sv[q]: the scale of the span's q-th block; column s0 + j lies in block (j / 8) >> lb */
+            float sv[CH / 8 + 1];
+            if (lb >= 0) {
+                const int64_t fb = ngc == 1 ? 0 : s0 / bc, nbs = ngc == 1 ? 1 : (n + bc - 1) / bc;
+                for (int64_t q = 0; q < nbs; q++) sv[q] = SCALE(t0 + fb + q);
+            }
+#ifdef __AVX2__
+            if (lb >= 0 && by_table) {
+                if (bits == 4) fp4_values(row + s0 / 2, n, sv, lb, tab[0], tab[2], lut, o);
+                else fp6_values(row + s0 / 4 * 3, n, (Kp - s0) / 4 * 3, sv, lb, tab, lut, o);
+                continue;
+            }
+#endif
             uint8_t buf[CH + 32];
             const uint8_t *codes = row + s0;
             if (bits != 8) {
@@ -796,15 +891,10 @@ void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int 
                 unpack_codes(row + s0 * bits / 8, nu, bits, buf);
                 codes = buf;
             }
-            float *o = out + r * K + s0;
             if (lb < 0) { /* blocks not 8 * 2^k wide: one column at a time */
                 for (int64_t j = 0; j < n; j++) o[j] = lut[codes[j]] * SCALE(t0 + (s0 + j) / bc);
                 continue;
             }
-            /* sv[q]: the scale of the span's q-th block; column s0 + j lies in block (j / 8) >> lb */
-            float sv[CH / 8 + 1];
-            const int64_t fb = ngc == 1 ? 0 : s0 / bc, nbs = ngc == 1 ? 1 : (n + bc - 1) / bc;
-            for (int64_t q = 0; q < nbs; q++) sv[q] = SCALE(t0 + fb + q);
             v8i special = {0};
             int64_t j = 0;
             for (; j + 8 <= n; j += 8) {
