@@ -210,6 +210,18 @@ static void pack_codes(const uint8_t *c, int64_t n, int bits, uint8_t *out) {
     }
 }
 
+#ifdef __AVX2__
+/* 16 six-bit codes, one per byte, from the 12 bytes at g (reads 16). */
+static inline __m128i unpack6x16(const uint8_t *g) {
+    const __m128i spread = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    const __m128i w = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)g), spread); /* 4 words of 24 bits */
+    __m128i v = _mm_and_si128(w, _mm_set1_epi32(0x3f));
+    v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 2), _mm_set1_epi32(0x3f00)));
+    v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 4), _mm_set1_epi32(0x3f0000)));
+    return _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 6), _mm_set1_epi32(0x3f000000)));
+}
+#endif
+
 /* Unpack n codes (n a multiple of the pack group) into one byte each. */
 static void unpack_codes(const uint8_t *in, int64_t n, int bits, uint8_t *c) {
     int64_t i = 0;
@@ -226,16 +238,9 @@ static void unpack_codes(const uint8_t *in, int64_t n, int bits, uint8_t *c) {
         for (; i + 1 < n; i += 2) c[i] = in[i / 2] & 15, c[i + 1] = in[i / 2] >> 4;
         return;
     }
-#ifdef __AVX2__ /* 12 bytes -> 4 words of 24 bits -> 16 codes; reads 16 bytes, so stop early */
-    const __m128i spread = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
-    for (; i + 16 <= n && (i + 16) / 4 * 3 + 4 <= n / 4 * 3; i += 16) {
-        const __m128i w = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(in + i / 4 * 3)), spread);
-        __m128i v = _mm_and_si128(w, _mm_set1_epi32(0x3f));
-        v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 2), _mm_set1_epi32(0x3f00)));
-        v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 4), _mm_set1_epi32(0x3f0000)));
-        v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 6), _mm_set1_epi32(0x3f000000)));
-        _mm_storeu_si128((__m128i *)(c + i), v);
-    }
+#ifdef __AVX2__ /* 12 bytes -> 16 codes; reads 16 bytes, so stop early */
+    for (; i + 16 <= n && (i + 16) / 4 * 3 + 4 <= n / 4 * 3; i += 16)
+        _mm_storeu_si128((__m128i *)(c + i), unpack6x16(in + i / 4 * 3));
 #endif
     for (; i + 3 < n; i += 4) {
         const uint8_t *g = in + i / 4 * 3;
@@ -776,27 +781,34 @@ static inline v8i load_codes8(const uint8_t *c) {
 }
 
 #ifdef __AVX2__
+/* o[0..32) = the float32s whose bytes 3 and 2 are b3 and b2 (codes 0-15 | 16-31, low bytes zero),
+ * each times the scale of its block: sv[((j0 + i) / 8) >> lb]. */
+static inline void store_values32(__m256i b3, __m256i b2, const float *sv, int lb, float *o, int64_t j0) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i wl = _mm256_unpacklo_epi8(b2, b3), wh = _mm256_unpackhi_epi8(b2, b3); /* 0-7|16-23, 8-15|24-31 */
+    const __m256i f0 = _mm256_unpacklo_epi16(z, wl), f1 = _mm256_unpackhi_epi16(z, wl);
+    const __m256i f2 = _mm256_unpacklo_epi16(z, wh), f3 = _mm256_unpackhi_epi16(z, wh);
+    const v8f v[4] = {(v8f)_mm256_permute2x128_si256(f0, f1, 0x20), (v8f)_mm256_permute2x128_si256(f2, f3, 0x20),
+                      (v8f)_mm256_permute2x128_si256(f0, f1, 0x31), (v8f)_mm256_permute2x128_si256(f2, f3, 0x31)};
+    for (int q = 0; q < 4; q++) {
+        const v8f w = v[q] * sv[((j0 >> 3) + q) >> lb];
+        memcpy(o + 8 * q, &w, 32);
+    }
+}
+
 /* o[j] = value(code j) * sv[(j / 8) >> lb] for the n codes packed two per byte in pk, by table:
  * every value of a 4-bit format (E2M1) is a float32 whose low 16 bits are zero, so two 16-entry
  * byte lookups (vpshufb) give its bits; 32 codes take ~20 operations instead of ~60. */
 static inline void fp4_values(const uint8_t *pk, int64_t n, const float *sv, int lb, __m256i t3, __m256i t2,
                               const float *lut, float *o) {
     const __m128i nib = _mm_set1_epi8(15);
-    const __m256i z = _mm256_setzero_si256();
     int64_t j = 0;
     for (; j + 32 <= n; j += 32) {
         const __m128i b = _mm_loadu_si128((const __m128i *)(pk + j / 2));
         const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
         const __m256i c = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)); /* 0-15 | 16-31 */
         const __m256i b3 = _mm256_shuffle_epi8(t3, c), b2 = _mm256_shuffle_epi8(t2, c);
-        const __m256i wl = _mm256_unpacklo_epi8(b2, b3), wh = _mm256_unpackhi_epi8(b2, b3); /* 0-7|16-23, 8-15|24-31 */
-        const __m256i f0 = _mm256_unpacklo_epi16(z, wl), f1 = _mm256_unpackhi_epi16(z, wl);
-        const __m256i f2 = _mm256_unpacklo_epi16(z, wh), f3 = _mm256_unpackhi_epi16(z, wh);
-        const v8f v0 = (v8f)_mm256_permute2x128_si256(f0, f1, 0x20), v1 = (v8f)_mm256_permute2x128_si256(f2, f3, 0x20);
-        const v8f v2 = (v8f)_mm256_permute2x128_si256(f0, f1, 0x31), v3 = (v8f)_mm256_permute2x128_si256(f2, f3, 0x31);
-        const v8f w0 = v0 * sv[(j >> 3) >> lb], w1 = v1 * sv[((j >> 3) + 1) >> lb];
-        const v8f w2 = v2 * sv[((j >> 3) + 2) >> lb], w3 = v3 * sv[((j >> 3) + 3) >> lb];
-        memcpy(o + j, &w0, 32), memcpy(o + j + 8, &w1, 32), memcpy(o + j + 16, &w2, 32), memcpy(o + j + 24, &w3, 32);
+        store_values32(b3, b2, sv, lb, o + j, j);
     }
     for (; j < n; j++) o[j] = lut[(pk[j / 2] >> (j & 1) * 4) & 15] * sv[(j >> 3) >> lb];
 }
@@ -806,32 +818,17 @@ static inline void fp4_values(const uint8_t *pk, int64_t n, const float *sv, int
  * the avail bytes from pk. */
 static inline void fp6_values(const uint8_t *pk, int64_t n, int64_t avail, const float *sv, int lb,
                               const __m256i *t, const float *lut, float *o) {
-    const __m128i spread = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
-    const __m256i z = _mm256_setzero_si256(), m15 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
+    const __m256i m15 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
     int64_t j = 0;
     for (; j + 32 <= n && j / 4 * 3 + 28 <= avail; j += 32) {
-        __m128i q[2];
-        for (int h = 0; h < 2; h++) { /* 12 bytes -> 16 codes, as unpack_codes */
-            const __m128i w = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(pk + (j + 16 * h) / 4 * 3)), spread);
-            __m128i v = _mm_and_si128(w, _mm_set1_epi32(0x3f));
-            v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 2), _mm_set1_epi32(0x3f00)));
-            v = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 4), _mm_set1_epi32(0x3f0000)));
-            q[h] = _mm_or_si128(v, _mm_and_si128(_mm_slli_epi32(w, 6), _mm_set1_epi32(0x3f000000)));
-        }
-        const __m256i c = _mm256_set_m128i(q[1], q[0]), idx = _mm256_and_si256(c, m15);
+        const __m256i c = _mm256_set_m128i(unpack6x16(pk + (j + 16) / 4 * 3), unpack6x16(pk + j / 4 * 3));
+        const __m256i idx = _mm256_and_si256(c, m15);
         const __m256i upper = _mm256_cmpeq_epi8(_mm256_and_si256(c, b16), b16); /* magnitudes 16-31 */
         const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi8(32)), 2); /* bit 5 -> 7 */
         const __m256i b3 = _mm256_or_si256(
             _mm256_blendv_epi8(_mm256_shuffle_epi8(t[0], idx), _mm256_shuffle_epi8(t[1], idx), upper), sign);
         const __m256i b2 = _mm256_blendv_epi8(_mm256_shuffle_epi8(t[2], idx), _mm256_shuffle_epi8(t[3], idx), upper);
-        const __m256i wl = _mm256_unpacklo_epi8(b2, b3), wh = _mm256_unpackhi_epi8(b2, b3);
-        const __m256i f0 = _mm256_unpacklo_epi16(z, wl), f1 = _mm256_unpackhi_epi16(z, wl);
-        const __m256i f2 = _mm256_unpacklo_epi16(z, wh), f3 = _mm256_unpackhi_epi16(z, wh);
-        const v8f v0 = (v8f)_mm256_permute2x128_si256(f0, f1, 0x20), v1 = (v8f)_mm256_permute2x128_si256(f2, f3, 0x20);
-        const v8f v2 = (v8f)_mm256_permute2x128_si256(f0, f1, 0x31), v3 = (v8f)_mm256_permute2x128_si256(f2, f3, 0x31);
-        const v8f w0 = v0 * sv[(j >> 3) >> lb], w1 = v1 * sv[((j >> 3) + 1) >> lb];
-        const v8f w2 = v2 * sv[((j >> 3) + 2) >> lb], w3 = v3 * sv[((j >> 3) + 3) >> lb];
-        memcpy(o + j, &w0, 32), memcpy(o + j + 8, &w1, 32), memcpy(o + j + 16, &w2, 32), memcpy(o + j + 24, &w3, 32);
+        store_values32(b3, b2, sv, lb, o + j, j);
     }
     for (; j < n; j++) {
         const uint8_t *g = pk + j / 4 * 3;
