@@ -145,7 +145,7 @@ static inline v8i reduce8(const v8i *t) {
     return __builtin_shufflevector(z, z, 0, 4, 1, 5, 2, 6, 3, 7);
 }
 
-/* Codes (0..255 per int32 lane) to bytes: 8 lanes, or 4 vectors = 32 bytes in order. */
+/* Codes (0..255 per int32 lane) to 8 bytes. */
 static inline void store8(v8i c, uint8_t *dst) {
 #ifdef __AVX2__
     const __m256i p = _mm256_packus_epi32((__m256i)c, (__m256i)c);           /* 0-3 0-3 | 4-7 4-7 */
@@ -154,18 +154,6 @@ static inline void store8(v8i c, uint8_t *dst) {
     _mm_storel_epi64((__m128i *)dst, _mm_unpacklo_epi32(lo, hi));
 #else
     for (int k = 0; k < 8; k++) dst[k] = (uint8_t)c[k];
-#endif
-}
-
-static inline void store32(v8i c0, v8i c1, v8i c2, v8i c3, uint8_t *dst) {
-#ifdef __AVX2__
-    const __m256i a = _mm256_packus_epi32((__m256i)c0, (__m256i)c1);  /* c0 0-3, c1 0-3 | c0 4-7, c1 4-7 */
-    const __m256i b = _mm256_packus_epi32((__m256i)c2, (__m256i)c3);
-    const __m256i y = _mm256_packus_epi16(a, b);  /* c0lo c1lo c2lo c3lo | c0hi c1hi c2hi c3hi */
-    _mm256_storeu_si256((__m256i *)dst,
-                        _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-#else
-    store8(c0, dst), store8(c1, dst + 8), store8(c2, dst + 16), store8(c3, dst + 24);
 #endif
 }
 
@@ -292,7 +280,8 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
                                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
 #define SIGNED(m, u) ((m) | ((v8i)((v8u)(u) >> k->sgn_shift) & k->sign_mask))
-    store32(SIGNED(m0, u0), SIGNED(m1, u1), SIGNED(m2, u2), SIGNED(m3, u3), dst);
+    store8(SIGNED(m0, u0), dst), store8(SIGNED(m1, u1), dst + 8);
+    store8(SIGNED(m2, u2), dst + 16), store8(SIGNED(m3, u3), dst + 24);
 #undef SIGNED
 #endif
 }

@@ -55,7 +55,7 @@ def summary_table(metrics: dict) -> str:
 
 def _smooth(values: list[float], half: int) -> list[float]:
     """Centred moving average over ``2·half + 1`` steps (shorter at the ends): no lag, unlike
-    an EMA, where the loss falls fast. Non-finite values pass through unsmoothed."""
+    an EMA, where the loss falls fast. A series holding a non-finite value is returned as it is."""
     if half < 1 or not all(math.isfinite(v) for v in values):
         return list(values)
     prefix = [0.0]
