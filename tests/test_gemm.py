@@ -1,8 +1,11 @@
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import minifloat
-from minifloat.gemm import choose_backend, native_support, scaled_mm
+from minifloat.gemm import choose_backend, native_args, native_kind, native_support, scaled_mm, swizzle_scales
 from minifloat.recipes import RECIPES, ROLES, get_recipe
 
 from .conftest import requires_cuda
@@ -34,39 +37,164 @@ def test_transposed_operands_of_orientation_free_schemes():
     assert torch.allclose(out, qa_t.dequantize().t() @ qb.dequantize().T, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "fp8_e5m2"])
-def test_native_cpu_scaled_mm_agrees_with_emulated(scheme):
+@pytest.mark.parametrize("scheme,tol", [("fp8", 1e-6), ("fp8_e5m2", 1e-6), ("fp8_rowwise", 2**-8)])
+def test_native_cpu_scaled_mm_agrees_with_emulated(scheme, tol):
+    """PyTorch's CPU _scaled_mm on the stored codes (row-wise writes bfloat16, hence its tolerance)."""
     g = torch.Generator().manual_seed(1)
-    qa = minifloat.quantize(torch.randn(32, 64, generator=g), scheme)
-    qb = minifloat.quantize(torch.randn(16, 64, generator=g) * 100, scheme)
+    qa = minifloat.quantize(torch.randn(30, 72, generator=g), scheme)  # padded to 32 × 80 for the call
+    qb = minifloat.quantize(torch.randn(17, 72, generator=g) * 100, scheme)
     native = scaled_mm(qa, qb, backend="native")
     emulated = scaled_mm(qa, qb, backend="emulated")
-    assert torch.allclose(native, emulated, rtol=1e-6, atol=1e-6)
+    assert native.shape == (30, 17)
+    assert torch.allclose(native, emulated, rtol=tol, atol=tol * emulated.abs().max().item())
 
 
 def test_backend_choice_and_errors():
     fp8, mx = minifloat.get_scheme("fp8"), minifloat.get_scheme("mxfp8")
     assert choose_backend([fp8], "cpu") == "emulated"
     assert choose_backend([fp8], "cpu", "native") == "native"
-    assert "not wired" in native_support(mx, "cpu")
+    assert "no native low-precision GEMM on cpu" in native_support(mx, "cpu")
+    assert "has no GEMM for e3m2" in native_support(minifloat.get_scheme("mxfp6_e3m2"), "cpu")
     with pytest.raises(minifloat.MinifloatError, match="backend='native' cannot run mxfp8 on cpu"):
         choose_backend([mx], "cpu", "native")
     with pytest.raises(minifloat.MinifloatError, match="unknown GEMM backend 'fast'"):
         choose_backend([fp8], "cpu", "fast")
 
 
+# ---- native arguments, read back by the layouts' documented meaning --------------------------
+def _cublas_offset(r: int, c: int, cols: int) -> int:
+    """cuBLAS' block-scaling layout: 128-row × 4-column tiles of 512 bytes in row-major tile
+    order; inside a tile, row r's 4 scales at (r % 32) · 16 + (r % 128) // 32 · 4."""
+    return ((r // 128) * (-(-cols // 4)) + c // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (130, 5), (256, 8), (31, 4)])
+def test_swizzled_scales_sit_at_cublas_offsets(rows, cols):
+    grid = torch.randint(1, 255, (rows, cols), dtype=torch.uint8)
+    flat = swizzle_scales(grid)
+    assert flat.numel() == -(-rows // 128) * 128 * -(-cols // 4) * 4
+    seen = torch.zeros(flat.numel(), dtype=torch.bool)
+    for r in range(rows):
+        for c in range(cols):
+            assert flat[_cublas_offset(r, c, cols)] == grid[r, c]
+            seen[_cublas_offset(r, c, cols)] = True
+    assert (flat[~seen] == 0).all()  # padding
+
+
+def _element_values(mat: torch.Tensor) -> torch.Tensor:
+    """(rows, K) float64 values of torch's float8 / packed float4 operand, decoded by torch and
+    ml_dtypes (not by minifloat)."""
+    if mat.dtype == torch.float4_e2m1fn_x2:
+        b = mat.view(torch.uint8).contiguous().numpy()
+        nibbles = np.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1)
+        return torch.from_numpy(nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float64))
+    return mat.double()
+
+
+def _scale_values(scale, recipe, swizzle, rows: int, k: int) -> torch.Tensor:
+    """(rows, K) float64 scale of every element, as torch's scaled_mm documents each recipe."""
+    S = F.ScalingType
+    if recipe == S.TensorWise:
+        return scale.double().expand(rows, k)
+    if recipe == S.RowWise:
+        return scale.double().reshape(-1, 1).expand(rows, k)
+    if recipe == S.BlockWise1x128:
+        assert scale.shape == (rows, k // 128) and scale.stride(0) == 1  # outer-dim-major
+        return scale.double().repeat_interleave(128, dim=1)
+    if recipe == S.BlockWise128x128:
+        grid = scale.t()[:, : k // 128]  # passed as (K blocks padded to 4, row blocks)
+        return grid.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows]
+    block = 32 if recipe == S.BlockWise1x32 else 16
+    assert swizzle == F.SwizzleType.SWIZZLE_32_4_4
+    decoded = scale.double()  # torch's own float8_e8m0fnu / float8_e4m3fn decode
+    idx = torch.tensor([[_cublas_offset(r, c, k // block) for c in range(k // block)] for r in range(rows)])
+    return decoded[idx].repeat_interleave(block, dim=1)
+
+
+def _operand(args: dict, side: str) -> torch.Tensor:
+    mat = args["mat_a"] if side == "a" else args["mat_b"].t()
+    values = _element_values(mat)
+    rows, k = values.shape
+    scales, recipes = args[f"scale_{side}"], args.get(f"scale_recipe_{side}")
+    if recipes is None:  # torch._scaled_mm: tensor or row scales by shape
+        recipes = F.ScalingType.TensorWise if scales.dim() == 0 else F.ScalingType.RowWise
+    swizzles = args.get(f"swizzle_{side}")
+    if not isinstance(scales, list):
+        scales, recipes, swizzles = [scales], [recipes], [swizzles]
+    for sc, rc, sw in zip(scales, recipes, swizzles, strict=True):
+        values = values * _scale_values(sc, rc, sw, rows, k)
+    return values
+
+
+NATIVE_PAIRS = [  # (a scheme, b scheme, b passed transposed)
+    ("fp8", "fp8", False), ("fp8", "fp8", True), ("fp8", "fp8_e5m2", False), ("fp8_rowwise", "fp8_rowwise", False),
+    ("fp8_block128", "fp8_block128", False), ("fp8_block128", "fp8_block128x128", False),
+    ("fp8_block128", "fp8_block128x128", True), ("fp8_block128x128", "fp8_block128", False),
+    ("mxfp8", "mxfp8", False), ("mxfp8", "mxfp8_e5m2", False), ("mxfp4", "mxfp4", False),
+    ("nvfp4", "nvfp4", False), ("nvfp4", "nvfp4_2d", False), ("nvfp4", "nvfp4_2d", True),
+]
+
+
+@pytest.mark.parametrize("sa,sb,b_t", NATIVE_PAIRS, ids=lambda v: str(v))
+@pytest.mark.parametrize("m,n,k", [(40, 24, 208), (160, 144, 256)])
+def test_native_arguments_hold_exactly_the_emulated_operands(sa, sb, b_t, m, n, k):
+    """What torch._scaled_mm would read — codes, swizzled / strided scales, padding — read back
+    by the layouts' documented meaning, equals the dequantized operands value for value."""
+    g = torch.Generator().manual_seed(m + k)
+    qa = minifloat.quantize(torch.randn(m, k, generator=g) * 4, sa)
+    b = torch.randn(n, k, generator=g) * torch.logspace(-3, 3, k)  # K blocks of very different scale
+    qb = minifloat.quantize(b.t().contiguous() if b_t else b, sb)  # b_t: qb holds bᵀ
+    args, (M, N) = native_args(qa, qb, b_transposed=b_t)
+    assert (M, N) == (m, n)
+    va, vb = _operand(args, "a"), _operand(args, "b")
+    assert va.shape[0] % 16 == 0 and vb.shape[0] % 16 == 0 and va.shape[1] == vb.shape[1] >= k
+    expect_a = scaled_mm.__globals__["operand_values"](qa).double()
+    expect_b = scaled_mm.__globals__["operand_values"](qb, b_t).double()
+    # equal up to the float32 roundings of code × FP32 scale (× NVFP4's tensor scale)
+    assert torch.allclose(va[:m, :k], expect_a, rtol=2**-22, atol=0)
+    assert torch.allclose(vb[:n, :k], expect_b, rtol=2**-22, atol=0)
+    assert not va[m:].any() and not va[:, k:].any() and not vb[n:].any() and not vb[:, k:].any()
+
+
+def test_native_arguments_refuse_what_no_kernel_runs():
+    x = torch.randn(32, 64)
+    e5, row, mx, mx4 = (minifloat.quantize(x, s) for s in ("fp8_e5m2", "fp8_rowwise", "mxfp8", "mxfp4"))
+    e5.data.device  # noqa: B018
+    cuda_like = type("OnCuda", (), {"device": torch.device("cuda"), "__getattr__": lambda self, n: getattr(e5, n)})()
+    with pytest.raises(minifloat.MinifloatError, match="no E5M2 × E5M2"):
+        native_args(cuda_like, e5)
+    with pytest.raises(minifloat.MinifloatError, match="cannot be passed transposed"):
+        native_args(row, row, b_transposed=True)
+    with pytest.raises(minifloat.MinifloatError, match="no native GEMM of mxfp8 with mxfp4"):
+        native_args(mx, mx4)
+    with pytest.raises(minifloat.MinifloatError, match="no native GEMM of mxfp6_e3m2"):
+        native_args(*(minifloat.quantize(x, "mxfp6_e3m2") for _ in range(2)))
+
+
+def test_every_recipe_has_a_native_kind_or_says_why_not():
+    for name, recipe in RECIPES.items():
+        kinds = {native_kind(recipe.scheme(r)) for r in ROLES}
+        if name.startswith("mxfp6"):
+            assert kinds == {None}
+        else:
+            assert None not in kinds, name
+
+
 @requires_cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs CUDA SM ≥ 8.9"
-)
-@pytest.mark.parametrize("scheme", ["fp8", "fp8_e5m2", "fp8_rowwise"])
-def test_native_cuda_gemm_agrees_with_emulated(scheme):
-    if scheme == "fp8_rowwise" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("row-wise scaled FP8 GEMMs need SM ≥ 9.0")
+@pytest.mark.parametrize("sa,sb,b_t", NATIVE_PAIRS, ids=lambda v: str(v))
+def test_native_cuda_gemm_agrees_with_emulated(sa, sb, b_t):
+    """On a GPU that has the format: the real low-precision GEMM against the emulated one.
+    Native block-scaled GEMMs write bfloat16, so they agree to bfloat16's rounding."""
+    schemes = minifloat.get_scheme(sa), minifloat.get_scheme(sb)
+    why = next((w for s in schemes if (w := native_support(s, "cuda"))), None)
+    if why:
+        pytest.skip(why)
     g = torch.Generator(device="cuda").manual_seed(0)
-    qa = minifloat.quantize(torch.randn(256, 512, device="cuda", generator=g), scheme)
-    qb = minifloat.quantize(torch.randn(128, 512, device="cuda", generator=g), scheme)
-    out_dtype = torch.bfloat16 if scheme == "fp8_rowwise" else torch.float32
-    native = scaled_mm(qa, qb, backend="native", out_dtype=out_dtype).float()
-    emulated = scaled_mm(qa, qb, backend="emulated").to(out_dtype).float()
-    assert torch.allclose(native, emulated, rtol=2e-2 if out_dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    qa = minifloat.quantize(torch.randn(256, 512, device="cuda", generator=g), sa)
+    b = torch.randn(192, 512, device="cuda", generator=g)
+    qb = minifloat.quantize(b.t().contiguous() if b_t else b, sb)
+    native = scaled_mm(qa, qb, backend="native", b_transposed=b_t)
+    emulated = scaled_mm(qa, qb, backend="emulated", b_transposed=b_t)
+    assert native.dtype == emulated.dtype == torch.float32
+    tol = 1e-5 if schemes[0].granularity == "tensor" else 2**-8
+    assert torch.allclose(native, emulated, rtol=tol, atol=tol * emulated.abs().max().item())
