@@ -95,7 +95,7 @@ def native_support(scheme: Scheme, device: torch.device | str) -> str | None:
         >>> native_support(get_scheme("fp8"), "cpu")
         'no native low-precision GEMM on cpu (torch._scaled_mm runs there only when asked for)'
         >>> native_support(get_scheme("mxfp6_e3m2"), "cpu")
-        'mxfp6_e3m2: torch._scaled_mm has no GEMM for e3m2 elements with e8m0 block (1, 32) scales (emulated)'
+        'mxfp6_e3m2: torch._scaled_mm has no GEMM for e3m2 elements with e8m0 block (1, 32) scales'
     """
     device = torch.device(device)
     kind = native_kind(scheme)
