@@ -109,6 +109,29 @@ def test_mx_rules_every_element(rule, element):
     assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
 
 
+def pow2_scale_input(dtype, seed):
+    """One 32-block per binade 2^-149 .. 2^127 (both ends outside the no-multiply encoder's
+    range), elements of few significant bits (exact ties between codes), float32 subnormals
+    and ±inf, no NaN (a NaN block takes the other encoder)."""
+    g = torch.Generator().manual_seed(seed)
+    exps = torch.arange(-149, 128)
+    ints = torch.randint(-64, 65, (2, exps.numel(), 32), generator=g).float()
+    shift = torch.randint(0, 14, (2, exps.numel(), 32), generator=g).float()
+    x = ints * torch.exp2(exps[None, :, None].float() - 6 - shift)  # underflows to subnormals / 0 at the bottom
+    x[:, :, 0] = 127 * torch.exp2(exps.float() - 6)  # the block amax
+    x[0, 200, 5], x[1, 201, 9] = float("inf"), -float("inf")
+    return x.reshape(2, -1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"])
+def test_mx_encoder_without_multiply_over_every_scale(element, rule, dtype):
+    scheme = get_scheme("mxfp8").replace(element=element, scale_rule=rule)
+    x = pow2_scale_input(dtype, seed=2)
+    assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+
+
 def test_given_scale_amax_and_margin():
     x = special_input((12, 256), torch.float32, seed=2)
     for scheme, kw in [

@@ -111,6 +111,9 @@ static inline v8i vsel(v8i m, v8i a, v8i b) {
     return (v8i)_mm256_blendv_epi8((__m256i)b, (__m256i)a, (__m256i)m);
 }
 static inline int vany(v8i m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
+static inline v8i vminu(v8i a, v8i b) { return (v8i)_mm256_min_epu32((__m256i)a, (__m256i)b); }
+/* round to the nearest integer, ties to even (the MXCSR default); inf / NaN give 0x80000000 */
+static inline v8i vrne(v8f m) { return (v8i)_mm256_cvtps_epi32((__m256)m); }
 #else
 static inline v8i vsel(v8i m, v8i a, v8i b) { return (m & a) | (~m & b); }
 static inline v8i vmin(v8i a, v8i b) { return vsel(a < b, a, b); }
@@ -120,6 +123,9 @@ static inline int vany(v8i m) {
     for (int k = 0; k < 8; k++) r |= m[k];
     return r != 0;
 }
+static inline v8i vminu(v8i a, v8i b) { return vsel((v8u)a < (v8u)b, a, b); }
+/* 0 <= m < 2^23: the FPU rounds m + 2^23 to an integer; inf / NaN give bits above any code */
+static inline v8i vrne(v8f m) { return (v8i)(m + 0x1p23f) - 0x4b000000; }
 #endif
 
 /* Largest of 8 non-negative lanes in three shuffle steps. */
@@ -240,14 +246,15 @@ static void unpack_codes(const uint8_t *in, int64_t n, int bits, uint8_t *c) {
 /* ---- Element encoding, 8 lanes: the same integer recipe as enc_rne, except that NaN lanes
  * come out saturated; callers track the largest |bits| and fix NaN lanes afterwards. */
 typedef struct {
-    int32_t shift, sgn_shift, round, magic_bits, min_normal, max_code, sign_mask, byte_shift;
+    int32_t shift, sgn_shift, round, magic_bits, min_normal, max_code, sign_mask, byte_shift, fbase;
     float magic;
 } vconst_t;
 
 static vconst_t vconst(const elem_t *p, int bits) {
     const int32_t shift = 23 - p->man_bits;
     return (vconst_t){shift, 32 - bits, (int32_t)(p->rebias + (1u << (shift - 1)) - 1), (int32_t)p->magic_bits,
-                      (int32_t)p->min_normal_bits, p->max_code, p->sign_mask, 8 - bits, u2f(p->magic_bits)};
+                      (int32_t)p->min_normal_bits, p->max_code, p->sign_mask, 8 - bits, (254 + p->man_bits) << 23,
+                      u2f(p->magic_bits)};
 }
 
 /* The code of |y| from its bits a (no sign). */
@@ -255,6 +262,20 @@ static inline __attribute__((always_inline)) v8i enc8_mag(v8i a, const vconst_t 
     const v8i sub = (v8i)((v8f)a + k->magic) - k->magic_bits;
     const v8i nrm = (a + k->round + ((a >> k->shift) & 1)) >> k->shift;
     return vmin(vsel(a < k->min_normal, sub, nrm), (v8i){0} + k->max_code);
+}
+
+/* The code of |x| * 2^k from the bits a of |x| (no sign), for an E8M0 scale 2^k: the scale only
+ * moves exponents, so no multiply by it. lim = the |x| bits at which x * 2^k reaches the format's
+ * smallest normal (2^(emin - k)); then with m mantissa bits
+ *   e = max(exponent bits of a, lim)          (x's binade, or the subnormal range)
+ *   code = rne(|x| * 2^(m - e)) + ((e - lim) >> (23 - m))
+ * |x| * 2^(m - e) is exact: in [2^m, 2^(m+1)) for a normal result, where rounding up to 2^(m+1)
+ * carries into the next binade, and below 2^m for a subnormal one. inf and NaN round to
+ * 0x80000000 or more, which the unsigned clamp to max_code saturates. Valid when the scale is a
+ * normal float and lim's exponent is at least max(m, 1) (pow2_limits checks). */
+static inline __attribute__((always_inline)) v8i encp8_mag(v8i a, v8i lim, const vconst_t *k) {
+    const v8i e = vmax(a & 0x7f800000, lim);
+    return vminu(vrne((v8f)a * (v8f)(k->fbase - e)) + ((e - lim) >> k->shift), (v8i){0} + k->max_code);
 }
 
 static inline __attribute__((always_inline)) v8i enc8(v8f y, const vconst_t *k, v8i *top) {
@@ -302,6 +323,21 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
         if (TRACK) top = vmax(top, vmax(vmax(a0, a1), vmax(a2, a3)));                              \
         store32s(enc8_mag(a0, k), enc8_mag(a1, k), enc8_mag(a2, k), enc8_mag(a3, k), u0, u1, u2, u3, k, \
                  codes + j);                                                                       \
+    }
+
+/* ENC32 for E8M0 scales and blocks of 32 << k columns: codes by encp8_mag from x's bits and the
+ * blocks' lim (no NaN lanes: a NaN makes its block's scale NaN, and such chunks take ENC32). */
+#define ENC32P(LD)                                                                                  \
+    for (; j + 32 <= n; j += 32) {                                                                 \
+        if (ahead) {                                                                               \
+            __builtin_prefetch((const char *)(x + j) + ahead);                                      \
+            if (sizeof(*x) == 4) __builtin_prefetch((const char *)(x + j) + ahead + 64);            \
+        }                                                                                          \
+        const v8i u0 = (v8i)LD(x, j), u1 = (v8i)LD(x, j + 8), u2 = (v8i)LD(x, j + 16), u3 = (v8i)LD(x, j + 24); \
+        const v8i l = (v8i){0} + lim[(j >> 3) >> lb]; /* lb >= 2: 32 columns in one block */       \
+        const v8i m0 = encp8_mag(u0 & 0x7fffffff, l, k), m1 = encp8_mag(u1 & 0x7fffffff, l, k);   \
+        const v8i m2 = encp8_mag(u2 & 0x7fffffff, l, k), m3 = encp8_mag(u3 & 0x7fffffff, l, k);   \
+        store32s(m0, m1, m2, m3, u0, u1, u2, u3, k, codes + j);                                    \
     }
 
 typedef struct {
@@ -380,16 +416,17 @@ static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
             acc[b] = a;                                                                           \
         }                                                                                         \
     }                                                                                             \
-    /* codes[j] = enc_rne(x[j] * enc[(j / 8) >> lb]) for j < n: blocks of 8 << lb columns. */                                       \
+    /* codes[j] = enc_rne(x[j] * enc[(j / 8) >> lb]) for j < n: blocks of 8 << lb columns; lim:     \
+     * the blocks' limits for encp8_mag (E8M0 scales, no NaN lanes), or NULL. */                  \
     static inline __attribute__((always_inline)) void encode_##NAME(                             \
-        const void *xv, int64_t n, const float *enc, int lb, const vconst_t *k, const elem_t *p,         \
-        uint8_t *restrict codes, int64_t ahead, int track) {                                       \
+        const void *xv, int64_t n, const float *enc, const int32_t *lim, int lb, const vconst_t *k,       \
+        const elem_t *p, uint8_t *restrict codes, int64_t ahead, int track) {                      \
         const T *x = (const T *)xv;                                                               \
         const vconst_t kc = *k; /* a local copy: byte stores may alias *k, and would reload it */ \
         k = &kc;                                                                                  \
         v8i top = {0};                                                                            \
         int64_t j = 0;                                                                            \
-        if (track) ENC32(ld8_##NAME, 1) else ENC32(ld8_##NAME, 0)                                \
+        if (lim) ENC32P(ld8_##NAME) else if (track) ENC32(ld8_##NAME, 1) else ENC32(ld8_##NAME, 0) \
         for (; j + 8 <= n; j += 8) store8(enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top), codes + j); \
         for (; j < n; j++) codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);        \
         if (track && hmax8(top) > 0x7f800000) /* a NaN lane (x, or 0 * inf): NaN is canonical */   \
@@ -611,6 +648,20 @@ static int any_unsafe(const float *enc, int64_t n) {
     return (int)bad;
 }
 
+/* lim[b] for encp8_mag from the E8M0 encode scales enc[b] = 2^k: the |x| bits of 2^(emin - k).
+ * Returns 0 when some scale is outside encp8_mag's range (a NaN block, or a block amax below
+ * about 2^-110), and the chunk then takes the multiply-first encoder. */
+static int pow2_limits(const elem_t *p, const float *enc, int64_t nb, int32_t *lim) {
+    const int32_t low = p->man_bits > 1 ? p->man_bits : 1;
+    int ok = 1;
+    for (int64_t b = 0; b < nb; b++) {
+        const int32_t eb = (int32_t)(f2u(enc[b]) >> 23), l = p->emin + 254 - eb; /* enc > 0 or NaN */
+        ok &= (eb >= 1) & (eb <= 254) & (l >= low);
+        lim[b] = l << 23;
+    }
+    return ok;
+}
+
 /* One chunk: the blocks [c0, c0 + cw) of block row g — amax, scales, encode, pack. */
 static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J, int64_t g, int64_t c0,
                                                                  amax_fn AM, int dt, int esize) {
@@ -642,6 +693,8 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
     /* NaN lanes need finding only if x * scale can be NaN: a NaN in x (which makes its block's
      * computed scale NaN), or a scale of 0, inf or NaN (0 * inf, inf * 0). */
     const int track = (J->mode == SC_FP32_GIVEN && !J->no_nan) || any_unsafe(enc, nb);
+    int32_t lim[CH + 8];
+    const int pow2 = J->mode == SC_E8M0 && !track && pow2_limits(&J->p, enc, nb, lim);
     float stage[CH];
     uint8_t codes[CH];
     /* Prefetch the next chunk while encoding this one (its amax pass, or with given scales its
@@ -685,9 +738,10 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                     const int64_t o = b * step, len = n - o < step ? n - o : step;
                     const float *e = lb >= 0 ? es : es + b;
                     const int l = lb >= 0 ? lb : 62;
-                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, l, &J->k, &J->p, cd + o, pf * 4, track);
-                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, pf * 2, track);
-                    else encode_f16(src + o * 2, len, e, l, &J->k, &J->p, cd + o, pf * 2, track);
+                    const int32_t *lm = pow2 && l >= 2 ? lim + (e - enc) : NULL;
+                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, lm, l, &J->k, &J->p, cd + o, pf * 4, track);
+                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, lm, l, &J->k, &J->p, cd + o, pf * 2, track);
+                    else encode_f16(src + o * 2, len, e, lm, l, &J->k, &J->p, cd + o, pf * 2, track);
                 }
             }
             if (J->bits != 8) pack_codes(codes, n, J->bits, dst);
