@@ -72,6 +72,27 @@ def test_bench_train_times_recipes_against_baselines(capsys):
     assert bf16["vs_bf16"] == 1.0 and all(r["step_s"] > 0 for r in out["results"])
 
 
+def test_bench_gemm_times_emulated_gemms_and_says_why_not_native(capsys):
+    argv = ["bench", "gemm", "--device", "cpu", "--shape", "32x48x256", "--schemes", "fp8_block128,mxfp6_e3m2",
+            "--reps", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"] == [32, 48, 256] and out["fp32_tflops"] > 0 and out["bf16_tflops"] > 0
+    block, mx6 = out["results"]
+    assert block["weight_scheme"] == "fp8_block128x128"  # DeepSeek-V3: 1×128 activations, 128×128 weights
+    assert block["emulated_tflops"] > 0 and block["emulated_vs_bf16"] > 0
+    assert block["native_tflops"] is None and "no native low-precision GEMM on cpu" in block["native_unavailable"]
+    assert "no GEMM for e3m2" in mx6["native_unavailable"]
+    assert main(["bench", "gemm", "--device", "cpu", "--shape", "32x48x64", "--schemes", "nvfp4", "--reps", "1", "--no-bf16"]) == 0
+    assert "no native GEMM for nvfp4" in capsys.readouterr().out
+
+
+def test_bench_gemm_rejects_a_bad_shape(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "gemm", "--shape", "32x48"])
+    assert "MxNxK" in capsys.readouterr().err
+
+
 def test_bench_train_rejects_unknown_recipe_before_timing(capsys):
     assert main(["bench", "train", "--recipes", "fp7"]) == 2
     assert "unknown recipe 'fp7'" in capsys.readouterr().err

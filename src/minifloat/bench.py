@@ -1,5 +1,5 @@
-"""Side-by-side timings (`minifloat bench`). Numbers here are ratios measured in one run:
-every case is timed in interleaved repetitions and reported as the median."""
+"""Side-by-side timings (`minifloat bench quantize|gemm|train`). Numbers here are ratios
+measured in one run: every case is timed in interleaved repetitions and reported as the median."""
 
 from __future__ import annotations
 
@@ -107,6 +107,72 @@ def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, 
         "keeps_freed_memory": keeps_freed_memory(),
         "reps": reps,
         "results": rows_out,
+    }
+
+
+GEMM_DEFAULT_SCHEMES = ("fp8", "fp8_rowwise", "fp8_block128", "mxfp8", "mxfp4", "nvfp4")
+# The weight operand's scheme where it differs from the activation's (DeepSeek-V3's 128×128 weights).
+_GEMM_WEIGHT = {"fp8_block128": "fp8_block128x128"}
+
+
+def bench_gemm(m: int, n: int, k: int, schemes=GEMM_DEFAULT_SCHEMES, *, device: str | torch.device = "cpu",
+               reps: int = 9, bf16: bool = True) -> dict:
+    """``a · bᵀ`` ((m,k) activations, (n,k) weights, quantized once beforehand) per scheme:
+    the emulated GEMM and, where the device has it, the native one, against FP32 and BF16
+    matmuls on the same operands, interleaved over `reps` rounds; medians. For native GEMMs
+    also their agreement with emulated: ‖native − emulated‖ / ‖emulated‖."""
+    from minifloat.gemm import native_support, scaled_mm
+    from minifloat.schemes import get_scheme
+
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a, b = torch.randn(m, k, device=dev, generator=g), torch.randn(n, k, device=dev, generator=g)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def timed(fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: (fn(), sync())
+
+    cases: dict[str, Callable[[], object]] = {"fp32": timed(lambda: a @ b.T)}
+    if bf16:
+        ab, bb = a.bfloat16(), b.bfloat16()
+        cases["bf16"] = timed(lambda: ab @ bb.T)
+    info = {}
+    for name in schemes:
+        sa, sb = get_scheme(name), get_scheme(_GEMM_WEIGHT.get(name, name))
+        qa, qb = quantize(a, sa), quantize(b, sb)
+        cases[f"emulated:{name}"] = timed(lambda qa=qa, qb=qb: scaled_mm(qa, qb, backend="emulated"))
+        why = native_support(sa, dev) or native_support(sb, dev)
+        err = None
+        if why is None:
+            cases[f"native:{name}"] = timed(lambda qa=qa, qb=qb: scaled_mm(qa, qb, backend="native"))
+            ref = scaled_mm(qa, qb, backend="emulated").double()
+            err = ((scaled_mm(qa, qb, backend="native").double() - ref).norm() / ref.norm()).item()
+        info[name] = (sb.name, why, err)
+    med = interleaved_medians(cases, reps)
+    tflops = lambda t: 2 * m * n * k / t / 1e12  # noqa: E731
+    rows = []
+    for name in schemes:
+        weight, why, err = info[name]
+        te, tn = med[f"emulated:{name}"], med.get(f"native:{name}")
+        rows.append({
+            "scheme": name,
+            "weight_scheme": weight,
+            "emulated_tflops": tflops(te),
+            "emulated_vs_bf16": te / med["bf16"] if bf16 else None,
+            "native_tflops": None if tn is None else tflops(tn),
+            "native_vs_bf16": None if tn is None or not bf16 else tn / med["bf16"],
+            "native_rel_error": err,
+            "native_unavailable": why,
+        })
+    return {
+        "shape": [m, n, k],
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "reps": reps,
+        "fp32_tflops": tflops(med["fp32"]),
+        "bf16_tflops": tflops(med["bf16"]) if bf16 else None,
+        "results": rows,
     }
 
 

@@ -1,4 +1,4 @@
-"""`minifloat bench quantize|train`: side-by-side timings, medians of interleaved repetitions."""
+"""`minifloat bench quantize|gemm|train`: side-by-side timings, medians of interleaved repetitions."""
 
 from __future__ import annotations
 
@@ -17,17 +17,33 @@ def _size(text: str) -> tuple[int, int]:
     return r, c
 
 
+def _mnk(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must look like 4096x4096x4096 (MxNxK), got {text!r}") from None
+    return m, n, k
+
+
+_GEMM_SCHEMES = ("fp8", "fp8_rowwise", "fp8_block128", "mxfp8", "mxfp4", "nvfp4")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
-    p.add_argument("what", choices=["quantize", "train"], help="what to time")
+    p.add_argument("what", choices=["quantize", "gemm", "train"], help="what to time")
     p.add_argument("--size", type=_size, default=(4096, 8192), help="quantize: input ROWSxCOLS (default 4096x8192)")
-    p.add_argument("--schemes", default=None, help="quantize: comma-separated schemes (default: all)")
+    p.add_argument("--schemes", default=None,
+                   help="quantize: comma-separated schemes (default: all); gemm: default " + ",".join(_GEMM_SCHEMES))
+    p.add_argument("--shape", type=_mnk, default=None,
+                   help="gemm: MxNxK (default 4096x4096x4096 on CUDA, 1024x1024x1024 on CPU)")
+    p.add_argument("--device", default=None, help="gemm: cpu or cuda[:i] (default: cuda when there is one)")
     p.add_argument("--recipes", default=None, help="train: comma-separated recipes (default: fp8,fp8-current,mxfp8,nvfp4)")
     p.add_argument("--layers", type=int, default=4, help="train: MLP blocks (default 4)")
     p.add_argument("--dim", type=int, default=1024, help="train: model width (default 1024)")
     p.add_argument("--hidden", type=int, default=4096, help="train: hidden width (default 4096)")
     p.add_argument("--tokens", type=int, default=2048, help="train: tokens per step (default 2048)")
-    p.add_argument("--no-bf16", action="store_true", help="train: skip the BF16 autocast baseline (slow on CPUs without BF16 units)")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="gemm, train: skip the BF16 baseline (slow on CPUs without BF16 units)")
     p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 9 quantize, 3 train)")
     p.add_argument("--default-allocator", action="store_true",
                    help="leave glibc's malloc as it is: large outputs are page-faulted in again on every call")
@@ -41,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise MinifloatError(f"--reps must be ≥ 1, got {reps}")
     if args.what == "train":
         return _train(args, reps)
+    if args.what == "gemm":
+        return _gemm(args, reps)
     from minifloat.bench import DEFAULT_SCHEMES, bench_quantize
     from minifloat.schemes import get_scheme
 
@@ -86,4 +104,36 @@ def _train(args: argparse.Namespace, reps: int) -> int:
         vb = "-" if r["vs_bf16"] is None else f"{r['vs_bf16']:.2f}"
         vf = "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}"
         print(f"{r['model']:16} {r['step_s']:9.3f} {vb:>7} {vf:>7} {r['tokens_per_s']:10.0f}")
+    return 0
+
+
+def _gemm(args: argparse.Namespace, reps: int) -> int:
+    import torch
+
+    from minifloat.bench import bench_gemm
+    from minifloat.schemes import get_scheme
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MinifloatError(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
+    shape = args.shape or ((4096, 4096, 4096) if device.type == "cuda" else (1024, 1024, 1024))
+    schemes = _GEMM_SCHEMES if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
+    out = bench_gemm(*shape, schemes, device=device, reps=reps, bf16=not args.no_bf16)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    m, n, k = out["shape"]
+    bf16 = "-" if out["bf16_tflops"] is None else f"{out['bf16_tflops']:.2f}"
+    print(f"a·bᵀ {m}x{k} · ({n}x{k})ᵀ on {out['device']} ({out['device_name']}), {out['threads']} threads, "
+          f"median of {out['reps']}; FP32 {out['fp32_tflops']:.2f} TFLOP/s, BF16 {bf16} TFLOP/s")
+    print(f"{'scheme':14} {'emulated TF/s':>13} {'x bf16 time':>11} {'native TF/s':>11} {'x bf16 time':>11} {'rel err':>9}")
+    why: dict[str, list[str]] = {}
+    for r in out["results"]:
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"{r['scheme']:14} {r['emulated_tflops']:13.3f} {f(r['emulated_vs_bf16'], '.2f'):>11} "
+              f"{f(r['native_tflops'], '.3f'):>11} {f(r['native_vs_bf16'], '.2f'):>11} {f(r['native_rel_error'], '.1e'):>9}")
+        if r["native_unavailable"]:
+            why.setdefault(r["native_unavailable"], []).append(r["scheme"])
+    for reason, names in why.items():
+        print(f"no native GEMM for {', '.join(names)}: {reason}")
     return 0
