@@ -109,9 +109,7 @@ def native_support(scheme: Scheme, device: torch.device | str) -> str | None:
         return f"no native low-precision GEMM on {device.type} (torch._scaled_mm runs there only when asked for)"
     low, high = _NEEDS[kind]
     if cap < low or (high is not None and cap > high):
-        need = f"{low[0]}.{low[1]}" if high is None else f"exactly {low[0]}.{low[1]}"
-        if high is None:
-            need = f"≥ {need}"
+        need = f"≥ {low[0]}.{low[1]}" if high is None else f"exactly {low[0]}.{low[1]}"
         return f"{_NAMES[kind]} GEMMs need compute capability {need}, this GPU is {cap[0]}.{cap[1]}"
     return None
 
@@ -215,10 +213,9 @@ def native_args(a, b, *, a_transposed: bool = False, b_transposed: bool = False)
 
     M, N = rows(a, a_transposed), rows(b, b_transposed)
     ca, cb = _codes(a, a_transposed), _codes(b, b_transposed)
-    kp = max(ca.shape[1], cb.shape[1]) * 8 // bits
     if ca.shape[1] != cb.shape[1]:
         raise MinifloatError(f"operands of different K: {ca.shape[1] * 8 // bits} and {cb.shape[1] * 8 // bits}")
-    k_to = _ceil_to(kp, 32 if bits == 4 else 16)  # 16-byte rows
+    k_to = _ceil_to(ca.shape[1] * 8 // bits, 32 if bits == 4 else 16)  # rows of whole 16 bytes
     mp, np_ = _ceil_to(max(M, 1), 16), _ceil_to(max(N, 1), 16)
     width = k_to * bits // 8
     ca, cb = _pad(ca[:M], mp, width), _pad(cb[:N], np_, width)
