@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=2048, help="train: tokens per step (default 2048)")
     p.add_argument("--no-bf16", action="store_true",
                    help="gemm, train: skip the BF16 baseline (slow on CPUs without BF16 units)")
-    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 9 quantize, 3 train)")
+    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 9 quantize and gemm, 3 train)")
     p.add_argument("--default-allocator", action="store_true",
                    help="leave glibc's malloc as it is: large outputs are page-faulted in again on every call")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    reps = args.reps if args.reps is not None else (9 if args.what == "quantize" else 3)
+    reps = args.reps if args.reps is not None else (3 if args.what == "train" else 9)
     if reps < 1:
         raise MinifloatError(f"--reps must be ≥ 1, got {reps}")
     if args.what == "train":
