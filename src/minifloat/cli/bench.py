@@ -25,15 +25,14 @@ def _mnk(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-_GEMM_SCHEMES = ("fp8", "fp8_rowwise", "fp8_block128", "mxfp8", "mxfp4", "nvfp4")
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
     p.add_argument("what", choices=["quantize", "gemm", "train"], help="what to time")
     p.add_argument("--size", type=_size, default=(4096, 8192), help="quantize: input ROWSxCOLS (default 4096x8192)")
     p.add_argument("--schemes", default=None,
-                   help="quantize: comma-separated schemes (default: all); gemm: default " + ",".join(_GEMM_SCHEMES))
+                   help="quantize, gemm: comma-separated schemes (default: all for quantize; for gemm "
+                        "fp8, fp8_rowwise, fp8_block128, mxfp8, mxfp4, nvfp4)")
     p.add_argument("--shape", type=_mnk, default=None,
                    help="gemm: MxNxK (default 4096x4096x4096 on CUDA, 1024x1024x1024 on CPU)")
     p.add_argument("--device", default=None, help="gemm: cpu or cuda[:i] (default: cuda when there is one)")
@@ -110,14 +109,14 @@ def _train(args: argparse.Namespace, reps: int) -> int:
 def _gemm(args: argparse.Namespace, reps: int) -> int:
     import torch
 
-    from minifloat.bench import bench_gemm
+    from minifloat.bench import GEMM_DEFAULT_SCHEMES, bench_gemm
     from minifloat.schemes import get_scheme
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MinifloatError(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
     shape = args.shape or ((4096, 4096, 4096) if device.type == "cuda" else (1024, 1024, 1024))
-    schemes = _GEMM_SCHEMES if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
+    schemes = GEMM_DEFAULT_SCHEMES if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
     out = bench_gemm(*shape, schemes, device=device, reps=reps, bf16=not args.no_bf16)
     if args.json:
         print(json.dumps(out, indent=2))
