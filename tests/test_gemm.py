@@ -5,7 +5,15 @@ import torch
 import torch.nn.functional as F
 
 import minifloat
-from minifloat.gemm import choose_backend, native_args, native_kind, native_support, scaled_mm, swizzle_scales
+from minifloat.gemm import (
+    choose_backend,
+    native_args,
+    native_kind,
+    native_support,
+    operand_values,
+    scaled_mm,
+    swizzle_scales,
+)
 from minifloat.recipes import RECIPES, ROLES, get_recipe
 
 from .conftest import requires_cuda
@@ -148,8 +156,8 @@ def test_native_arguments_hold_exactly_the_emulated_operands(sa, sb, b_t, m, n, 
     assert (M, N) == (m, n)
     va, vb = _operand(args, "a"), _operand(args, "b")
     assert va.shape[0] % 16 == 0 and vb.shape[0] % 16 == 0 and va.shape[1] == vb.shape[1] >= k
-    expect_a = scaled_mm.__globals__["operand_values"](qa).double()
-    expect_b = scaled_mm.__globals__["operand_values"](qb, b_t).double()
+    expect_a = operand_values(qa).double()
+    expect_b = operand_values(qb, b_t).double()
     # equal up to the float32 roundings of code × FP32 scale (× NVFP4's tensor scale)
     assert torch.allclose(va[:m, :k], expect_a, rtol=2**-22, atol=0)
     assert torch.allclose(vb[:n, :k], expect_b, rtol=2**-22, atol=0)
@@ -159,7 +167,7 @@ def test_native_arguments_hold_exactly_the_emulated_operands(sa, sb, b_t, m, n, 
 def test_native_arguments_refuse_what_no_kernel_runs():
     x = torch.randn(32, 64)
     e5, row, mx, mx4 = (minifloat.quantize(x, s) for s in ("fp8_e5m2", "fp8_rowwise", "mxfp8", "mxfp4"))
-    e5.data.device  # noqa: B018
+    # the E5M2 × E5M2 refusal is cuBLAS's: an operand that reports a CUDA device, else e5 itself
     cuda_like = type("OnCuda", (), {"device": torch.device("cuda"), "__getattr__": lambda self, n: getattr(e5, n)})()
     with pytest.raises(minifloat.MinifloatError, match="no E5M2 × E5M2"):
         native_args(cuda_like, e5)
