@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,10 +22,16 @@ from minifloat.schemes import SCHEMES
 DEFAULT_SCHEMES = tuple(SCHEMES)
 
 
+class Elapsed(float):
+    """Seconds that a case measured itself (in another process): used instead of the wall time
+    of the call, which would add the round trip."""
+
+
 def _time(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    out = fn()
+    wall = time.perf_counter() - t0
+    return float(out) if isinstance(out, Elapsed) else wall
 
 
 def interleaved_medians(cases: dict[str, Callable[[], object]], reps: int, progress=None) -> dict[str, float]:
@@ -70,12 +80,75 @@ def torchao_quantizers(x: torch.Tensor) -> dict[str, Callable[[], object]]:
     }
 
 
+def _bench_input(rows: int, cols: int) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+
+
+def stock_worker() -> None:
+    """The loop of `StockTorchao`'s process: quantize the bench input with the torchao scheme named
+    on each stdin line and print the seconds it took."""
+    rows, cols, threads = map(int, sys.argv[1:4])
+    torch.set_num_threads(threads)
+    peers = torchao_quantizers(_bench_input(rows, cols))
+    print("ready" if peers else "unavailable", flush=True)
+    for line in sys.stdin:
+        print(_time(peers[line.strip()]), flush=True)
+
+
+class StockTorchao:
+    """torchao's quantizers as a plain script runs them: in a separate process with torch's
+    defaults (no transparent huge pages, glibc's malloc untouched), where minifloat's own process
+    lends them its settings. The cases it returns time one call there each (`Elapsed`), so they
+    interleave with the in-process ones. Use as a context manager; empty when torchao is absent."""
+
+    def __init__(self, rows: int, cols: int):
+        self._err = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, THP_MEM_ALLOC_ENABLE="0")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "from minifloat.bench import stock_worker; stock_worker()",
+             str(rows), str(cols), str(torch.get_num_threads())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env,
+        )  # fmt: skip
+        self.available = self._proc.stdout.readline().strip() == "ready"
+
+    def case(self, name: str) -> Callable[[], Elapsed]:
+        def run() -> Elapsed:
+            self._proc.stdin.write(name + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+            if not line:
+                self._err.seek(0)
+                raise RuntimeError(f"the stock torchao process ended: {self._err.read()[-2000:]}")
+            return Elapsed(line)
+
+        return run
+
+    def __enter__(self) -> StockTorchao:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._err.close()
+
+
 def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, reps: int = 9) -> dict:
     """Quantize / dequantize throughput of every scheme vs a plain sum (the read bound) and
-    vs torchao, interleaved over `reps` repetitions; medians."""
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
-    n = x.numel()
+    vs torchao, both in this process and in a stock one (`StockTorchao`), interleaved over
+    `reps` repetitions; medians."""
+    x = _bench_input(rows, cols)
     peers = torchao_quantizers(x)
+    if not peers or not any(name in peers for name in schemes):
+        return _bench_quantize(x, schemes, reps, peers, None)
+    with StockTorchao(rows, cols) as stock:
+        return _bench_quantize(x, schemes, reps, peers, stock if stock.available else None)
+
+
+def _bench_quantize(x: torch.Tensor, schemes, reps: int, peers: dict, stock: StockTorchao | None) -> dict:
+    n = x.numel()
     cases: dict[str, Callable[[], object]] = {"read_bound": lambda: x.sum()}
     qs = {}
     for name in schemes:
@@ -84,12 +157,14 @@ def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, 
         cases[f"dq:{name}"] = lambda name=name: dequantize(qs[name])
         if name in peers:
             cases[f"torchao:{name}"] = peers[name]
+            if stock is not None:
+                cases[f"stock:{name}"] = stock.case(name)
     med = interleaved_medians(cases, reps)
     read = med["read_bound"]
     rows_out = []
     for name in schemes:
         tq, td = med[f"q:{name}"], med[f"dq:{name}"]
-        ta = med.get(f"torchao:{name}")
+        ta, ts = med.get(f"torchao:{name}"), med.get(f"stock:{name}")
         rows_out.append({
             "scheme": name,
             "quantize_gelem_s": n / tq / 1e9,
@@ -98,12 +173,15 @@ def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, 
             "dequantize_vs_read": read / td,
             "torchao_gelem_s": None if ta is None else n / ta / 1e9,
             "speedup_vs_torchao": None if ta is None else ta / tq,
+            "torchao_stock_gelem_s": None if ts is None else n / ts / 1e9,
+            "speedup_vs_torchao_stock": None if ts is None else ts / tq,
         })
     return {
-        "shape": [rows, cols],
+        "shape": list(x.shape),
         "threads": torch.get_num_threads(),
         "read_bound_gelem_s": n / read / 1e9,
         "torchao": bool(peers),
+        "torchao_stock": stock is not None,
         "keeps_freed_memory": keeps_freed_memory(),
         "reps": reps,
         "results": rows_out,

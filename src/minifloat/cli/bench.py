@@ -72,12 +72,17 @@ def run(args: argparse.Namespace) -> int:
                            else "glibc default (outputs above 32 MiB are page-faulted in on every call)"))
     if not out["torchao"]:
         print("torchao is not installed: no comparison (pip install 'minifloat[bench]')")
-    print(f"{'scheme':18} {'quant Gelem/s':>13} {'x read':>7} {'dequant Gelem/s':>15} {'x read':>7} {'torchao':>8} {'speedup':>8}")
+    elif out["torchao_stock"]:
+        print("torchao: in this process (with its allocator settings); stock: in a fresh process with "
+              "torch's defaults (no huge pages, glibc malloc)")
+    print(f"{'scheme':18} {'quant Gelem/s':>13} {'x read':>7} {'dequant Gelem/s':>15} {'x read':>7} "
+          f"{'torchao':>8} {'speedup':>8} {'stock':>7} {'speedup':>8}")
     for r in out["results"]:
-        ta = "-" if r["torchao_gelem_s"] is None else f"{r['torchao_gelem_s']:.3f}"
-        sp = "-" if r["speedup_vs_torchao"] is None else f"{r['speedup_vs_torchao']:.1f}x"
+        peer = [("-" if r[k] is None else f"{r[k]:.3f}", "-" if r[s] is None else f"{r[s]:.1f}x")
+                for k, s in (("torchao_gelem_s", "speedup_vs_torchao"), ("torchao_stock_gelem_s", "speedup_vs_torchao_stock"))]
         print(f"{r['scheme']:18} {r['quantize_gelem_s']:13.2f} {r['quantize_vs_read']:7.2f} "
-              f"{r['dequantize_gelem_s']:15.2f} {r['dequantize_vs_read']:7.2f} {ta:>8} {sp:>8}")
+              f"{r['dequantize_gelem_s']:15.2f} {r['dequantize_vs_read']:7.2f} "
+              f"{peer[0][0]:>8} {peer[0][1]:>8} {peer[1][0]:>7} {peer[1][1]:>8}")
     return 0
 
 

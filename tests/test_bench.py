@@ -1,0 +1,61 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minifloat.bench import Elapsed, StockTorchao, bench_quantize, interleaved_medians
+from minifloat.cli import main
+
+
+def test_interleaved_medians_take_a_case_s_own_elapsed_time():
+    med = interleaved_medians({"remote": lambda: Elapsed(5.0), "local": lambda: None}, reps=3)
+    assert med["remote"] == 5.0 and med["local"] < 1.0
+
+
+def test_stock_torchao_runs_in_a_process_with_torch_defaults():
+    """The stock column: torchao timed in a child process without minifloat's huge pages or
+    allocator settings, with this process's thread count, on the same input (same seed)."""
+    pytest.importorskip("torchao")
+    with StockTorchao(64, 256) as stock:
+        assert stock.available
+        assert stock._proc.args[-1] == str(torch.get_num_threads())
+        environ = Path(f"/proc/{stock._proc.pid}/environ")
+        if environ.exists():
+            assert b"THP_MEM_ALLOC_ENABLE=0" in environ.read_bytes().split(b"\0")
+        times = [stock.case(name)() for name in ("mxfp8", "mxfp4", "nvfp4")]
+    assert all(isinstance(t, Elapsed) and 0 < t < 60 for t in times)
+    assert stock._proc.returncode == 0  # closed cleanly
+
+
+def test_bench_quantize_reports_both_torchao_columns():
+    pytest.importorskip("torchao")
+    out = bench_quantize(64, 256, schemes=("mxfp8", "fp8"), reps=1)
+    assert out["torchao"] and out["torchao_stock"]
+    mx, fp8 = out["results"]
+    assert mx["torchao_stock_gelem_s"] > 0 and mx["speedup_vs_torchao_stock"] > 0
+    assert mx["speedup_vs_torchao"] > 0
+    assert fp8["torchao_gelem_s"] is None and fp8["torchao_stock_gelem_s"] is None  # torchao has no such quantizer
+
+
+def test_bench_quantize_output_has_no_torchao_import_noise():
+    """torchao logs a warning per CUDA-only extension it cannot load, on its first import: the
+    benchmark holds those back (a fresh process, as torchao is imported once)."""
+    pytest.importorskip("torchao")
+    run = subprocess.run(
+        [sys.executable, "-m", "minifloat", "bench", "quantize", "--size", "64x256", "--reps", "1", "--schemes", "mxfp8"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "mxfp8" in run.stdout and "x" in run.stdout.split("mxfp8")[1]  # the torchao column ran
+    assert "Failed to load" not in run.stderr and "register_constant" not in run.stderr
+
+
+def test_bench_cli_small(capsys):
+    assert main(["bench", "quantize", "--size", "64x256", "--reps", "1", "--schemes", "fp8,mxfp4,nvfp4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["scheme"] for r in out["results"]] == ["fp8", "mxfp4", "nvfp4"]
+    assert all(r["quantize_gelem_s"] > 0 and r["dequantize_vs_read"] > 0 for r in out["results"])
+    assert main(["bench", "quantize", "--size", "64x256", "--reps", "1", "--schemes", "fp8"]) == 0
+    assert "read bound" in capsys.readouterr().out
