@@ -99,7 +99,8 @@ class StockTorchao:
     """torchao's quantizers as a plain script runs them: in a separate process with torch's
     defaults (no transparent huge pages, glibc's malloc untouched), where minifloat's own process
     lends them its settings. The cases it returns time one call there each (`Elapsed`), so they
-    interleave with the in-process ones. Use as a context manager; empty when torchao is absent."""
+    interleave with the in-process ones. Use as a context manager; `available` is False when
+    torchao does not import there."""
 
     def __init__(self, rows: int, cols: int):
         self._err = tempfile.TemporaryFile(mode="w+")
