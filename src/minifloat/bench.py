@@ -102,6 +102,11 @@ class StockTorchao:
     interleave with the in-process ones. Use as a context manager; `available` is False when
     torchao does not import there."""
 
+    # After a parallel region, libgomp's threads spin for a while (GOMP_SPINCOUNT, milliseconds
+    # here) before they sleep: the case timed next would share the cores with the worker's. A
+    # case right after a stock call measured 0.24 of the read bound instead of 0.33-0.37.
+    settle_s = 0.1
+
     def __init__(self, rows: int, cols: int):
         self._err = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, THP_MEM_ALLOC_ENABLE="0")
@@ -120,6 +125,7 @@ class StockTorchao:
             if not line:
                 self._err.seek(0)
                 raise RuntimeError(f"the stock torchao process ended: {self._err.read()[-2000:]}")
+            time.sleep(self.settle_s)
             return Elapsed(line)
 
         return run
