@@ -132,6 +132,18 @@ def test_mx_encoder_without_multiply_over_every_scale(element, rule, dtype):
     assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.7, 3.0e-3])
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"])
+def test_scaled_encoder_over_every_binade(element, scale):
+    """The multiply-first encoder (FP32 and NVFP4 scales) over products x * scale in every
+    float32 binade, float32 subnormals, exact ties between codes, overflow to inf, and NaN."""
+    scheme = get_scheme("fp8").replace(element=element)
+    x = pow2_scale_input(torch.float32, seed=4)
+    x[1, 333] = float("nan")
+    kw = {"scale": torch.tensor(scale)}
+    assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
+
+
 def test_given_scale_amax_and_margin():
     x = special_input((12, 256), torch.float32, seed=2)
     for scheme, kw in [

@@ -307,37 +307,27 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
 #endif
 }
 
-/* Encode 32 elements from x + j (loader LD, block scales enc[(j / 8) >> lb]) into codes + j; with
- * TRACK, the largest |bits| into top (to find NaN lanes, which come out saturated). */
-#define ENC32(LD, TRACK)                                                                           \
+/* Encode 32 elements from x + j (loader LD) into codes + j by encp8_mag. SCALED: of y = x * the
+ * block scales enc[(j / 8) >> lb], against l0, the format's smallest normal (encp8_mag with
+ * k = 0: 15-20% faster than enc8_mag, measured single-threaded). Else of x itself, against the
+ * block's lim (E8M0 scales, blocks of 32 << k columns; no NaN lanes: a NaN makes its block's
+ * scale NaN, and such chunks are SCALED). TRACK: the largest |bits| into top (to find NaN
+ * lanes, which come out saturated). */
+#define ENC32(LD, SCALED, TRACK)                                                                   \
     for (; j + 32 <= n; j += 32) {                                                                 \
         if (ahead) { /* the next chunk's lines, so that its first read finds them in cache */      \
             __builtin_prefetch((const char *)(x + j) + ahead);                                      \
             if (sizeof(*x) == 4) __builtin_prefetch((const char *)(x + j) + ahead + 64);            \
         }                                                                                          \
-        const v8i u0 = (v8i)(LD(x, j) * enc[(j >> 3) >> lb]);                                      \
-        const v8i u1 = (v8i)(LD(x, j + 8) * enc[((j >> 3) + 1) >> lb]);                            \
-        const v8i u2 = (v8i)(LD(x, j + 16) * enc[((j >> 3) + 2) >> lb]);                           \
-        const v8i u3 = (v8i)(LD(x, j + 24) * enc[((j >> 3) + 3) >> lb]);                           \
+        const v8i u0 = (v8i)(SCALED ? LD(x, j) * enc[(j >> 3) >> lb] : LD(x, j));                  \
+        const v8i u1 = (v8i)(SCALED ? LD(x, j + 8) * enc[((j >> 3) + 1) >> lb] : LD(x, j + 8));    \
+        const v8i u2 = (v8i)(SCALED ? LD(x, j + 16) * enc[((j >> 3) + 2) >> lb] : LD(x, j + 16));  \
+        const v8i u3 = (v8i)(SCALED ? LD(x, j + 24) * enc[((j >> 3) + 3) >> lb] : LD(x, j + 24));  \
+        const v8i l = SCALED ? l0 : (v8i){0} + lim[(j >> 3) >> lb];                                \
         const v8i a0 = u0 & 0x7fffffff, a1 = u1 & 0x7fffffff, a2 = u2 & 0x7fffffff, a3 = u3 & 0x7fffffff; \
         if (TRACK) top = vmax(top, vmax(vmax(a0, a1), vmax(a2, a3)));                              \
-        store32s(enc8_mag(a0, k), enc8_mag(a1, k), enc8_mag(a2, k), enc8_mag(a3, k), u0, u1, u2, u3, k, \
-                 codes + j);                                                                       \
-    }
-
-/* ENC32 for E8M0 scales and blocks of 32 << k columns: codes by encp8_mag from x's bits and the
- * blocks' lim (no NaN lanes: a NaN makes its block's scale NaN, and such chunks take ENC32). */
-#define ENC32P(LD)                                                                                  \
-    for (; j + 32 <= n; j += 32) {                                                                 \
-        if (ahead) {                                                                               \
-            __builtin_prefetch((const char *)(x + j) + ahead);                                      \
-            if (sizeof(*x) == 4) __builtin_prefetch((const char *)(x + j) + ahead + 64);            \
-        }                                                                                          \
-        const v8i u0 = (v8i)LD(x, j), u1 = (v8i)LD(x, j + 8), u2 = (v8i)LD(x, j + 16), u3 = (v8i)LD(x, j + 24); \
-        const v8i l = (v8i){0} + lim[(j >> 3) >> lb]; /* lb >= 2: 32 columns in one block */       \
-        const v8i m0 = encp8_mag(u0 & 0x7fffffff, l, k), m1 = encp8_mag(u1 & 0x7fffffff, l, k);   \
-        const v8i m2 = encp8_mag(u2 & 0x7fffffff, l, k), m3 = encp8_mag(u3 & 0x7fffffff, l, k);   \
-        store32s(m0, m1, m2, m3, u0, u1, u2, u3, k, codes + j);                                    \
+        store32s(encp8_mag(a0, l, k), encp8_mag(a1, l, k), encp8_mag(a2, l, k), encp8_mag(a3, l, k), \
+                 u0, u1, u2, u3, k, codes + j);                                                    \
     }
 
 typedef struct {
@@ -424,9 +414,10 @@ static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
         const T *x = (const T *)xv;                                                               \
         const vconst_t kc = *k; /* a local copy: byte stores may alias *k, and would reload it */ \
         k = &kc;                                                                                  \
+        const v8i l0 = (v8i){0} + ((p->emin + 127) << 23); /* 2^emin: scale 1 */                \
         v8i top = {0};                                                                            \
         int64_t j = 0;                                                                            \
-        if (lim) ENC32P(ld8_##NAME) else if (track) ENC32(ld8_##NAME, 1) else ENC32(ld8_##NAME, 0) \
+        if (lim) ENC32(ld8_##NAME, 0, 0) else if (track) ENC32(ld8_##NAME, 1, 1) else ENC32(ld8_##NAME, 1, 0) \
         for (; j + 8 <= n; j += 8) store8(enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top), codes + j); \
         for (; j < n; j++) codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);        \
         if (track && hmax8(top) > 0x7f800000) /* a NaN lane (x, or 0 * inf): NaN is canonical */   \
