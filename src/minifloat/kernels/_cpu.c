@@ -8,6 +8,8 @@
  *   normal results:    code = (bits + rebias + half - 1 + lsb) >> (23 - m)   (carry = next binade)
  *   subnormal results: code = bits(|y| + magic) - bits(magic), magic = 2^(emin - m + 23),
  *                      so the FPU's own rounding picks the nearest multiple of 2^(emin - m).
+ * The 32-wide vector loops take encp8_mag's form of the same rounding: clamp the exponent at the
+ * format's smallest normal, scale into [2^m, 2^(m+1)), round by the FPU, add the exponent back.
  */
 #include <math.h>
 #include <stdint.h>
