@@ -57,5 +57,7 @@ def test_bench_cli_small(capsys):
     out = json.loads(capsys.readouterr().out)
     assert [r["scheme"] for r in out["results"]] == ["fp8", "mxfp4", "nvfp4"]
     assert all(r["quantize_gelem_s"] > 0 and r["dequantize_vs_read"] > 0 for r in out["results"])
+    assert out["torch_cast_gelem_s"] > 0 and out["torch_cast_vs_read"] > 0  # the context line's timing
     assert main(["bench", "quantize", "--size", "64x256", "--reps", "1", "--schemes", "fp8"]) == 0
-    assert "read bound" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "read bound" in text and "x.to(torch.float8_e4m3fn)" in text

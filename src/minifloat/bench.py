@@ -145,7 +145,8 @@ class StockTorchao:
 def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, reps: int = 9) -> dict:
     """Quantize / dequantize throughput of every scheme vs a plain sum (the read bound) and
     vs torchao, both in this process and in a stock one (`StockTorchao`), interleaved over
-    `reps` repetitions; medians."""
+    `reps` repetitions; medians. For context, PyTorch's own unscaled cast to float8_e4m3fn
+    (``torch_cast``: one read, one 1-byte write, no amax) is timed in the same run."""
     x = _bench_input(rows, cols)
     peers = torchao_quantizers(x)
     if not peers or not any(name in peers for name in schemes):
@@ -157,6 +158,9 @@ def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, 
 def _bench_quantize(x: torch.Tensor, schemes, reps: int, peers: dict, stock: StockTorchao | None) -> dict:
     n = x.numel()
     cases: dict[str, Callable[[], object]] = {"read_bound": lambda: x.sum()}
+    cast = getattr(torch, "float8_e4m3fn", None)
+    if cast is not None:  # context: PyTorch's own fp32 -> fp8 cast, no amax and no scale
+        cases["torch_cast"] = lambda: x.to(cast)
     qs = {}
     for name in schemes:
         qs[name] = quantize(x, name)
@@ -168,6 +172,7 @@ def _bench_quantize(x: torch.Tensor, schemes, reps: int, peers: dict, stock: Sto
                 cases[f"stock:{name}"] = stock.case(name)
     med = interleaved_medians(cases, reps)
     read = med["read_bound"]
+    tc = med.get("torch_cast")
     rows_out = []
     for name in schemes:
         tq, td = med[f"q:{name}"], med[f"dq:{name}"]
@@ -187,6 +192,8 @@ def _bench_quantize(x: torch.Tensor, schemes, reps: int, peers: dict, stock: Sto
         "shape": list(x.shape),
         "threads": torch.get_num_threads(),
         "read_bound_gelem_s": n / read / 1e9,
+        "torch_cast_gelem_s": None if tc is None else n / tc / 1e9,
+        "torch_cast_vs_read": None if tc is None else read / tc,
         "torchao": bool(peers),
         "torchao_stock": stock is not None,
         "keeps_freed_memory": keeps_freed_memory(),

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"input {out['shape'][0]}x{out['shape'][1]} float32, {out['threads']} threads, "
           f"median of {out['reps']}; read bound (sum) {out['read_bound_gelem_s']:.2f} Gelem/s")
+    if out["torch_cast_gelem_s"] is not None:
+        print(f"for context, torch's own cast x.to(torch.float8_e4m3fn) (no amax, no scale): "
+              f"{out['torch_cast_gelem_s']:.2f} Gelem/s, {out['torch_cast_vs_read']:.2f} x read")
     print("allocator: " + ("freed buffers stay in the heap (minifloat.kernels.allocator)" if out["keeps_freed_memory"]
                            else "glibc default (outputs above 32 MiB are page-faulted in on every call)"))
     if not out["torchao"]:
