@@ -91,6 +91,10 @@ def test_bench_gemm_rejects_a_bad_shape(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "gemm", "--shape", "32x48"])
     assert "MxNxK" in capsys.readouterr().err
+    for bad in ("64", "64x0", "64xa"):
+        with pytest.raises(SystemExit):
+            main(["bench", "quantize", "--size", bad])
+        assert f"size must look like 4096x8192, got '{bad}'" in capsys.readouterr().err
 
 
 def test_bench_train_rejects_unknown_recipe_before_timing(capsys):

@@ -9,21 +9,24 @@ import sys
 from minifloat.errors import MinifloatError
 
 
-def _size(text: str) -> tuple[int, int]:
-    try:
-        r, c = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must look like 4096x8192, got {text!r}") from None
-    return r, c
+def _dims(example: str, what: str):
+    """An argparse type for 'AxBx...' with as many positive integers as `example` has."""
+    count = example.count("x") + 1
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            dims = tuple(int(v) for v in text.lower().split("x"))
+        except ValueError:
+            dims = ()
+        if len(dims) != count or min(dims) < 1:
+            raise argparse.ArgumentTypeError(f"{what} must look like {example}, got {text!r}")
+        return dims
+
+    return parse
 
 
-def _mnk(text: str) -> tuple[int, int, int]:
-    try:
-        m, n, k = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape must look like 4096x4096x4096 (MxNxK), got {text!r}") from None
-    return m, n, k
-
+_size = _dims("4096x8192", "size")
+_mnk = _dims("4096x4096x4096", "shape (MxNxK)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
