@@ -524,7 +524,7 @@ static int any_unsafe(const float *enc, int64_t n) {
 
 /* block_scale for 8 FP32- or E8M0-scaled blocks at once (the small MX blocks make this the hot
  * scalar work; NVFP4 has nvfp4_scales); returns 0 when a lane needs the scalar path (subnormal
- * E8M0 input, or NVFP4), having stored nothing. */
+ * E8M0 input), having stored nothing. */
 static inline int block_scales8(const job_t *J, v8f amax, int64_t t, float *enc) {
     const v8i isnan_ = amax != amax;
     v8f e;
@@ -536,7 +536,7 @@ static inline int block_scales8(const job_t *J, v8f amax, int64_t t, float *enc)
         const v8f d = 1.0f / s;
         memcpy((float *)J->scale_out + t, &d, 32);
         e = s;
-    } else if (J->mode == SC_E8M0) {
+    } else { /* SC_E8M0 */
         const v8f v = J->rule == 0 ? amax : amax * J->inv_max;
         const v8i vb = (v8i)v, ef = (vb >> 23) & 0xff, zero = amax == 0.0f;
         if (vany((ef == 0) & ~zero)) return 0; /* subnormal: frexpf in block_scale */
@@ -547,8 +547,7 @@ static inline int block_scales8(const job_t *J, v8f amax, int64_t t, float *enc)
         store8(code, (uint8_t *)J->scale_out + t);
         e = (v8f)vsel(E <= 126, (127 - E) << 23, (v8i){0} + 0x00400000);
         e = (v8f)vsel(isnan_, (v8i)((v8f){0} + NAN), (v8i)e);
-    } else
-        return 0;
+    }
     memcpy(enc, &e, 32);
     return 1;
 }
