@@ -515,13 +515,6 @@ static float block_scale(const job_t *J, float amax, int64_t t) {
     return dec == 0.0f ? 0.0f : 1.0f / dec;
 }
 
-/* Whether some encode scale is 0, inf or NaN: only then (or with a NaN in x) can x * scale be NaN. */
-static int any_unsafe(const float *enc, int64_t n) {
-    uint32_t bad = 0;
-    for (int64_t i = 0; i < n; i++) bad |= (f2u(enc[i]) & 0x7fffffffu) - 1u >= 0x7f7fffffu;
-    return (int)bad;
-}
-
 /* block_scale for 8 FP32- or E8M0-scaled blocks at once (the small MX blocks make this the hot
  * scalar work; NVFP4 has nvfp4_scales); returns 0 when a lane needs the scalar path (subnormal
  * E8M0 input), having stored nothing. */
@@ -556,12 +549,12 @@ static inline int block_scales8(const job_t *J, v8f amax, int64_t t, float *enc)
  * amax / 6 * s_enc, then its decoded value, inverted. In three passes over the blocks, each
  * made of independent 8-block steps: one pass per block would chain two divisions, the encode
  * and the decode (about 60 cycles of latency), and measured 28 cycles per 8 blocks in a tight
- * loop against 19 for this. Returns whether some encode scale is 0, inf or NaN (any_unsafe). */
-static inline __attribute__((always_inline)) int nvfp4_scales(const job_t *J, const float *amax, int64_t nb,
+ * loop against 19 for this. */
+static inline __attribute__((always_inline)) void nvfp4_scales(const job_t *J, const float *amax, int64_t nb,
                                                                 int64_t t, float *enc) {
     const int64_t n8 = nb / 8;
     v8f s[(CH + 8) / 8];
-    v8i code[(CH + 8) / 8], bad = {0};
+    v8i code[(CH + 8) / 8];
     for (int64_t i = 0; i < n8; i++) {
         v8f a;
         memcpy(&a, amax + 8 * i, 32);
@@ -580,11 +573,9 @@ static inline __attribute__((always_inline)) int nvfp4_scales(const job_t *J, co
         const v8f dec = dec8(code[i], &J->d4m3, &special) * J->s_dec;
         v8f e = (v8f)vsel(dec == 0.0f, (v8i){0}, (v8i)(1.0f / dec));
         e = (v8f)vsel(code[i] == J->e4m3.nan_code, (v8i)((v8f){0} + NAN), (v8i)e);
-        bad |= (v8i)((v8u)(((v8i)e & 0x7fffffff) - 1) >= 0x7f7fffffu);
         memcpy(enc + 8 * i, &e, 32);
     }
     for (int64_t b = 8 * n8; b < nb; b++) enc[b] = block_scale(J, amax[b], t + b);
-    return vany(bad) || any_unsafe(enc + 8 * n8, nb - 8 * n8);
 }
 
 /* The block amax from the largest |x| bits `top` of its rows [r0, r1) and columns [cb, cb + len):
@@ -658,6 +649,13 @@ static inline __attribute__((always_inline)) uint32_t block_amaxes(const job_t *
     return all;
 }
 
+/* Whether some encode scale is 0, inf or NaN: only then (or with a NaN in x) can x * scale be NaN. */
+static int any_unsafe(const float *enc, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (f2u(enc[i]) & 0x7fffffffu) - 1u >= 0x7f7fffffu;
+    return (int)bad;
+}
+
 /* lim[b] for encp8_mag from the E8M0 encode scales enc[b] = 2^k: the |x| bits of 2^(emin - k).
  * Returns 0 when some scale is outside encp8_mag's range (a NaN block, or a block amax below
  * about 2^-110), and the chunk then takes the multiply-first encoder. */
@@ -679,21 +677,19 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
     const int64_t c1 = c0 + J->cw < J->Kp ? c0 + J->cw : J->Kp, nb = (c1 - c0) / bc, b0 = c0 / bc;
     const char *x = (const char *)J->x;
     float enc[CH + 8]; /* blocks per chunk: up to CH (1-column blocks) */
-    int unsafe = 0;
 
     if (J->mode == SC_FP32_GIVEN) {
         for (int64_t b = 0; b < nb; b++) {
             enc[b] = J->given[g * J->gs_r + (b0 + b) * J->gs_c];
             ((float *)J->scale_out)[g * J->ngc + b0 + b] = 1.0f / enc[b];
         }
-        unsafe = any_unsafe(enc, nb);
     } else {
         float buf[CH + 8];
         const int64_t t0 = g * J->ngc + b0;
         const float *amax = J->tile_amax ? J->tile_amax + t0 : buf;
         if (!J->tile_amax) block_amaxes(J, g, c0, nb, AM, dt, esize, buf);
         if (J->mode == SC_NVFP4)
-            unsafe = nvfp4_scales(J, amax, nb, t0, enc);
+            nvfp4_scales(J, amax, nb, t0, enc);
         else {
             int64_t b = 0;
             for (; b + 8 <= nb; b += 8) {
@@ -703,13 +699,12 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                     for (int q = 0; q < 8; q++) enc[b + q] = block_scale(J, amax[b + q], t0 + b + q);
             }
             for (; b < nb; b++) enc[b] = block_scale(J, amax[b], t0 + b);
-            unsafe = any_unsafe(enc, nb);
         }
     }
 
     /* NaN lanes need finding only if x * scale can be NaN: a NaN in x (which makes its block's
      * computed scale NaN), or a scale of 0, inf or NaN (0 * inf, inf * 0). */
-    const int track = (J->mode == SC_FP32_GIVEN && !J->no_nan) || unsafe;
+    const int track = (J->mode == SC_FP32_GIVEN && !J->no_nan) || any_unsafe(enc, nb);
     int32_t lim[CH + 8];
     const int pow2 = J->mode == SC_E8M0 && !track && pow2_limits(&J->p, enc, nb, lim);
     float stage[CH];
