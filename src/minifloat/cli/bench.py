@@ -25,6 +25,11 @@ def _dims(example: str, what: str):
     return parse
 
 
+def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    """A table cell: `v` formatted, or '-' when there is no figure."""
+    return "-" if v is None else format(v, spec) + suffix
+
+
 _size = _dims("4096x8192", "size")
 _mnk = _dims("4096x4096x4096", "shape (MxNxK)")
 
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'scheme':18} {'quant Gelem/s':>13} {'x read':>7} {'dequant Gelem/s':>15} {'x read':>7} "
           f"{'torchao':>8} {'speedup':>8} {'stock':>7} {'speedup':>8}")
     for r in out["results"]:
-        peer = [("-" if r[k] is None else f"{r[k]:.3f}", "-" if r[s] is None else f"{r[s]:.1f}x")
+        peer = [(_fmt(r[k], ".3f"), _fmt(r[s], ".1f", "x"))
                 for k, s in (("torchao_gelem_s", "speedup_vs_torchao"), ("torchao_stock_gelem_s", "speedup_vs_torchao_stock"))]
         print(f"{r['scheme']:18} {r['quantize_gelem_s']:13.2f} {r['quantize_vs_read']:7.2f} "
               f"{r['dequantize_gelem_s']:15.2f} {r['dequantize_vs_read']:7.2f} "
@@ -133,15 +138,15 @@ def _gemm(args: argparse.Namespace, reps: int) -> int:
         print(json.dumps(out, indent=2))
         return 0
     m, n, k = out["shape"]
-    bf16 = "-" if out["bf16_tflops"] is None else f"{out['bf16_tflops']:.2f}"
+    bf16 = _fmt(out["bf16_tflops"], ".2f")
     print(f"a·bᵀ {m}x{k} · ({n}x{k})ᵀ on {out['device']} ({out['device_name']}), {out['threads']} threads, "
           f"median of {out['reps']}; FP32 {out['fp32_tflops']:.2f} TFLOP/s, BF16 {bf16} TFLOP/s")
     print(f"{'scheme':14} {'emulated TF/s':>13} {'x bf16 time':>11} {'native TF/s':>11} {'x bf16 time':>11} {'rel err':>9}")
     why: dict[str, list[str]] = {}
     for r in out["results"]:
-        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        print(f"{r['scheme']:14} {r['emulated_tflops']:13.3f} {f(r['emulated_vs_bf16'], '.2f'):>11} "
-              f"{f(r['native_tflops'], '.3f'):>11} {f(r['native_vs_bf16'], '.2f'):>11} {f(r['native_rel_error'], '.1e'):>9}")
+        print(f"{r['scheme']:14} {r['emulated_tflops']:13.3f} {_fmt(r['emulated_vs_bf16'], '.2f'):>11} "
+              f"{_fmt(r['native_tflops'], '.3f'):>11} {_fmt(r['native_vs_bf16'], '.2f'):>11} "
+              f"{_fmt(r['native_rel_error'], '.1e'):>9}")
         if r["native_unavailable"]:
             why.setdefault(r["native_unavailable"], []).append(r["scheme"])
     for reason, names in why.items():
