@@ -160,6 +160,9 @@ def test_given_scale_amax_and_margin():
     ("name", "kw"),
     [
         ("nvfp4", {"amax": torch.tensor(1e30)}),  # block scales underflow to 0: inf * 0
+        ("nvfp4", {"amax": torch.tensor(float("nan"))}),  # NaN tensor scale: every block scale NaN
+        ("nvfp4", {"amax": torch.tensor(float("inf"))}),
+        ("nvfp4", {"amax": torch.tensor(0.0)}),
         ("fp8", {"scale": torch.tensor(0.0)}),
         ("fp8", {"scale": torch.tensor(float("inf"))}),  # 0 * inf
         ("fp8", {}),  # tensor scale from the kernel's own amax: inf and no NaN

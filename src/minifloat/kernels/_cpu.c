@@ -561,11 +561,9 @@ static inline __attribute__((always_inline)) void nvfp4_scales(const job_t *J, c
         const v8f v = (a / 6.0f) * J->s_enc;
         s[i] = (v8f)vsel(v > FLT_MAX, (v8i){0} + (int32_t)f2u(FLT_MAX), (v8i)v);
     }
-    for (int64_t i = 0; i < n8; i++) {
-        v8f a;
-        memcpy(&a, amax + 8 * i, 32);
+    for (int64_t i = 0; i < n8; i++) { /* NaN: a NaN block, or a NaN tensor scale (amax= NaN) */
         v8i top = {0};
-        code[i] = vsel(a != a, (v8i){0} + J->e4m3.nan_code, enc8(s[i], &J->k4m3, &top));
+        code[i] = vsel(s[i] != s[i], (v8i){0} + J->e4m3.nan_code, enc8(s[i], &J->k4m3, &top));
         store8(code[i], (uint8_t *)J->scale_out + t + 8 * i);
     }
     for (int64_t i = 0; i < n8; i++) {
