@@ -77,3 +77,101 @@ def test_module_style_names_with_dots_round_trip(tmp_path):
     back = minifloat.load(tmp_path / "m.safetensors")
     assert torch.equal(back["blocks.0.fc.weight"], tensors["blocks.0.fc.weight"])
     assert torch.equal(back["blocks.0.fc"].data, tensors["blocks.0.fc"].data)
+
+
+def _rewrite(path, edit):
+    """Re-save the file at `path` with its metadata passed through `edit` (a forger who
+    rewrites the header, or a writer of another version), tensors unchanged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata=edit(metadata))
+
+
+def test_every_single_bit_flip_is_rejected(tmp_path):
+    """Anywhere in the file (header, metadata, tensor bytes): a flipped bit never loads."""
+    import random
+
+    path = tmp_path / "w.safetensors"
+    save(path, {"w": quantize(torch.randn(33, 70), "nvfp4"), "b": torch.randn(3), "r": quantize(torch.randn(5, 7), "fp8_rowwise")})
+    raw = path.read_bytes()
+    rng = random.Random(0)
+    for pos in rng.sample(range(len(raw)), 300):
+        bad = bytearray(raw)
+        bad[pos] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(bad))
+        with pytest.raises(CorruptFileError):
+            load(path)
+
+
+def test_edited_metadata_is_rejected(tmp_path):
+    """A valid-looking edit of the metadata (another shape, within the same padding) is caught
+    by the metadata's own checksum."""
+    import json
+
+    path = tmp_path / "w.safetensors"
+    save(path, {"w": quantize(torch.randn(4, 70), "nvfp4")})  # 70 columns are padded to 80
+
+    def edit(m):
+        entries = json.loads(m["entries"])
+        entries["w"]["shape"] = [4, 71]
+        return {**m, "entries": json.dumps(entries)}
+
+    _rewrite(path, edit)
+    with pytest.raises(CorruptFileError, match="metadata does not match its checksum"):
+        load(path)
+
+
+def test_forged_geometry_is_rejected(tmp_path):
+    """Metadata rewritten with a consistent checksum but parts that do not fit the shape (the
+    kernels would read past them): rejected, naming the part and the expected geometry."""
+    import hashlib
+    import json
+
+    path = tmp_path / "w.safetensors"
+    save(path, {"w": quantize(torch.randn(4, 64), "mxfp4")})
+
+    def edit(m):
+        entries = json.loads(m["entries"])
+        entries["w"]["shape"] = [4, 96]
+        text = json.dumps(entries)
+        return {**m, "entries": text, "entries_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+    _rewrite(path, edit)
+    with pytest.raises(CorruptFileError, match=r"the data of a mxfp4 QuantizedTensor of shape \(4, 96\) must be torch.uint8 of shape \(4, 48\)"):
+        load(path)
+
+
+def test_files_of_the_first_layout_still_load(tmp_path):
+    """minifloat/1 files (tensor checksums only) written by earlier versions load as before."""
+    import json
+
+    path = tmp_path / "old.safetensors"
+    q, b = quantize(torch.randn(3, 40), "nvfp4"), torch.randn(2)
+    save(path, {"q": q, "b": b})
+
+    def to_v1(m):
+        entries = json.loads(m["entries"])
+        for e in entries.values():
+            e["sha256"] = {part: spec["sha256"] for part, spec in e.pop("parts").items()}
+        return {"format": "minifloat/1", "entries": json.dumps(entries)}
+
+    _rewrite(path, to_v1)
+    back = load(path)
+    assert torch.equal(back["b"], b)
+    assert torch.equal(back["q"].dequantize().view(torch.int32), q.dequantize().view(torch.int32))
+
+
+def test_quantized_tensor_of_the_wrong_geometry_is_refused():
+    """A hand-built QuantizedTensor whose parts do not fit its shape is refused before any kernel
+    reads it, and cannot be saved."""
+    q = quantize(torch.randn(4, 64), "mxfp8")
+    wrong = minifloat.QuantizedTensor(q.data[:2], q.scale, None, q.shape, q.scheme)
+    with pytest.raises(MinifloatError, match=r"the data of a mxfp8 QuantizedTensor of shape \(4, 64\) must be torch.uint8 of shape \(4, 64\); got torch.uint8 of shape \(2, 64\)"):
+        wrong.dequantize()
+    with pytest.raises(MinifloatError, match="the scale of a mxfp8"):
+        minifloat.QuantizedTensor(q.data, q.scale.float(), None, q.shape, q.scheme).dequantize()
+    with pytest.raises(MinifloatError, match="has no tensor_scale"):
+        save("/nonexistent/never-written.safetensors", {"w": minifloat.QuantizedTensor(q.data, q.scale, torch.tensor(1.0), q.shape, q.scheme)})

@@ -68,6 +68,43 @@ def layout_for(shape: torch.Size | tuple[int, ...], scheme: Scheme) -> Layout:
     return Layout(rows, cols, rows, cols_pad, br, max(cols_pad, 1))
 
 
+def part_specs(shape: torch.Size | tuple[int, ...], scheme: Scheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The dtype and shape of every part a `QuantizedTensor` of `shape` under `scheme` holds:
+    ``data`` (packed codes), ``scale`` (the scale grid) and, for NVFP4, ``tensor_scale``.
+
+    Example:
+        >>> part_specs((3, 40), get_scheme("nvfp4"))["scale"]
+        (torch.uint8, (3, 3))
+    """
+    lay = layout_for(shape, scheme)
+    specs = {
+        "data": (torch.uint8, (lay.rows_pad, lay.cols_pad * scheme.element_format.bits // 8)),
+        "scale": (torch.float32 if scheme.scale_format == "fp32" else torch.uint8, lay.grid),
+    }
+    if scheme.is_nvfp4:
+        specs["tensor_scale"] = (torch.float32, ())
+    return specs
+
+
+def check_parts(q) -> None:
+    """Raise `MinifloatError` unless `q`'s parts have the dtypes and shapes its shape and scheme
+    imply (`part_specs`): the kernels index them by that geometry."""
+    specs = part_specs(q.shape, q.scheme)
+    for part in ("data", "scale", "tensor_scale"):
+        t = getattr(q, part)
+        if part not in specs:
+            if t is not None:
+                raise MinifloatError(f"a {q.scheme.name} QuantizedTensor has no {part}; got one of shape {tuple(t.shape)}")
+            continue
+        dtype, shape = specs[part]
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise MinifloatError(
+                f"the {part} of a {q.scheme.name} QuantizedTensor of shape {tuple(q.shape)} must be {dtype} of "
+                f"shape {shape}; got {got}"
+            )
+
+
 def _grid_scale(value: torch.Tensor | float, layout: Layout, what: str) -> torch.Tensor:
     """A user-given scale or amax broadcast to the scale grid (float32)."""
     t = torch.as_tensor(value, dtype=torch.float32)
@@ -195,6 +232,8 @@ def quantize(
 def dequantize(q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values of `q` in `dtype` (same as ``q.dequantize(dtype)``)."""
     from minifloat import kernels
+
+    check_parts(q)
 
     return kernels.dequantize_impl(q)(q, dtype)
 
