@@ -116,6 +116,32 @@ def test_nan_poisons_exactly_its_block_or_row_or_tensor():
         assert torch.equal(torch.isnan(d), mask), name
 
 
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("given", [{"scale": 2.0}, {"amax": 3.0}])
+def test_nan_under_a_given_scale_is_never_finite(monkeypatch, kernels, given):
+    """With scale= or amax= (delayed scaling) the scale does not see the data: FP8 keeps a NaN
+    in its codes; FP6 / FP4 codes cannot, so the NaN's tensor / row / block scale becomes NaN."""
+    monkeypatch.setenv("MINIFLOAT_KERNELS", kernels)
+    x = torch.randn(4, 4096)
+    x[1, 37] = float("nan")
+    x[2, 4095] = float("nan")  # the last column: past the vector loops
+    row, block = get_scheme("fp4").replace(granularity="row"), get_scheme("fp6_e3m2").replace(element="e2m3", granularity="block", block=(1, 96))
+    only = torch.zeros_like(x, dtype=torch.bool)
+    only[1, 37] = only[2, 4095] = True
+    rows = torch.zeros_like(x, dtype=torch.bool)
+    rows[1:3] = True
+    blocks = torch.zeros_like(x, dtype=torch.bool)
+    blocks[1, :96] = blocks[2, 4032:] = True
+    tiles = get_scheme("fp4").replace(granularity="block", block=(16, 64))  # 2-D, 8 * 2^k columns
+    tile_mask = torch.zeros_like(x, dtype=torch.bool)
+    tile_mask[:, :64] = tile_mask[:, 4032:] = True
+    for scheme, expect in [("fp8", only), ("fp8_block128", only), ("fp4", torch.ones_like(only)),
+                           ("fp6_e3m2", torch.ones_like(only)), (row, rows), (block, blocks), (tiles, tile_mask)]:
+        for rounding in ("nearest", "stochastic"):
+            d = quantize(x, scheme, rounding=rounding, **given).dequantize()
+            assert torch.equal(torch.isnan(d), expect), (scheme, rounding)
+
+
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_zeros_infs_and_empty(name):
     assert torch.equal(quantize(torch.zeros(3, 50), name).dequantize(), torch.zeros(3, 50))

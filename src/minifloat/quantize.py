@@ -143,6 +143,8 @@ def quantize_reference(
             a = _grid_scale(amax, lay, "amax") if amax is not None else scaling.finite_amax(tiles, dim=(1, 3))
             enc = scaling.fp32_scale(a, fmt, scheme.margin)
         stored = 1.0 / enc  # the decode scale (TE's scale_inv)
+        if fmt.nan_code is None:  # FP6 / FP4 codes cannot hold a NaN, nor can a given scale
+            stored = torch.where(torch.isnan(tiles).any(dim=(1, 3)), torch.nan, stored)
     elif scheme.scale_format == "e8m0":
         exp = scaling.e8m0_exponent(scaling.finite_amax(tiles, dim=(1, 3)), fmt, scheme.scale_rule)
         enc = torch.where(torch.isnan(exp), torch.nan, _pow2(-exp.nan_to_num().long()).float())

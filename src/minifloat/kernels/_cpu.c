@@ -23,7 +23,8 @@
 #endif
 
 typedef struct {
-    int32_t man_bits, emin, emax, max_code, sign_mask, nan_code; /* NaN encodes canonically */
+    int32_t man_bits, emin, emax, max_code, sign_mask, nan_code; /* NaN encodes canonically; formats
+                                                                   * without NaN (FP6, FP4): nan_code == sign_mask, a zero */
     uint32_t rebias, min_normal_bits, max_bits, magic_bits;
 } elem_t;
 
@@ -400,10 +401,12 @@ static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
         }                                                                                         \
     }                                                                                             \
     /* codes[j] = enc_rne(x[j] * enc[(j / 8) >> lb]) for j < n: blocks of 8 << lb columns; lim:     \
-     * the blocks' limits for encp8_mag (E8M0 scales, no NaN lanes), or NULL. */                  \
+     * the blocks' limits for encp8_mag (E8M0 scales, no NaN lanes), or NULL. nan_dec: NULL, or   \
+     * the blocks' decode scales, set to NaN for a block with a NaN in x (given scales of formats \
+     * without NaN, whose codes cannot hold it). */                                              \
     static inline __attribute__((always_inline)) void encode_##NAME(                             \
         const void *xv, int64_t n, const float *enc, const int32_t *lim, int lb, const vconst_t *k,       \
-        const elem_t *p, uint8_t *restrict codes, int64_t ahead, int track) {                      \
+        const elem_t *p, uint8_t *restrict codes, int64_t ahead, int track, float *nan_dec) {      \
         const T *x = (const T *)xv;                                                               \
         const vconst_t kc = *k; /* a local copy: byte stores may alias *k, and would reload it */ \
         k = &kc;                                                                                  \
@@ -412,10 +415,16 @@ static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
         int64_t j = 0;                                                                            \
         if (lim) ENC32(ld8_##NAME, 0, 0) else if (track) ENC32(ld8_##NAME, 1, 1) else ENC32(ld8_##NAME, 1, 0) \
         for (; j + 8 <= n; j += 8) store8(enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top), codes + j); \
-        for (; j < n; j++) codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);        \
+        for (; j < n; j++) {                                                                      \
+            codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);               \
+            if (nan_dec && isnan(ld1_##NAME(x, j))) nan_dec[(j >> 3) >> lb] = NAN;                  \
+        }                                                                                         \
         if (track && hmax8(top) > 0x7f800000) /* a NaN lane (x, or 0 * inf): NaN is canonical */   \
             for (j = 0; j < n; j++)                                                               \
-                if (isnan(ld1_##NAME(x, j) * enc[(j >> 3) >> lb])) codes[j] = (uint8_t)p->nan_code;       \
+                if (isnan(ld1_##NAME(x, j) * enc[(j >> 3) >> lb])) {                              \
+                    codes[j] = (uint8_t)p->nan_code;                                              \
+                    if (nan_dec && isnan(ld1_##NAME(x, j))) nan_dec[(j >> 3) >> lb] = NAN;          \
+                }                                                                                 \
     }
 
 DEFINE_LOOPS(f32, float, x[i], v8f v; memcpy(&v, x + i, 32); return v)
@@ -707,6 +716,10 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
     const int pow2 = J->mode == SC_E8M0 && !track && pow2_limits(&J->p, enc, nb, lim);
     float stage[CH];
     uint8_t codes[CH];
+    /* Given FP32 scales cannot carry a NaN of x as measured ones do, and FP6 / FP4 codes cannot
+     * either: such a block's decode scale becomes NaN (the fix-up pass finds the NaN lanes). */
+    float *nan_dec = J->mode == SC_FP32_GIVEN && J->p.nan_code == J->p.sign_mask
+                         ? (float *)J->scale_out + g * J->ngc + b0 : NULL;
     /* Prefetch while encoding (8-25% faster than the hardware prefetcher alone). A chunk that reads
      * x twice (amax, then encode) prefetches the next chunk, whose amax pass then finds it in cache:
      * the same row cw columns on, or (chunks of whole rows) the same column br rows on. A chunk of
@@ -745,7 +758,9 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                     if (left == 0) b++, left = bc;
                     const uint64_t i = i0 + (uint64_t)j;
                     if ((uint32_t)i == 0 && j > 0) hi = sr_hi(J->seed, i); /* crossed a 2^32 boundary */
-                    cd[j] = (uint8_t)enc_sr(load(src, sdt, j) * es[b], sr_bits(J->seed, i, hi), &J->p);
+                    const float v = load(src, sdt, j);
+                    cd[j] = (uint8_t)enc_sr(v * es[b], sr_bits(J->seed, i, hi), &J->p);
+                    if (nan_dec && isnan(v)) nan_dec[(s0 - c0) / bc + b] = NAN;
                 }
             } else {
                 for (int64_t b = 0, step = lb >= 0 ? n : bc; b * step < n; b++) { /* one call, or one per block */
@@ -753,9 +768,10 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                     const float *e = lb >= 0 ? es : es + b;
                     const int l = lb >= 0 ? lb : 62;
                     const int32_t *lm = pow2 && l >= 2 ? lim + (e - enc) : NULL;
-                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, lm, l, &J->k, &J->p, cd + o, pf * 4, track);
-                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, lm, l, &J->k, &J->p, cd + o, pf * 2, track);
-                    else encode_f16(src + o * 2, len, e, lm, l, &J->k, &J->p, cd + o, pf * 2, track);
+                    float *nd = nan_dec ? nan_dec + (e - enc) : NULL;
+                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, lm, l, &J->k, &J->p, cd + o, pf * 4, track, nd);
+                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, lm, l, &J->k, &J->p, cd + o, pf * 2, track, nd);
+                    else encode_f16(src + o * 2, len, e, lm, l, &J->k, &J->p, cd + o, pf * 2, track, nd);
                 }
             }
             if (J->bits != 8) pack_codes(codes, n, J->bits, dst);

@@ -163,8 +163,9 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
         *e4m3_args, int(seed is not None), seed or 0,
         None if tile_amax is None else tile_amax.data_ptr(), no_nan, data.data_ptr(), scale_out.data_ptr(), threads,
     )  # fmt: skip
-    if scheme.granularity == "tensor":
-        scale_out = scale_out[:1, :1].clone()
+    if scheme.granularity == "tensor":  # one scale per row: they agree, but where a row held a NaN
+        nan = fmt.nan_code is None and bool(scale_out.isnan().any())  # that FP6 / FP4 cannot encode
+        scale_out = torch.full((1, 1), math.nan) if nan else scale_out[:1, :1].clone()
     return QuantizedTensor(data, scale_out, tensor_scale, x.shape, scheme, x.dtype)
 
 
