@@ -37,10 +37,50 @@ def test_error_cli_synthetic_and_file(tmp_path, capsys):
     assert "nvfp4" in capsys.readouterr().out
 
 
-def test_error_cli_bad_input(capsys):
+def test_error_cli_bad_input(tmp_path, capsys):
     assert main(["error", "--input", "uniformish"]) == 2
     assert "unknown input 'uniformish'" in capsys.readouterr().err
     assert main(["error", "--input", "/nonexistent.safetensors"]) == 2
     assert "cannot read /nonexistent.safetensors" in capsys.readouterr().err
+    garbage = tmp_path / "g.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    assert main(["error", "--input", str(garbage)]) == 2
+    assert f"cannot read {garbage}" in capsys.readouterr().err
+    assert main(["error", "--size", "4x-3"]) == 2
+    assert "--size must be two positive numbers like 1024x1024, got '4x-3'" in capsys.readouterr().err
     with pytest.raises(MinifloatError):
         error_report(torch.empty(0), "fp8")
+
+
+def test_error_report_leaves_out_what_a_nan_poisons():
+    """A NaN takes its block (row, tensor) with it: that share is `frac_nan`, and the other
+    figures are those of the remaining elements, as if the block were not there."""
+    x = synthetic("gaussian", 16, 64)
+    clean = x.clone()
+    x[3, 5] = float("nan")
+    r = error_report(x, "mxfp8")
+    assert r["frac_nan"] == pytest.approx(31 / (16 * 64 - 1))  # the other 31 of its 32-block
+    keep = torch.ones_like(x, dtype=torch.bool)
+    keep[3, :32] = False
+    d = fake_quantize(clean, "mxfp8")  # the other blocks quantize as without the NaN
+    assert r["sqnr_db"] == pytest.approx(sqnr_db(clean[keep], d[keep]))
+    assert r["max_abs_err"] == pytest.approx((clean[keep].double() - d[keep]).abs().max().item())
+    assert error_report(x, "fp8_rowwise")["frac_nan"] == pytest.approx(63 / (16 * 64 - 1))
+    whole = error_report(x, "fp8")  # a tensor scale: nothing is left to measure
+    assert whole["frac_nan"] == 1.0 and math.isnan(whole["sqnr_db"]) and math.isnan(whole["frac_saturated"])
+    assert error_report(clean, "mxfp8")["frac_nan"] == 0.0
+
+
+def test_error_cli_nan_input_and_file_choice(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    x = synthetic("gaussian", 16, 64)
+    x[0, 0] = float("nan")
+    save_file({"a_ids": torch.arange(4), "w": x}, str(tmp_path / "m.safetensors"))
+    assert main(["error", "--input", str(tmp_path / "m.safetensors"), "--schemes", "fp8,mxfp8"]) == 0
+    out = capsys.readouterr().out
+    assert "m.safetensors:w (16, 64)" in out  # the first floating-point tensor, not the int one
+    assert "the input holds 1 NaN and 0 inf" in out and "NaN" in out.splitlines()[2]
+    assert main(["error", "--input", str(tmp_path / "m.safetensors:w"), "--schemes", "fp8", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["results"][0]  # strict JSON: nan as a string
+    assert row["sqnr_db"] == "nan" and row["frac_nan"] == 1.0

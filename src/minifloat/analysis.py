@@ -36,14 +36,25 @@ def _block_limits(q) -> torch.Tensor:
 
 
 def error_report(x: torch.Tensor, scheme: str | Scheme) -> dict[str, float | str]:
-    """Error of quantizing `x` with `scheme`, over the finite elements of `x`."""
+    """Error of quantizing `x` with `scheme`, over the finite elements of `x`.
+
+    A NaN in `x` makes its whole block (row, tensor) dequantize to NaN; the finite elements it
+    takes with it are counted in ``frac_nan`` and left out of the other figures.
+    """
     scheme = get_scheme(scheme)
     if not x.numel():
         raise MinifloatError("error_report needs a non-empty tensor")
     q = quantize(x, scheme)
     d = q.dequantize(torch.float32)
     finite = torch.isfinite(x)
+    lost = finite & torch.isnan(d)
+    frac_nan = lost.double().sum().item() / max(int(finite.sum()), 1)
+    finite &= ~lost
     xf, df = x.float()[finite].double(), d[finite].double()
+    if not xf.numel():  # every finite element shares a block with a NaN: nothing left to measure
+        return {"scheme": scheme.name, "sqnr_db": math.nan, "rel_l2": math.nan, "max_abs_err": math.nan,
+                "bits_per_element": q.bits_per_element, "memory_vs_fp16": q.nbytes / (2 * x.numel()),
+                "frac_saturated": math.nan, "frac_underflow": math.nan, "frac_nan": frac_nan}
     err = (xf - df).abs()
     saturated = (xf.abs() > _block_limits(q)[finite] * (1 + 2**-20)) & (df.abs() < xf.abs())
     return {
@@ -55,6 +66,7 @@ def error_report(x: torch.Tensor, scheme: str | Scheme) -> dict[str, float | str
         "memory_vs_fp16": q.nbytes / (2 * x.numel()),
         "frac_saturated": saturated.double().mean().item(),
         "frac_underflow": ((xf != 0) & (df == 0)).double().mean().item(),
+        "frac_nan": frac_nan,
     }
 
 

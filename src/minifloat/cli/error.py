@@ -32,27 +32,35 @@ def _load_input(spec: str, size: str, seed: int):
         try:
             with safe_open(path, framework="pt") as f:
                 keys = list(f.keys())
-                key = name or keys[0]
+                if not name:  # the first floating-point tensor
+                    name = next((k for k in keys if f.get_slice(k).get_dtype().startswith(("F", "BF"))), "")
+                    if not name:
+                        raise MinifloatError(f"{path} holds no floating-point tensor; it has: {', '.join(keys[:10])}")
+                key = name
                 if key not in keys and f"{key}.tensor" in keys:  # a plain tensor minifloat.save wrote
                     key = f"{key}.tensor"
                 if key not in keys:
                     raise MinifloatError(f"{path} has no tensor {key!r}; it has: {', '.join(keys[:10])}")
                 x = f.get_tensor(key)
-        except (OSError, RuntimeError, ValueError) as err:
-            if isinstance(err, MinifloatError):
-                raise
+        except MinifloatError:
+            raise
+        except Exception as err:  # OSError, or safetensors' own error for a damaged file
             raise MinifloatError(f"cannot read {path}: {err}") from None
         if not x.is_floating_point():
             raise MinifloatError(f"tensor {key!r} in {path} is {x.dtype}, not floating point")
         return f"{path}:{key}", x.float() if x.dtype == torch.float64 else x
     try:
         rows, cols = (int(v) for v in size.lower().split("x"))
+        if rows < 1 or cols < 1:
+            raise ValueError
     except ValueError:
-        raise MinifloatError(f"--size must look like 1024x1024, got {size!r}") from None
+        raise MinifloatError(f"--size must be two positive numbers like 1024x1024, got {size!r}") from None
     return spec, synthetic(spec, rows, cols, seed)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from minifloat.analysis import error_report
     from minifloat.schemes import SCHEMES, get_scheme
 
@@ -60,12 +68,19 @@ def run(args: argparse.Namespace) -> int:
     names = list(SCHEMES) if not args.schemes else [get_scheme(s).name for s in args.schemes.split(",")]
     rows = [error_report(x, n) for n in names]
     if args.json:
-        print(json.dumps({"input": label, "shape": list(x.shape), "results": rows},
-                         indent=2, default=lambda v: None if isinstance(v, float) and math.isinf(v) else v))
+        rows = [{k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows]
+        print(json.dumps({"input": label, "shape": list(x.shape), "results": rows}, indent=2))  # inf, nan: strings
         return 0
     print(f"input {label} {tuple(x.shape)}")
-    print(f"{'scheme':18} {'SQNR dB':>8} {'rel L2':>9} {'max abs err':>11} {'bits/el':>7} {'vs FP16':>7} {'saturated':>9} {'underflow':>9}")
+    bad = {kind: int(f(x).sum()) for kind, f in (("NaN", torch.isnan), ("inf", torch.isinf))}
+    if any(bad.values()):
+        print(f"note: the input holds {bad['NaN']} NaN and {bad['inf']} inf; the figures are over its finite "
+              f"elements, less those a NaN makes NaN (its block's share: 'NaN' column)")
+    nan_col = any(r["frac_nan"] for r in rows)
+    print(f"{'scheme':18} {'SQNR dB':>8} {'rel L2':>9} {'max abs err':>11} {'bits/el':>7} {'vs FP16':>7} {'saturated':>9} {'underflow':>9}"
+          + (f" {'NaN':>9}" if nan_col else ""))
     for r in rows:
         print(f"{r['scheme']:18} {r['sqnr_db']:8.2f} {r['rel_l2']:9.2e} {r['max_abs_err']:11.3e} "
-              f"{r['bits_per_element']:7.3f} {r['memory_vs_fp16']:7.3f} {r['frac_saturated']:9.2e} {r['frac_underflow']:9.2e}")
+              f"{r['bits_per_element']:7.3f} {r['memory_vs_fp16']:7.3f} {r['frac_saturated']:9.2e} {r['frac_underflow']:9.2e}"
+              + (f" {r['frac_nan']:9.2e}" if nan_col else ""))
     return 0
