@@ -203,6 +203,17 @@ def test_bad_input():
         quantize(torch.ones(2, dtype=torch.float64), "fp8")
     with pytest.raises(MinifloatError, match="a block of 3 e2m1 elements is not whole bytes"):
         minifloat.Scheme(element="e2m1", granularity="block", block=(1, 3))
+    x = torch.randn(4, 32)
+    with pytest.raises(MinifloatError, match="scale must be a number or a float tensor, got str '2'"):
+        quantize(x, "fp8", scale="2")
+    with pytest.raises(MinifloatError, match="amax must be a number or a float tensor, got str"):
+        quantize(x, "nvfp4", amax="2")
+    with pytest.raises(MinifloatError, match="generator must be a torch.Generator, got int"):
+        quantize(x, "fp8", rounding="stochastic", generator=1)
+    with pytest.raises(MinifloatError, match="got one on the meta device"):
+        quantize(torch.empty(4, 32, device="meta"), "mxfp8")
+    with pytest.raises(MinifloatError, match="dequantize returns floating-point values; got dtype=torch.int32"):
+        quantize(x, "fp8").dequantize(torch.int32)
 
 
 @pytest.mark.parametrize(("name", "elem"), [("mxfp8", torch.float8_e4m3fn), ("mxfp8_e5m2", torch.float8_e5m2),

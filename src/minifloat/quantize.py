@@ -105,9 +105,16 @@ def check_parts(q) -> None:
             )
 
 
+def _as_float32(value: torch.Tensor | float, what: str) -> torch.Tensor:
+    try:
+        return torch.as_tensor(value, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise MinifloatError(f"{what} must be a number or a float tensor, got {type(value).__name__} {value!r}") from None
+
+
 def _grid_scale(value: torch.Tensor | float, layout: Layout, what: str) -> torch.Tensor:
     """A user-given scale or amax broadcast to the scale grid (float32)."""
-    t = torch.as_tensor(value, dtype=torch.float32)
+    t = _as_float32(value, what)
     try:
         return torch.broadcast_to(t.reshape(t.shape if t.dim() != 1 else (-1, 1)), layout.grid).contiguous()
     except RuntimeError:
@@ -211,6 +218,10 @@ def quantize(
     if x.dtype == torch.float64:
         raise MinifloatError("quantize takes float32, bfloat16 or float16; convert float64 with x.float()")
     rounding = check_rounding(rounding or scheme.rounding)
+    if x.device.type == "meta":
+        raise MinifloatError("quantize needs a tensor with data, got one on the meta device; materialize it first")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise MinifloatError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if scale is not None and amax is not None:
         raise MinifloatError("pass scale or amax, not both")
     if scale is not None and scheme.scale_format != "fp32":
@@ -220,9 +231,9 @@ def quantize(
         )
     if amax is not None and scheme.is_mx:
         raise MinifloatError(f"amax= does not apply to {scheme.name}: MX scales come from each block's amax")
-    if amax is not None and scheme.is_nvfp4 and torch.as_tensor(amax).numel() != 1:
+    if amax is not None and scheme.is_nvfp4 and _as_float32(amax, "amax").numel() != 1:
         raise MinifloatError(
-            f"amax= for {scheme.name} is the tensor amax, one value; got shape {tuple(torch.as_tensor(amax).shape)} "
+            f"amax= for {scheme.name} is the tensor amax, one value; got shape {tuple(_as_float32(amax, 'amax').shape)} "
             f"(the block scales come from each block's amax)"
         )
     from minifloat import kernels
@@ -235,6 +246,8 @@ def dequantize(q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values of `q` in `dtype` (same as ``q.dequantize(dtype)``)."""
     from minifloat import kernels
 
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise MinifloatError(f"dequantize returns floating-point values; got dtype={dtype!r}, use e.g. torch.float32")
     check_parts(q)
 
     return kernels.dequantize_impl(q)(q, dtype)

@@ -1,0 +1,42 @@
+import os
+import stat
+
+import pytest
+
+from minifloat import MinifloatError
+from minifloat.atomic import atomic_path
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_new_file_gets_the_umask_mode_and_a_replaced_file_keeps_its_own(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with atomic_path(tmp_path / "a.txt") as tmp:
+            tmp.write_text("one")
+        assert _mode(tmp_path / "a.txt") == 0o644  # as open() would make it, not mkstemp's 0600
+        os.chmod(tmp_path / "a.txt", 0o640)
+        with atomic_path(tmp_path / "a.txt") as tmp:
+            tmp.write_text("two")
+        assert (tmp_path / "a.txt").read_text() == "two" and _mode(tmp_path / "a.txt") == 0o640
+    finally:
+        os.umask(old)
+
+
+def test_failure_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    (tmp_path / "a.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "a.txt") as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("interrupted")
+    assert (tmp_path / "a.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_a_directory_is_not_a_file_path(tmp_path):
+    with pytest.raises(MinifloatError, match=f"{tmp_path} is a directory; pass a file path inside it"):
+        with atomic_path(tmp_path):
+            pass
+    assert [p.name for p in tmp_path.iterdir()] == []
