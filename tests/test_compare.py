@@ -119,16 +119,29 @@ def test_compare_writes_metrics_report_and_plots(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys):
+def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys, monkeypatch):
+    import minifloat.compare as cmp
+
     bad = tmp_path / "bin.txt"
     bad.write_bytes(b"\x00\x01" * 5000)
-    code = main(["compare", "--precisions", "fp32,fp8", "--model", "tiny", "--steps", "3", "--batch-size", "2",
-                 "--seq-len", "16", "--data", str(bad), "--no-plots", "--out", str(tmp_path / "fail")])  # fmt: skip
-    assert code == 1
+    args = ["compare", "--precisions", "fp32,fp8", "--model", "tiny", "--steps", "3", "--batch-size", "2",
+            "--seq-len", "16", "--no-plots", "--out", str(tmp_path / "fail")]  # fmt: skip
+    assert main([*args, "--data", str(bad)]) == 2  # a bad corpus fails once, before any run
+    assert "binary file" in capsys.readouterr().err and not (tmp_path / "fail").exists()
+
+    # Runs that fail (here: children that exit before logging a step) are reported as failed,
+    # never with the figures an earlier comparison left in the same folder.
+    stale = tmp_path / "fail" / "runs" / "fp32" / "log.jsonl"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"step": 0, "loss": 2.5, "step_time_s": 0.1, "lr": 1e-3}) + "\n")
+    monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (1, 0, ["RuntimeError: out of memory"]))
+    assert main(args) == 1
     metrics = json.loads((tmp_path / "fail" / "metrics.json").read_text())
     assert [r["status"] for r in metrics["runs"]] == ["failed", "failed"]
-    assert "binary file" in metrics["runs"][0]["error"]
+    assert [r["steps_completed"] for r in metrics["runs"]] == [0, 0]
+    assert "out of memory" in metrics["runs"][0]["error"]
     assert "failed" in capsys.readouterr().out
+    monkeypatch.undo()
 
     # A learning rate far too large: the loss ends above where it started.
     metrics = compare(

@@ -135,3 +135,15 @@ def test_high_precision_last_blocks_and_head_stay_unquantized():
     assert isinstance(build_model(_cfg(precision="nvfp4", quantize_head=True)).lm_head, minifloat.nn.Linear)
     with pytest.raises(minifloat.MinifloatError, match="has 2 blocks"):
         _cfg(high_precision_last=3)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("lr", -1.0, "--lr must be a positive number, got -1.0"), ("lr", float("nan"), "--lr must be a positive number"),
+     ("grad_clip", -1.0, "--grad-clip must be a number ≥ 0"), ("weight_decay", float("inf"), "--weight-decay must be"),
+     ("min_lr_ratio", 1.5, "min_lr_ratio must be in"), ("warmup", -3, "--warmup must be ≥ 0")],
+)
+def test_config_rejects_bad_optimizer_settings(field, value, message):
+    """Caught when the config is made, not as a torch.optim traceback in every run."""
+    with pytest.raises(minifloat.MinifloatError, match=message):
+        _cfg(**{field: value})

@@ -209,12 +209,19 @@ def compare(
     if not base.eval_every:
         base = dataclasses.replace(base, eval_every=base.steps)  # a final val loss is needed
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise MinifloatError(f"--out {out} is a file; give a folder for the report and the runs")
+    if base.data is not None:  # a bad --data fails here once, not in every run
+        from minifloat.train.corpus import load_corpus
+
+        load_corpus(base.data, base.max_bytes)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     runs = []
     for i, precision in enumerate(precisions):
         c = dataclasses.replace(base, precision=precision)
         run_dir = out / "runs" / precision
         run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "log.jsonl").unlink(missing_ok=True)  # a run that fails early must not show an older one's
         config_path = run_dir / "config.json"
         with atomic_path(config_path) as tmp:
             tmp.write_text(json.dumps(c.to_dict(), indent=2))

@@ -76,6 +76,15 @@ class TrainConfig:
                 f"--high-precision-last {self.high_precision_last}: the {self.model} model has "
                 f"{get_config(self.model).n_layer} blocks"
             )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MinifloatError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise MinifloatError(f"min_lr_ratio must be in [0, 1] (the final lr as a fraction of --lr), got {self.min_lr_ratio}")
+        for name in ("weight_decay", "grad_clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise MinifloatError(f"--{name.replace('_', '-')} must be a number ≥ 0 (0: off), got {getattr(self, name)}")
+        if self.warmup < 0 or self.max_bytes < 1:
+            raise MinifloatError(f"--warmup must be ≥ 0 and max_bytes ≥ 1, got {self.warmup} and {self.max_bytes}")
         if self.telemetry_every < 0 or self.eval_every < 0 or self.checkpoint_every < 0:
             raise MinifloatError(
                 "--eval-every, --checkpoint-every and --telemetry-every must be ≥ 0 (0: off)"
