@@ -128,29 +128,30 @@ def load(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> di
     out: dict[str, QuantizedTensor | torch.Tensor] = {}
     used: set[str] = set()
     for name, entry in entries.items():
-        try:
-            out[name] = _rebuild(name, entry, stored, tag, device)
+        try:  # {part: {"dtype", "shape", "sha256"}}; minifloat/1 entries hold only the digests
+            specs = entry["parts"] if tag == FORMAT_TAG else {p: {"sha256": d} for p, d in entry["sha256"].items()}
+            out[name] = _rebuild(name, entry, specs, stored, device)
         except CorruptFileError as err:
             raise CorruptFileError(f"{path}: {err}") from None
         except (KeyError, TypeError, ValueError, AttributeError, MinifloatError) as err:
             raise CorruptFileError(f"{path}: damaged minifloat metadata for {name!r} ({err!r})") from None
-        used.update(f"{name}.{part}" for part in entry["parts" if tag == FORMAT_TAG else "sha256"])
+        used.update(f"{name}.{part}" for part in specs)
     extra = sorted(set(stored) - used)
     if extra:
         raise CorruptFileError(f"{path}: tensors {extra} are not described by the minifloat metadata")
     return out
 
 
-def _rebuild(name: str, entry: dict, stored: dict[str, torch.Tensor], tag: str, device) -> QuantizedTensor | torch.Tensor:
-    """One saved value from its metadata entry and stored tensors, every check passed."""
-    specs = entry["parts"] if tag == FORMAT_TAG else {p: {"sha256": d} for p, d in entry["sha256"].items()}
+def _rebuild(name: str, entry: dict, specs: dict, stored: dict[str, torch.Tensor], device) -> QuantizedTensor | torch.Tensor:
+    """One saved value from its metadata entry, its parts' specs and the stored tensors, every
+    check passed."""
     parts = {}
     for part, spec in specs.items():
         key = f"{name}.{part}"
         if key not in stored:
             raise CorruptFileError(f"tensor {key!r} is missing")
         t = stored[key]
-        if "dtype" in spec or tag == FORMAT_TAG:
+        if "dtype" in spec or "shape" in spec:  # minifloat/2
             if t.dtype != _dtype(spec["dtype"]) or list(t.shape) != spec["shape"]:
                 raise CorruptFileError(
                     f"tensor {key!r} is {t.dtype} of shape {list(t.shape)}; it was saved as {spec['dtype']} of "
