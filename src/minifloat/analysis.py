@@ -51,10 +51,10 @@ def error_report(x: torch.Tensor, scheme: str | Scheme) -> dict[str, float | str
     frac_nan = lost.double().sum().item() / max(int(finite.sum()), 1)
     finite &= ~lost
     xf, df = x.float()[finite].double(), d[finite].double()
+    sizes = {"bits_per_element": q.bits_per_element, "memory_vs_fp16": q.nbytes / (2 * x.numel()), "frac_nan": frac_nan}
+    errors = ("sqnr_db", "rel_l2", "max_abs_err", "frac_saturated", "frac_underflow")
     if not xf.numel():  # every finite element shares a block with a NaN: nothing left to measure
-        return {"scheme": scheme.name, "sqnr_db": math.nan, "rel_l2": math.nan, "max_abs_err": math.nan,
-                "bits_per_element": q.bits_per_element, "memory_vs_fp16": q.nbytes / (2 * x.numel()),
-                "frac_saturated": math.nan, "frac_underflow": math.nan, "frac_nan": frac_nan}
+        return {"scheme": scheme.name, **dict.fromkeys(errors, math.nan), **sizes}
     err = (xf - df).abs()
     saturated = (xf.abs() > _block_limits(q)[finite] * (1 + 2**-20)) & (df.abs() < xf.abs())
     return {
@@ -62,11 +62,9 @@ def error_report(x: torch.Tensor, scheme: str | Scheme) -> dict[str, float | str
         "sqnr_db": sqnr_db(xf, df),
         "rel_l2": (err.norm() / xf.norm()).item() if xf.norm() > 0 else 0.0,
         "max_abs_err": err.max().item(),
-        "bits_per_element": q.bits_per_element,
-        "memory_vs_fp16": q.nbytes / (2 * x.numel()),
         "frac_saturated": saturated.double().mean().item(),
         "frac_underflow": ((xf != 0) & (df == 0)).double().mean().item(),
-        "frac_nan": frac_nan,
+        **sizes,
     }
 
 
