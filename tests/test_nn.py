@@ -1,5 +1,6 @@
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -119,6 +120,14 @@ def test_delayed_history_rolls_once_per_step_and_reduces_by_max():
     assert layer.scale[2].item() == pytest.approx(57344.0 / max(g_amax, layer.amax_history[2, 1].item()))
 
 
+def test_delayed_history_rolls_in_a_deepcopy():
+    # a copy is made without __init__: it must still be tracked, or its scales never update
+    layer = copy.deepcopy(minifloat.nn.Linear(32, 16, recipe="fp8"))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    _delayed_step(layer, opt, 5.0)
+    assert int(layer.amax_steps) == 1 and layer.scale[0].item() == pytest.approx(448.0 / 5.0)
+
+
 def test_delayed_most_recent_interval_and_window():
     recipe = minifloat.DelayedScaling(amax_compute_algo="most_recent", interval=2, amax_history_len=2)
     layer = minifloat.nn.Linear(32, 16, recipe=recipe)
@@ -228,6 +237,26 @@ def test_leading_dims_bf16_and_no_bias():
     y.float().sum().backward()
     assert y.shape == (2, 3, 5, 32) and y.dtype == torch.bfloat16
     assert x.grad.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.bfloat16
+
+
+def test_input_of_the_wrong_width_is_a_clear_error():
+    layer = minifloat.nn.Linear(64, 32, recipe="mxfp8")
+    # (2, 128) has the elements of (4, 64): it must not be silently reshaped
+    for shape in [(4, 32), (2, 128), ()]:
+        with pytest.raises(minifloat.MinifloatError, match=rf"got an input of shape {re.escape(str(shape))}; its last"):
+            layer(torch.randn(shape))
+    with pytest.raises(minifloat.MinifloatError, match="convert\\(\\) takes a torch.nn.Module, got str"):
+        minifloat.convert("model", "fp8")
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_empty_batch_gives_empty_output_and_zero_gradients(name):
+    layer = minifloat.nn.Linear(64, 32, recipe=name)
+    x = torch.randn(0, 64, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()  # grad_weight's GEMM reduces over no tokens
+    assert y.shape == (0, 32) and x.grad.shape == (0, 64)
+    assert torch.equal(layer.weight.grad, torch.zeros(32, 64)) and torch.equal(layer.bias.grad, torch.zeros(32))
 
 
 def test_nan_input_gives_nan_output_never_finite():

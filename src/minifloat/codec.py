@@ -55,14 +55,13 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.fl
 _DTYPE_NAMES = "float32, bfloat16, float16, float64"
 
 
-def check_float_tensor(x: object, what: str) -> torch.Tensor:
-    """Return `x` if it is a tensor of an accepted floating dtype, else raise DTypeError."""
+def check_float_tensor(x: object, what: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> torch.Tensor:
+    """Return `x` if it is a tensor of one of `dtypes`, else raise DTypeError."""
     if not isinstance(x, torch.Tensor):
         raise DTypeError(f"{what} takes a torch.Tensor, got {type(x).__name__}; wrap it in torch.tensor(...)")
-    if x.dtype not in FLOAT_DTYPES:
-        raise DTypeError(
-            f"{what} takes {_DTYPE_NAMES} tensors, got {x.dtype}; convert with x.float()"
-        )
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise DTypeError(f"{what} takes {names} tensors, got {x.dtype}; convert with x.float()")
     return x
 
 

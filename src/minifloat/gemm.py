@@ -44,6 +44,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -142,7 +144,7 @@ def operand_values(q, transposed: bool = False) -> torch.Tensor:
     its transpose (only for tensor-scaled or square-block schemes, whose values do not depend
     on the orientation)."""
     v = q.dequantize(torch.float32)
-    v = v.reshape(-1, v.shape[-1])
+    v = v.reshape(math.prod(v.shape[:-1]), v.shape[-1])  # not -1: K may be 0 (an empty batch's grad_weight)
     return v.t() if transposed else v
 
 

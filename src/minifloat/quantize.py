@@ -24,6 +24,8 @@ from minifloat.formats import E4M3, E8M0
 from minifloat.packing import pack, unpack
 from minifloat.schemes import Scheme, get_scheme
 
+QUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64: convert first
+
 _PACK_GROUP = {4: 2, 6: 4, 8: 1}
 
 
@@ -214,9 +216,7 @@ def quantize(
         (4.25, torch.Size([4, 64]))
     """
     scheme = get_scheme(scheme)
-    check_float_tensor(x, "quantize")
-    if x.dtype == torch.float64:
-        raise MinifloatError("quantize takes float32, bfloat16 or float16; convert float64 with x.float()")
+    check_float_tensor(x, "quantize", QUANTIZE_DTYPES)
     rounding = check_rounding(rounding or scheme.rounding)
     if x.device.type == "meta":
         raise MinifloatError("quantize needs a tensor with data, got one on the meta device; materialize it first")

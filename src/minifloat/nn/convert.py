@@ -49,6 +49,8 @@ def convert(
 ) -> torch.nn.Module:
     """Swap every eligible ``nn.Linear`` of `model` (in place) for a `minifloat.nn.Linear`
     sharing its Parameters, and return `model`. Already converted layers get the new recipe."""
+    if not isinstance(model, torch.nn.Module):
+        raise MinifloatError(f"convert() takes a torch.nn.Module, got {type(model).__name__}")
     recipe = get_recipe(recipe)
     targets = []
     for fqn, module in model.named_modules():

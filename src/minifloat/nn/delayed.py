@@ -22,7 +22,6 @@ gradients to zero in the first step.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 
 import torch
@@ -31,24 +30,22 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from minifloat.recipes import ROLES, DelayedScaling
 from minifloat.scaling import reduce_amax_window, scale_from_amax
 
-_MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # registration order
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # keys in registration order
 _HOOK = None
 
 
 def _on_optimizer_step(optimizer, args, kwargs) -> None:
-    roll_all([m for m in list(_MODULES.values()) if m.amax_pending_steps])
+    roll_all([m for m in list(_MODULES) if m.amax_pending_steps])
 
 
 def register(module) -> None:
-    """Track `module` so optimizer steps roll its history (idempotent)."""
+    """Track `module` so optimizer steps roll its history (idempotent). `record` calls it too,
+    so a module made without ``__init__`` (``copy.deepcopy``, unpickling) is tracked as well."""
     global _HOOK
-    if module not in _MODULES.values():
-        _MODULES[next(_SERIAL)] = module
+    if module not in _MODULES:
+        _MODULES[module] = None
     if _HOOK is None:
         _HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
-
-
-_SERIAL = itertools.count()
 
 
 def roll_all(modules: list) -> None:
@@ -78,7 +75,9 @@ def record(module, role: str, amax: torch.Tensor) -> None:
     if pending.device != amax.device:
         pending = module.amax_pending = pending.to(amax.device)
     pending[i] = torch.fmax(pending[i], torch.where(torch.isfinite(amax), amax, 0.0))
-    module.amax_pending_steps = 1
+    if not module.amax_pending_steps:  # the step's first record
+        register(module)
+        module.amax_pending_steps = 1
 
 
 def current_scale(module, role: str) -> torch.Tensor | None:

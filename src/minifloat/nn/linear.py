@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from minifloat import kernels
+from minifloat.errors import MinifloatError
 from minifloat.gemm import choose_backend, scaled_mm
 from minifloat.hadamard import hadamard_matrix, rht
 from minifloat.nn import delayed
@@ -185,6 +186,11 @@ class Linear(torch.nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise MinifloatError(
+                f"{self.__class__.__name__}(in_features={self.in_features}, out_features={self.out_features}) got an "
+                f"input of shape {tuple(x.shape)}; its last dimension must be in_features={self.in_features}"
+            )
         state = _autocast_current()
         if not state.enabled:
             return F.linear(x, self.weight, self.bias)
