@@ -2,6 +2,8 @@
 (float32 arithmetic where the reference libraries compute in float32, ml_dtypes for every
 cast), plus torchao for MX, and the NaN / inf / zero / empty / odd-shape contract."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -192,6 +194,26 @@ def test_quantized_tensor_behaves_like_its_values():
     assert torch.equal(q @ torch.eye(32), d @ torch.eye(32)) and torch.equal(q[1], d[1])
     assert torch.equal(torch.nn.functional.relu(q), torch.relu(d))
     assert q.to("cpu").dequantize().equal(d) and "mxfp8" in repr(q)
+
+
+def test_tensor_methods_and_dtype_conversions_see_the_dequantized_values():
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
+    q = quantize(x, "mxfp8")
+    d = q.dequantize()
+    assert torch.equal(q.max(), d.max()) and torch.equal(q.T, d.T) and (q.numpy() == d.numpy()).all()
+    # a dtype cannot hold codes and scales: to(dtype) gives the values, as Tensor.float() does
+    for conv in (lambda q: q.to(torch.bfloat16), lambda q: q.to("cpu", torch.bfloat16),
+                 lambda q: q.to(dtype=torch.bfloat16), lambda q: q.half().bfloat16()):  # fmt: skip
+        out = conv(q)
+        assert type(out) is torch.Tensor and torch.equal(out, d.bfloat16())
+    moved = q.to("cpu", non_blocking=True)
+    assert isinstance(moved, minifloat.QuantizedTensor) and torch.equal(moved.data, q.data)
+    one = quantize(torch.tensor(3.0), "fp8")
+    assert float(one) == 3.0 and int(one) == 3 and bool(one)
+    with pytest.raises(TypeError, match="len\\(\\) of a 0-d QuantizedTensor"):
+        len(one)
+    # copies stay QuantizedTensors (copy must not find a dequantized tensor's __deepcopy__)
+    assert type(copy.deepcopy(q)) is minifloat.QuantizedTensor and not hasattr(q, "no_such_method")
 
 
 def test_bad_input():

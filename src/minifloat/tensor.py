@@ -1,14 +1,18 @@
 """`QuantizedTensor`: packed codes + scales + the scheme that made them.
 
-Torch functions it does not implement run on its dequantized value (``torch.add(q, 1)``,
-``q @ w``, ``q[0]``), so it can stand in for a tensor wherever exactness of the quantized
-representation is not needed.
+Torch functions and Tensor methods it does not implement run on its dequantized value
+(``torch.add(q, 1)``, ``q @ w``, ``q[0]``, ``q.max()``, ``float(q)``), so it can stand in for a
+tensor wherever exactness of the quantized representation is not needed. ``q.to(device)``
+moves the codes and scales as they are; ``q.to(dtype)`` (like ``q.float()``) gives the
+dequantized values.
 
 Example:
     >>> import minifloat
     >>> q = minifloat.quantize(torch.ones(2, 32), "mxfp8")
-    >>> (q + 1).tolist()[0][:3], q.nbytes
-    ([2.0, 2.0, 2.0], 66)
+    >>> (q + 1).tolist()[0][:3], q.nbytes, q.max().item()
+    ([2.0, 2.0, 2.0], 66, 1.0)
+    >>> q.to(torch.bfloat16).dtype
+    torch.bfloat16
 """
 
 from __future__ import annotations
@@ -88,13 +92,32 @@ class QuantizedTensor:
 
         return dequantize(self, dtype)
 
-    def to(self, device: torch.device | str) -> QuantizedTensor:
-        """A copy on `device` (the codes and scales move as they are)."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    def to(self, *args, **kwargs) -> QuantizedTensor | torch.Tensor:
+        """``to(device)``: a QuantizedTensor on `device` (the codes and scales move as they are).
+        With a dtype (``to(torch.bfloat16)``, ``to(device, dtype)``): the dequantized values,
+        a plain tensor, as a dtype cannot hold codes and scales."""
+        device, dtype, non_blocking = kwargs.pop("device", None), kwargs.pop("dtype", None), kwargs.pop("non_blocking", False)
+        if kwargs:
+            raise TypeError(f"QuantizedTensor.to() got unexpected arguments {sorted(kwargs)}")
+        for a in args:  # as Tensor.to: a device, a dtype, or a tensor to take both from
+            if isinstance(a, torch.dtype):
+                dtype = a
+            elif isinstance(a, torch.Tensor):
+                device, dtype = a.device, a.dtype
+            else:
+                device = a
+        if dtype is not None:
+            return self.dequantize(dtype).to(device or self.device, non_blocking=non_blocking)
+        if device is None:
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return QuantizedTensor(move(self.data), move(self.scale), move(self.tensor_scale), self.shape, self.scheme, self.orig_dtype)
 
     def cpu(self) -> QuantizedTensor:
         return self.to("cpu")
+
+    def cuda(self, device: int | str | torch.device | None = None) -> QuantizedTensor:
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device) if isinstance(device, int) else device)
 
     def __repr__(self) -> str:
         return (
@@ -121,7 +144,17 @@ class QuantizedTensor:
         return self.dequantize(self.orig_dtype)[index]
 
     def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d QuantizedTensor")
         return self.shape[0]
+
+    def __getattr__(self, name: str):
+        # Only for names the class lacks: other Tensor attributes and methods (q.max(), q.T,
+        # q.numpy()) of the dequantized value. Not private or dunder names, which copy,
+        # pickle and the interpreter probe for and must not see a dequantized tensor's.
+        if name.startswith("_") or name in QuantizedTensor.__slots__ or not hasattr(torch.Tensor, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.dequantize(self.orig_dtype), name)
 
     def __array__(self, dtype=None):
         a = self.dequantize(torch.float32).numpy()
@@ -141,6 +174,7 @@ def _forward(name: str):
 for _name in (
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
     "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__abs__", "__pow__",
-    "__lt__", "__le__", "__gt__", "__ge__", "sum", "mean", "float", "t", "view", "reshape",
+    "__lt__", "__le__", "__gt__", "__ge__", "__float__", "__int__", "__bool__", "__complex__", "__iter__",
+    "sum", "mean", "float", "t", "view", "reshape",
 ):
     setattr(QuantizedTensor, _name, _forward(_name))
