@@ -60,8 +60,17 @@ def test_state_dict_round_trip_and_errors():
     assert other.state_dict() == scaler.state_dict() == {"scale": 4.0, "growth_tracker": 0, "skipped_steps": 1}
     with pytest.raises(minifloat.MinifloatError, match="not a LossScaler state"):
         other.load_state_dict({"scale": 1.0})
+    for bad in ({"scale": float("nan"), "growth_tracker": 0, "skipped_steps": 0}, {"scale": 0.0, "growth_tracker": 0, "skipped_steps": 0}):
+        with pytest.raises(minifloat.MinifloatError, match="a loss scale is finite and > 0"):
+            other.load_state_dict(bad)
+    assert other.get_scale() == 4.0  # a refused state changes nothing
     with pytest.raises(minifloat.MinifloatError, match="growth_factor > 1"):
         LossScaler(growth_factor=0.5)
+    # an infinite scale would skip every step forever; bounds that exclude the start are typos
+    for kwargs in ({"init_scale": float("inf")}, {"init_scale": float("nan")}, {"min_scale": 2.0, "init_scale": 1.0},
+                   {"max_scale": 1.0}, {"min_scale": 0.0}, {"growth_factor": float("inf")}):  # fmt: skip
+        with pytest.raises(minifloat.MinifloatError, match="0 < min_scale ≤ init_scale ≤ max_scale < inf"):
+            LossScaler(**kwargs)
     with pytest.raises(minifloat.MinifloatError, match="update\\(\\) before step"):
         LossScaler().update()
 

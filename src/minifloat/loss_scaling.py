@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from minifloat.errors import MinifloatError
@@ -45,10 +47,15 @@ class LossScaler:
         max_scale: float = 2.0**64,
         enabled: bool = True,
     ) -> None:
-        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
+        if not (
+            0 < min_scale <= init_scale <= max_scale < math.inf
+            and 1 < growth_factor < math.inf and 0 < backoff_factor < 1 and growth_interval >= 1
+        ):
             raise MinifloatError(
-                "LossScaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
-                f"growth_interval ≥ 1; got {init_scale}, {growth_factor}, {backoff_factor}, {growth_interval}"
+                "LossScaler needs 0 < min_scale ≤ init_scale ≤ max_scale < inf, growth_factor > 1 (finite), "
+                "0 < backoff_factor < 1 and growth_interval ≥ 1; got "
+                f"init_scale={init_scale}, min_scale={min_scale}, max_scale={max_scale}, "
+                f"growth_factor={growth_factor}, backoff_factor={backoff_factor}, growth_interval={growth_interval}"
             )
         self.enabled = enabled
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
@@ -74,14 +81,18 @@ class LossScaler:
             raise MinifloatError("unscale_() was already called for this optimizer since the last update()")
         self._unscaled.add(id(optimizer))
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        found = torch.zeros((), dtype=torch.float32)
         if self.enabled and grads:
             inv = 1.0 / self._scale
             for g in grads:
                 g.mul_(inv)
+        # one flag per gradient on its device, one transfer per device (not a sync per gradient)
+        flags: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
             local = g.to_local() if hasattr(g, "to_local") else g  # FSDP2 shards: this rank's part
-            found = torch.maximum(found, (~torch.isfinite(local)).any().float().cpu())
+            flags.setdefault(local.device, []).append((~torch.isfinite(local)).any())
+        found = torch.zeros((), dtype=torch.float32)
+        for fs in flags.values():
+            found = torch.maximum(found, torch.stack(fs).any().float().cpu())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         self._found_inf = bool(found) or bool(self._found_inf)
@@ -119,8 +130,10 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         try:
-            self._scale = float(state["scale"])
-            self._growth_tracker = int(state["growth_tracker"])
-            self.skipped_steps = int(state["skipped_steps"])
+            scale = float(state["scale"])
+            growth_tracker, skipped = int(state["growth_tracker"]), int(state["skipped_steps"])
         except (KeyError, TypeError, ValueError) as err:
             raise MinifloatError(f"not a LossScaler state ({err!r}); expected keys scale, growth_tracker, skipped_steps") from None
+        if not 0 < scale < math.inf:
+            raise MinifloatError(f"not a LossScaler state: scale={scale} (a loss scale is finite and > 0)")
+        self._scale, self._growth_tracker, self.skipped_steps = scale, growth_tracker, skipped
