@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from minifloat import AmaxHistory, MinifloatError, get_format, scale_from_amax
+import minifloat
+from minifloat import AmaxHistory, MinifloatError, get_format, quantize, scale_from_amax
 from minifloat.scaling import (
     e8m0_exponent,
     finite_amax,
@@ -20,7 +21,7 @@ def test_scale_from_amax_te_rules():
     assert scale_from_amax(torch.tensor(448.0), "e4m3").item() == 1.0
     assert scale_from_amax(torch.tensor(7.0), "e4m3", margin=1).item() == 448 / 7 / 2
     assert scale_from_amax(torch.tensor(57344.0 / 8), "e5m2").item() == 8.0
-    for bad in [0.0, float("inf"), float("nan")]:  # zero or non-finite amax keeps the previous scale
+    for bad in [0.0, -1.0, float("inf"), float("nan")]:  # only a positive finite amax makes a new scale (TE: amax > 0)
         assert scale_from_amax(torch.tensor(bad), "e4m3", previous=torch.tensor(3.0)).item() == 3.0
     assert scale_from_amax(torch.tensor(0.0), "e4m3").item() == 1.0
     assert scale_from_amax(torch.tensor(1e-44), "e4m3").item() == torch.finfo(torch.float32).max  # inf -> max
@@ -28,6 +29,28 @@ def test_scale_from_amax_te_rules():
 
 def test_current_scaling_propagates_nan():
     assert math.isnan(fp32_scale(torch.tensor(float("nan")), E4M3).item())
+
+
+def test_infinite_amax_scales_by_one_as_te_does():
+    # TE's compute_scale_from_amax: inf (or 0) → 1. max / inf = 0 would decode every value as 0 · inf = NaN.
+    assert fp32_scale(torch.tensor(math.inf), E4M3).item() == 1.0 == fp32_scale_scalar(math.inf, E4M3)
+    x = torch.tensor([[1.0, -2.0, 0.0, 500.0]])
+    for scheme in ("fp8", "fp4", "fp8_block128"):
+        assert quantize(x, scheme, amax=math.inf).dequantize().tolist() == quantize(x, scheme, scale=1.0).dequantize().tolist()
+    with pytest.raises(MinifloatError, match="amax is a largest magnitude, ≥ 0; got -2.0"):
+        quantize(x, "fp8", amax=-2.0)
+
+
+def test_margin_and_history_settings_are_checked():
+    for margin in (0.5, float("nan"), 1000, True):
+        with pytest.raises(MinifloatError, match=r"margin must be a whole number of binades in \[-126, 126\]"):
+            minifloat.Scheme(element="e4m3", margin=margin)
+    with pytest.raises(MinifloatError, match="margin must be"):  # at construction, not at the first scheme() call
+        minifloat.DelayedScaling(margin=1000)
+    with pytest.raises(MinifloatError, match="percentile must be in \\[0, 100\\], got 150"):
+        AmaxHistory(4, algo="percentile", percentile=150)
+    with pytest.raises(MinifloatError, match="ema_decay must be in \\[0, 1\\), got 1.5"):
+        AmaxHistory(4, algo="ema", ema_decay=1.5)
 
 
 @pytest.mark.parametrize("amax", [1.0, 3.0, 447.0, 448.0, 449.0, 1e-30, 2.0**-130, 6e37])

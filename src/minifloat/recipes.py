@@ -107,7 +107,7 @@ class DelayedScaling(Recipe):
     interval: int = 1
 
     def __post_init__(self) -> None:
-        _fp8_schemes(self.format, "input", 0)
+        _fp8_schemes(self.format, "input", self.margin)  # validates both
         if self.amax_history_len < 1:
             raise MinifloatError(f"amax_history_len must be ≥ 1, got {self.amax_history_len}")
         if self.interval < 1:
@@ -134,7 +134,7 @@ class CurrentScaling(Recipe):
     margin: int = 0
 
     def __post_init__(self) -> None:
-        _fp8_schemes(self.format, "input", 0)
+        _fp8_schemes(self.format, "input", self.margin)  # validates both
 
     def scheme(self, role: str) -> Scheme:
         return _fp8_schemes(self.format, _role(role), self.margin)

@@ -8,8 +8,10 @@ decode scale, in its scale format.
 Rules, with their sources:
 
 - FP32 scales (TE ``DelayedScaling`` / ``Float8CurrentScaling``, DeepSeek-V3 §3.3 blocks):
-  ``scale = max_elem / amax / 2**margin`` in float32; amax 0 → 1; an infinite result → the
-  largest float32; a NaN amax gives a NaN scale (the tensor, row or block decodes to NaN).
+  ``scale = max_elem / amax / 2**margin`` in float32; amax 0 or inf → 1 (TE's
+  ``compute_scale_from_amax``); an infinite result → the largest float32; a NaN amax gives a
+  NaN scale (the tensor, row or block decodes to NaN). Delayed scaling keeps the previous
+  scale instead when the amax is not a positive finite number.
 - E8M0 scales (OCP MX v1.0 §6.3): rule ``"floor"``: ``X = 2**(floor(log2 amax) - emax_elem)``;
   rule ``"rceil"`` (NVIDIA): ``X = 2**ceil(log2(amax * (1/max_elem)))``; the exponent is
   clamped to [-127, 127]; amax 0 → X = 1; NaN amax → the NaN code 0xFF.
@@ -57,14 +59,14 @@ def fp32_scale(amax: torch.Tensor, fmt: FloatFormat, margin: int = 0) -> torch.T
     """Encode multiplier ``max / amax / 2**margin`` (float32) with TE's special cases.
 
     Example:
-        >>> fp32_scale(torch.tensor([224.0, 0.0, 1e-45]), get_format("e4m3")).tolist()
-        [2.0, 1.0, 3.4028234663852886e+38]
+        >>> fp32_scale(torch.tensor([224.0, 0.0, 1e-45, float("inf")]), get_format("e4m3")).tolist()
+        [2.0, 1.0, 3.4028234663852886e+38, 1.0]
     """
     amax = amax.float()
     scale = torch.tensor(fmt.max, dtype=torch.float32, device=amax.device) / amax
     scale = scale * math.ldexp(1.0, -margin)
     scale = torch.where(torch.isinf(scale), FLOAT32_MAX, scale)
-    return torch.where(amax == 0, 1.0, scale)
+    return torch.where((amax == 0) | torch.isinf(amax), 1.0, scale)  # inf: the scale 0 would decode as NaN
 
 
 def e8m0_exponent(amax: torch.Tensor, fmt: FloatFormat, rule: str = "floor") -> torch.Tensor:
@@ -125,7 +127,7 @@ def fp32_scale_scalar(amax: float, fmt: FloatFormat, margin: int = 0) -> float:
         >>> fp32_scale_scalar(3.5, get_format("e4m3")), fp32_scale_scalar(0.0, get_format("e4m3"))
         (128.0, 1.0)
     """
-    if amax == 0:
+    if amax == 0 or math.isinf(amax):
         return 1.0
     s = as_float32(as_float32(fmt.max / amax) * as_float32(math.ldexp(1.0, -margin)))  # NaN amax: NaN
     return FLOAT32_MAX if math.isinf(s) else s
@@ -138,7 +140,7 @@ def nvfp4_global_scale_scalar(amax: float) -> float:
         >>> nvfp4_global_scale_scalar(2688.0), nvfp4_global_scale_scalar(0.0)
         (1.0, 1.0)
     """
-    if amax == 0:
+    if amax == 0 or math.isinf(amax):
         return 1.0
     s = as_float32(NVFP4_GLOBAL_NUMERATOR / amax)
     s = FLOAT32_MAX if s > FLOAT32_MAX else s  # NaN stays NaN, as clamp_max keeps it
@@ -156,8 +158,8 @@ def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor
 def scale_from_amax(
     amax: torch.Tensor | float, fmt: str | FloatFormat, margin: int = 0, previous: torch.Tensor | float | None = None
 ) -> torch.Tensor:
-    """Delayed-scaling rule of TE: ``max / amax / 2**margin``; a zero or non-finite amax keeps
-    `previous` (1.0 when there is none).
+    """Delayed-scaling rule of TE: ``max / amax / 2**margin``; an amax that is not a positive
+    finite number (0, negative, inf, NaN) keeps `previous` (1.0 when there is none).
 
     Example:
         >>> scale_from_amax(torch.tensor(3.5), "e4m3").item()
@@ -169,7 +171,7 @@ def scale_from_amax(
     amax = torch.as_tensor(amax, dtype=torch.float32)
     prev = torch.as_tensor(1.0 if previous is None else previous, dtype=torch.float32, device=amax.device)
     fresh = fp32_scale(amax, fmt, margin)
-    keep = (amax == 0) | ~torch.isfinite(amax)
+    keep = ~(amax > 0) | torch.isinf(amax)
     return torch.where(keep, prev, fresh)
 
 
@@ -223,6 +225,10 @@ class AmaxHistory:
             raise MinifloatError(f"amax history length must be ≥ 1, got {self.length}")
         if not callable(self.algo) and self.algo not in AMAX_ALGOS:
             raise MinifloatError(f"unknown amax algorithm {self.algo!r}; use one of {', '.join(AMAX_ALGOS)} or a callable")
+        if not 0 <= self.ema_decay < 1:
+            raise MinifloatError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+        if not 0 <= self.percentile <= 100:
+            raise MinifloatError(f"percentile must be in [0, 100], got {self.percentile}")
         if self.history is None:
             self.history = torch.zeros(self.length, dtype=torch.float32)
         self._ema = torch.zeros((), dtype=torch.float32)

@@ -31,6 +31,7 @@ GRANULARITIES = ("tensor", "row", "block")
 SCALE_FORMATS = ("fp32", "e8m0", "e4m3")  # e4m3 = NVFP4's E4M3 block scale + FP32 tensor scale
 SCALE_RULES = ("floor", "rceil")
 _SCALE_BITS = {"fp32": 32, "e8m0": 8, "e4m3": 8}
+MAX_MARGIN = 126  # 2**-margin stays a normal float32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,11 @@ class Scheme:
             raise MinifloatError(f"unknown scale format {self.scale_format!r}; use one of {', '.join(SCALE_FORMATS)}")
         if self.scale_rule not in SCALE_RULES:
             raise MinifloatError(f"unknown MX scale rule {self.scale_rule!r}; use 'floor' or 'rceil'")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or abs(self.margin) > MAX_MARGIN:
+            raise MinifloatError(
+                f"margin must be a whole number of binades in [-{MAX_MARGIN}, {MAX_MARGIN}] (scale / 2**margin), "
+                f"got {self.margin!r}"
+            )
         if self.rounding not in ("nearest", "stochastic"):
             raise MinifloatError(f"unknown rounding {self.rounding!r}; use 'nearest' or 'stochastic'")
         if self.granularity == "block":
