@@ -2,7 +2,9 @@ import os
 import stat
 
 import pytest
+import torch
 
+import minifloat
 from minifloat import MinifloatError
 from minifloat.atomic import atomic_path
 
@@ -21,6 +23,21 @@ def test_new_file_gets_the_umask_mode_and_a_replaced_file_keeps_its_own(tmp_path
         with atomic_path(tmp_path / "a.txt") as tmp:
             tmp.write_text("two")
         assert (tmp_path / "a.txt").read_text() == "two" and _mode(tmp_path / "a.txt") == 0o640
+    finally:
+        os.umask(old)
+
+
+def test_a_writer_that_replaces_the_temporary_does_not_change_the_mode(tmp_path):
+    # safetensors' save_file writes its own file (0600) and renames it over the path it is given
+    old = os.umask(0o022)
+    try:
+        with atomic_path(tmp_path / "w.safetensors") as tmp:
+            tmp.unlink()
+            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o600)
+            os.close(fd)
+        assert _mode(tmp_path / "w.safetensors") == 0o644
+        minifloat.save(tmp_path / "q.safetensors", {"q": minifloat.quantize(torch.ones(4, 32), "mxfp4")})
+        assert _mode(tmp_path / "q.safetensors") == 0o644
     finally:
         os.umask(old)
 

@@ -86,6 +86,18 @@ def test_resume_in_another_precision_and_mismatch_errors(tmp_path):
         train(_cfg(), tmp_path / "empty", resume=True, progress=False)
 
 
+def test_checkpoints_are_readable_by_the_group_as_the_umask_says(tmp_path):
+    old = os.umask(0o022)
+    try:
+        train(_cfg(steps=3), tmp_path, progress=False)
+    finally:
+        os.umask(old)
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "checkpoints")
+    assert ckpt.stat().st_mode & 0o777 == 0o755  # not tempfile.mkdtemp's 0700
+    for f in ckpt.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o644, f.name  # model.safetensors: not safetensors' 0600
+
+
 def test_corrupted_checkpoint_is_rejected_with_the_file_named(tmp_path):
     train(_cfg(steps=3), tmp_path, progress=False)
     ckpt = checkpoint.latest_checkpoint(tmp_path / "checkpoints")
@@ -120,8 +132,10 @@ def test_sigkill_during_checkpoint_write_resumes_from_the_last_complete_one(tmp_
     proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(out)], env=env, capture_output=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert checkpoint.latest_checkpoint(out / "checkpoints").name == "ckpt-00000003"
+    assert list((out / "checkpoints").glob(".ckpt-tmp-*"))  # the half-written one
     result = train(_cfg(), out, resume=True, progress=False)
     assert result["final"]["step"] == 6
+    assert not list((out / "checkpoints").glob(".ckpt-tmp-*"))  # cleared by the next save
     full = train(_cfg(), tmp_path / "full", progress=False)
     assert result["final"]["loss"] == full["final"]["loss"]
 

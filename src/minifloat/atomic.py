@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,18 +25,33 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     if target.is_dir():
         raise MinifloatError(f"{target} is a directory; pass a file path inside it, e.g. {target / 'out'}{target.suffix}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    # The mode a plain open() would give: the umask's for a new file (mkstemp's would be 0600),
-    # the old file's when replacing one.
     tmp = _create_beside(target)
     try:
+        # The mode a plain open() would give: the umask's for a new file (as the fresh temporary
+        # has it), the old file's when replacing one. Set after writing, since a writer may
+        # replace the temporary with its own 0600 file (safetensors' save_file does).
+        mode = stat.S_IMODE((target if target.exists() else tmp).stat().st_mode)
         yield tmp
         with open(tmp, "rb+") as fh:
-            if target.exists():
-                os.fchmod(fh.fileno(), target.stat().st_mode & 0o7777)
+            os.fchmod(fh.fileno(), mode)
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def make_dir_beside(target: Path, prefix: str) -> Path:
+    """A new empty folder with a unique hidden name in `target`'s folder, mode 0777 less the
+    umask, as mkdir gives (tempfile.mkdtemp's is 0700: a folder renamed into place from it
+    would be private)."""
+    for _ in range(100):
+        tmp = target.parent / f".{prefix}{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir(0o777)
+            return tmp
+        except FileExistsError:
+            continue
+    raise MinifloatError(f"could not create a temporary folder beside {target}")
 
 
 def _create_beside(target: Path) -> Path:

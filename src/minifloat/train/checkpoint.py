@@ -20,12 +20,11 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from minifloat.atomic import atomic_path
+from minifloat.atomic import atomic_path, make_dir_beside
 from minifloat.errors import MinifloatError
 from minifloat.serialization import CorruptFileError, load, save
 
@@ -50,7 +49,10 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
     """Write checkpoint `step` under `root` atomically and point ``latest`` at it."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ckpt-tmp-", dir=root))
+    for stale in root.glob(".ckpt-tmp-*"):  # what a killed save left behind
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"ckpt-{step:08d}"
+    tmp = make_dir_beside(final, "ckpt-tmp-")
     try:
         save(tmp / "model.safetensors", weights)
         torch.save(state, tmp / "state.pt")
@@ -64,7 +66,6 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
         for name in ("model.safetensors", "state.pt", "manifest.json"):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        final = root / f"ckpt-{step:08d}"
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
