@@ -66,9 +66,24 @@ def test_save_is_atomic_and_keeps_the_old_file_on_failure(tmp_path):
         save(path, {"": torch.zeros(1)})
 
 
-def test_missing_file():
+def test_missing_file_a_folder_and_a_list_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         minifloat.load("/nonexistent/x.safetensors")
+    with pytest.raises(MinifloatError, match="is a directory; pass the path of a file minifloat.save wrote"):
+        minifloat.load(tmp_path)
+    with pytest.raises(MinifloatError, match="save takes a mapping of names to tensors.*got list"):
+        save(tmp_path / "l.safetensors", [torch.ones(2)])
+
+
+def test_tied_weights_and_views_round_trip(tmp_path):
+    # a tied embedding / LM head is one tensor under two names; safetensors refuses shared memory
+    emb, x = torch.randn(16, 8), torch.randn(4, 32)
+    tensors = {"embed.weight": emb, "lm_head.weight": emb, "row": emb[3], "q": quantize(x, "mxfp8"), "x": x}
+    save(tmp_path / "t.safetensors", tensors)
+    back = minifloat.load(tmp_path / "t.safetensors")
+    for name in ("embed.weight", "lm_head.weight", "row", "x"):
+        assert torch.equal(back[name], tensors[name])
+    assert torch.equal(back["q"].dequantize(), tensors["q"].dequantize())
 
 
 def test_module_style_names_with_dots_round_trip(tmp_path):

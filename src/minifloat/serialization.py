@@ -65,8 +65,11 @@ def save(path: str | os.PathLike[str], tensors: Mapping[str, QuantizedTensor | t
     """Write `tensors` (name → QuantizedTensor or tensor) to `path` atomically."""
     from safetensors.torch import save_file
 
+    if not isinstance(tensors, Mapping):
+        raise MinifloatError(f"save takes a mapping of names to tensors, e.g. {{'w': q}}; got {type(tensors).__name__}")
     flat: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
+    storages: set[int] = set()
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise MinifloatError(f"tensor names must be non-empty strings, got {name!r}")
@@ -89,7 +92,11 @@ def save(path: str | os.PathLike[str], tensors: Mapping[str, QuantizedTensor | t
             key = f"{name}.{part}"
             if key in flat:
                 raise MinifloatError(f"tensor names {name!r} and another both map to the stored key {key!r}; rename one")
-            flat[key] = t.detach().to("cpu").contiguous()
+            t = t.detach().to("cpu").contiguous()
+            if t.numel() and t.untyped_storage().data_ptr() in storages:
+                t = t.clone()  # tied weights, views: safetensors refuses tensors that share memory
+            storages.add(t.untyped_storage().data_ptr())
+            flat[key] = t
             entries[name]["parts"][part] = {
                 "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "sha256": _digest(flat[key])
             }
@@ -104,6 +111,8 @@ def load(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> di
     QuantizedTensor's geometry; raises `CorruptFileError` naming what does not match."""
     from safetensors import safe_open
 
+    if os.path.isdir(path):
+        raise MinifloatError(f"{path} is a directory; pass the path of a file minifloat.save wrote")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = f.metadata() or {}
