@@ -216,6 +216,22 @@ def test_tensor_methods_and_dtype_conversions_see_the_dequantized_values():
     assert type(copy.deepcopy(q)) is minifloat.QuantizedTensor and not hasattr(q, "no_such_method")
 
 
+def test_fake_quantize_is_straight_through_and_exact():
+    x = (torch.randn(8, 64, generator=torch.Generator().manual_seed(4)) * 50).requires_grad_()
+    with torch.no_grad():
+        x[0, 0], x[1, 1] = float("inf"), float("nan")
+    for scheme in ("mxfp4", "fp8", "nvfp4"):
+        x.grad = None
+        y = fake_quantize(x, scheme)
+        # the values are those of the detached path, bit for bit (inf saturated, NaN kept)
+        assert torch.equal(y.detach().view(torch.int32), fake_quantize(x.detach(), scheme).view(torch.int32))
+        w = torch.randn(8, 64)
+        (y * w).nansum().backward()
+        assert torch.equal(x.grad, torch.where(y.isnan(), 0.0, w))  # identity (nansum skips the NaN block)
+    with torch.no_grad():
+        assert fake_quantize(x, "fp8").grad_fn is None
+
+
 def test_bad_input():
     with pytest.raises(MinifloatError, match="unknown scheme 'mxfp5'; known: fp8, fp8_e5m2"):
         quantize(torch.ones(2), "mxfp5")

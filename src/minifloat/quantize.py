@@ -266,9 +266,28 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Quantize and dequantize: the values `x` takes in `scheme`, in `x`'s dtype.
 
+    Differentiable with the straight-through estimator (the gradient passes unchanged), as
+    quantization-aware training expects: the rounding's own gradient is zero almost everywhere.
+
     Example:
         >>> fake_quantize(torch.tensor([[1.0, 40.0, -96.0]]), "fp4").tolist()  # scale 6/96
         [[0.0, 32.0, -96.0]]
     """
-    q = quantize(x, scheme, scale=scale, amax=amax, rounding=rounding, generator=generator)
-    return dequantize(q, x.dtype)
+    q = quantize(x.detach(), scheme, scale=scale, amax=amax, rounding=rounding, generator=generator)
+    out = dequantize(q, x.dtype)
+    if x.requires_grad and torch.is_grad_enabled():
+        # not x + (out - x).detach(): that rounds (and makes inf - inf = NaN); out exactly
+        out = _StraightThrough.apply(x, out)
+    return out
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: `values` as they are; backward: the gradient goes to `x` unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, values):
+        return values
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
