@@ -67,6 +67,14 @@ def test_backend_choice_and_errors():
         choose_backend([mx], "cpu", "native")
     with pytest.raises(minifloat.MinifloatError, match="unknown GEMM backend 'fast'"):
         choose_backend([fp8], "cpu", "fast")
+    # scaled_mm itself: the same checks (torch said "CPU does not support swizzle", or ran emulated)
+    qa, qb = minifloat.quantize(torch.randn(8, 64), mx), minifloat.quantize(torch.randn(16, 64), mx)
+    with pytest.raises(minifloat.MinifloatError, match="backend='native' cannot run mxfp8 on cpu; use"):
+        scaled_mm(qa, qb, backend="native")
+    with pytest.raises(minifloat.MinifloatError, match="unknown GEMM backend 'fast'"):
+        scaled_mm(qa, qb, backend="fast")
+    with pytest.raises(minifloat.MinifloatError, match="scaled_mm takes QuantizedTensors; a is a Tensor"):
+        scaled_mm(torch.randn(8, 64), qb)
 
 
 # ---- native arguments, read back by the layouts' documented meaning --------------------------

@@ -130,7 +130,7 @@ def choose_backend(schemes: list[Scheme], device: torch.device | str, requested:
     if requested == "emulated":
         return "emulated"
     if requested == "native":
-        bad = [s.name for s in schemes if not _can_force_native(s, device)]
+        bad = list(dict.fromkeys(s.name for s in schemes if not _can_force_native(s, device)))
         if bad:
             raise MinifloatError(
                 f"backend='native' cannot run {', '.join(bad)} on {device}; use backend='auto' or 'emulated'"
@@ -280,7 +280,15 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``a · bᵀ`` for quantized `a` (M,K) and `b` (N,K), both quantized along K.
 
-    ``*_transposed``: the operand holds its transpose (see `operand_values`)."""
+    ``*_transposed``: the operand holds its transpose (see `operand_values`); `backend`:
+    ``"emulated"``, ``"native"`` or ``"auto"`` (see `choose_backend`)."""
+    from minifloat.tensor import QuantizedTensor
+
+    for name, q in (("a", a), ("b", b)):
+        if not isinstance(q, QuantizedTensor):
+            raise MinifloatError(f"scaled_mm takes QuantizedTensors; {name} is a {type(q).__name__} (use minifloat.quantize)")
+    if backend != "emulated":  # "native" where it cannot run: a clear error, not torch's
+        backend = choose_backend([a.scheme, b.scheme], a.device, backend)
     if backend == "native":
         return _native(a, b, out_dtype, a_transposed, b_transposed)
     if torch.backends.cuda.matmul.allow_tf32 and a.device.type == "cuda":
