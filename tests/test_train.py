@@ -55,6 +55,17 @@ def test_data_errors_name_the_path(tmp_path):
     assert len(load_corpus(tmp_path / "ok.txt").train) > 0
 
 
+def test_a_folder_is_read_only_up_to_max_bytes(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"{i}.txt").write_text(f"file {i} " * 1000)
+    (texts / "3.txt").write_bytes(b"\x00")  # past max_bytes: never opened, so never refused
+    data = load_corpus(texts, max_bytes=10_000)
+    whole = bytes(torch.cat([data.train, data.val]).tolist())
+    assert whole == ((texts / "0.txt").read_bytes() + (texts / "1.txt").read_bytes())[:10_000]
+
+
 def test_gpt_sizes_and_tied_embeddings():
     assert 2.5e6 < GPT(GPT_SIZES["small"]).num_params() < 3.5e6
     model = build_model(_cfg(precision="mxfp8"))

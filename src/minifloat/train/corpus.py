@@ -73,8 +73,10 @@ def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
             raise MinifloatError(f"--data {path}: no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) in the folder")
     else:
         files = [path]
-    chunks = []
+    chunks, total = [], 0
     for f in files:
+        if max_bytes is not None and total >= max_bytes:
+            break  # enough: a large folder is not read whole
         raw = f.read_bytes()
         if b"\x00" in raw:
             raise MinifloatError(f"--data {f}: binary file (contains NUL bytes); give UTF-8 text")
@@ -83,6 +85,7 @@ def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
         except UnicodeDecodeError as err:
             raise MinifloatError(f"--data {f}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         chunks.append(raw)
+        total += len(raw)
     raw = b"".join(chunks)[:max_bytes]
     if len(raw) < 2 * 1024:
         raise MinifloatError(f"--data {path}: only {len(raw)} bytes of text; give at least 2 KiB")
