@@ -64,6 +64,8 @@ def test_a_folder_is_read_only_up_to_max_bytes(tmp_path):
     data = load_corpus(texts, max_bytes=10_000)
     whole = bytes(torch.cat([data.train, data.val]).tolist())
     assert whole == ((texts / "0.txt").read_bytes() + (texts / "1.txt").read_bytes())[:10_000]
+    (tmp_path / "euro.txt").write_text("€" * 5000)  # 3 bytes each: 10_000 cuts one in two
+    assert len(load_corpus(tmp_path / "euro.txt", max_bytes=10_000).train) == 9_000
 
 
 def test_gpt_sizes_and_tied_embeddings():

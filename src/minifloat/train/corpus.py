@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import sysconfig
 from dataclasses import dataclass
@@ -76,12 +77,13 @@ def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
     chunks, total = [], 0
     for f in files:
         if max_bytes is not None and total >= max_bytes:
-            break  # enough: a large folder is not read whole
-        raw = f.read_bytes()
+            break  # enough: a large folder (or file) is not read whole
+        with open(f, "rb") as fh:
+            raw = fh.read(-1 if max_bytes is None else max_bytes - total)
         if b"\x00" in raw:
             raise MinifloatError(f"--data {f}: binary file (contains NUL bytes); give UTF-8 text")
-        try:
-            raw.decode("utf-8")
+        try:  # final=False: a character cut by the read at max_bytes is not an error
+            codecs.getincrementaldecoder("utf-8")().decode(raw, final=max_bytes is None)
         except UnicodeDecodeError as err:
             raise MinifloatError(f"--data {f}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         chunks.append(raw)
