@@ -109,7 +109,7 @@ def check_parts(q) -> None:
 
 def _as_float32(value: torch.Tensor | float, what: str) -> torch.Tensor:
     try:
-        return torch.as_tensor(value, dtype=torch.float32)
+        return scaling.canonical_nan(torch.as_tensor(value, dtype=torch.float32))
     except (TypeError, ValueError, RuntimeError):
         raise MinifloatError(f"{what} must be a number or a float tensor, got {type(value).__name__} {value!r}") from None
 
@@ -159,7 +159,7 @@ def quantize_reference(
         enc = torch.where(torch.isnan(exp), torch.nan, _pow2(-exp.nan_to_num().long()).float())
         stored = torch.where(torch.isnan(exp), E8M0.nan_code, exp.nan_to_num() + E8M0.bias).to(torch.uint8)
     else:  # NVFP4: E4M3 block scales under an FP32 tensor scale
-        g_amax = scaling.finite_amax(xp, ignore_nan=True) if amax is None else torch.as_tensor(amax, dtype=torch.float32)
+        g_amax = scaling.finite_amax(xp, ignore_nan=True) if amax is None else _as_float32(amax, "amax")
         s_enc = scaling.nvfp4_global_scale(g_amax.reshape(()))
         tensor_scale = 1.0 / s_enc
         stored = scaling.nvfp4_block_scale_codes(scaling.finite_amax(tiles, dim=(1, 3)), s_enc)

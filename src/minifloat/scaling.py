@@ -51,8 +51,17 @@ def finite_amax(x: torch.Tensor, dim=None, *, ignore_nan: bool = False) -> torch
     a = x.float().abs()
     a = torch.where(torch.isfinite(a) if ignore_nan else ~torch.isinf(a), a, 0.0)
     if dim is None:
-        return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
-    return a.amax(dim=dim)
+        m = a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    else:
+        m = a.amax(dim=dim)
+    # one NaN (the default quiet NaN, as the kernels make): which NaN a reduction returns
+    # depends on the memory layout, and it ends up in stored decode scales
+    return canonical_nan(m)
+
+
+def canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    """`t` with every NaN replaced by the default quiet NaN (float32 bits 0x7fc00000)."""
+    return torch.where(torch.isnan(t), torch.nan, t)
 
 
 def fp32_scale(amax: torch.Tensor, fmt: FloatFormat, margin: int = 0) -> torch.Tensor:

@@ -108,7 +108,7 @@ def _scheme_args(scheme) -> tuple:
 
 
 def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=None):
-    from minifloat.quantize import _grid_scale
+    from minifloat.quantize import _as_float32, _grid_scale
     from minifloat.tensor import QuantizedTensor
 
     if x.numel() == 0:  # nothing to measure: the reference handles the empty layouts
@@ -149,7 +149,7 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
             g = lib.mf_block_amax(x.data_ptr(), dt, lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
                                   tile_amax.data_ptr(), threads)  # fmt: skip
         else:
-            g = float(torch.as_tensor(amax, dtype=torch.float32))
+            g = float(_as_float32(amax, "amax"))
         s_enc = scaling.nvfp4_global_scale_scalar(g)
         s_dec = scaling.as_float32(1.0 / s_enc)
         tensor_scale = torch.tensor(s_dec, dtype=torch.float32)
