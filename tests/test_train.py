@@ -55,6 +55,21 @@ def test_data_errors_name_the_path(tmp_path):
     assert len(load_corpus(tmp_path / "ok.txt").train) > 0
 
 
+def test_config_file_round_trips_and_bad_ones_are_named(tmp_path):
+    c = _cfg(precision="mxfp8", lr=3e-4)
+    (tmp_path / "c.json").write_text(json.dumps(c.to_dict()))
+    assert TrainConfig.from_json(tmp_path / "c.json") == c
+    for text, match in [
+        ('{"steps": 10, "stepz": 3}', r"not a train config \(unknown fields \['stepz'\]\)"),
+        ('{"steps": "10"}', "a field has the wrong type"),
+        ("[1, 2]", r"not a train config \(unknown fields list\)"),
+        ("{", "cannot read the train config"),
+    ]:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(minifloat.MinifloatError, match=match):
+            TrainConfig.from_json(tmp_path / "bad.json")
+
+
 def test_a_folder_is_read_only_up_to_max_bytes(tmp_path):
     texts = tmp_path / "texts"
     texts.mkdir()

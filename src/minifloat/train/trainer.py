@@ -110,7 +110,10 @@ class TrainConfig:
             raise MinifloatError(
                 f"{path}: not a train config (unknown fields {extra}); known: {', '.join(sorted(known))}"
             )
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except TypeError as err:  # e.g. "steps": "10": the checks compare numbers
+            raise MinifloatError(f"{path}: a field has the wrong type ({err}); write numbers as numbers") from None
 
 
 def lr_at(step: int, c: TrainConfig) -> float:
