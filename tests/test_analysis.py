@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minifloat import MinifloatError, fake_quantize, save
+from minifloat import MinifloatError, fake_quantize, quantize, save
 from minifloat.analysis import error_report, sqnr_db, synthetic
 from minifloat.cli import main
 
@@ -35,6 +35,14 @@ def test_error_cli_synthetic_and_file(tmp_path, capsys):
     save(tmp_path / "t.safetensors", {"w": torch.randn(8, 32)})
     assert main(["error", "--input", f"{tmp_path / 't.safetensors'}:w", "--schemes", "nvfp4"]) == 0
     assert "nvfp4" in capsys.readouterr().out
+    # a file minifloat.save wrote: its entries, not the stored parts (q.scale is a 1x1 grid)
+    x = torch.randn(8, 32)
+    save(tmp_path / "q.safetensors", {"q": quantize(x, "fp8_rowwise"), "x": x})
+    assert main(["error", "--input", str(tmp_path / "q.safetensors"), "--schemes", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["input"].endswith("q.safetensors:q (dequantized fp8_rowwise)") and out["shape"] == [8, 32]
+    assert main(["error", "--input", f"{tmp_path / 'q.safetensors'}:x", "--schemes", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shape"] == [8, 32]
 
 
 def test_error_cli_bad_input(tmp_path, capsys):

@@ -31,6 +31,8 @@ def _load_input(spec: str, size: str, seed: int):
         path, _, name = spec.partition(":")
         try:
             with safe_open(path, framework="pt") as f:
+                if (f.metadata() or {}).get("format", "").startswith("minifloat/"):
+                    return _minifloat_entry(path, name)
                 keys = list(f.keys())
                 if not name:  # the first floating-point tensor
                     name = next((k for k in keys if f.get_slice(k).get_dtype().startswith(("F", "BF"))), "")
@@ -56,6 +58,29 @@ def _load_input(spec: str, size: str, seed: int):
     except ValueError:
         raise MinifloatError(f"--size must be two positive numbers like 1024x1024, got {size!r}") from None
     return spec, synthetic(spec, rows, cols, seed)
+
+
+def _minifloat_entry(path: str, name: str):
+    """Entry `name` (or the first floating-point one) of a file minifloat.save wrote, verified
+    by minifloat.load; a QuantizedTensor as its dequantized values (its parts, such as the
+    scale grid, are not tensors of the user's)."""
+    import torch
+
+    import minifloat
+
+    entries = minifloat.load(path)
+    if not name:
+        name = next((k for k, v in entries.items() if v.dtype.is_floating_point), "")
+        if not name:
+            raise MinifloatError(f"{path} holds no floating-point tensor; it has: {', '.join(list(entries)[:10])}")
+    if name not in entries:
+        raise MinifloatError(f"{path} has no tensor {name!r}; it has: {', '.join(list(entries)[:10])}")
+    x = entries[name]
+    if isinstance(x, minifloat.QuantizedTensor):
+        return f"{path}:{name} (dequantized {x.scheme.name})", x.dequantize(x.orig_dtype)
+    if not x.is_floating_point():
+        raise MinifloatError(f"tensor {name!r} in {path} is {x.dtype}, not floating point")
+    return f"{path}:{name}", x.float() if x.dtype == torch.float64 else x
 
 
 def run(args: argparse.Namespace) -> int:
