@@ -208,6 +208,16 @@ def test_convert_swaps_eligible_layers_and_shares_parameters(caplog):
     assert w0.grad is not None and not torch.equal(model[0].weight, before)
 
 
+def test_convert_leaves_multihead_attention_out_proj_whose_forward_never_runs(caplog):
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+    with caplog.at_level(logging.INFO, logger="minifloat"):
+        minifloat.convert(layer, "mxfp8", filter=lambda fqn, m: True)
+    assert type(layer.self_attn.out_proj) is torch.nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert isinstance(layer.linear1, minifloat.nn.Linear) and isinstance(layer.linear2, minifloat.nn.Linear)
+    assert "keeping self_attn.out_proj in high precision (nn.MultiheadAttention never calls its forward)" in caplog.text
+    layer(torch.randn(2, 16, 64)).sum().backward()
+
+
 def test_convert_filter_decides_and_repr_names_the_recipe():
     model = torch.nn.ModuleDict({"body": torch.nn.Linear(64, 64), "lm_head": torch.nn.Linear(64, 64)})
     minifloat.convert(model, "nvfp4", filter=lambda fqn, m: fqn != "lm_head")

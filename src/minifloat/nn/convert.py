@@ -4,7 +4,8 @@ By default a layer is converted when both its dimensions are multiples of the re
 largest block (1 for per-tensor FP8 … 128 for DeepSeek blocks) and at least 16 (the
 alignment of native FP8 GEMMs); the others stay in high precision, with a log line each.
 ``filter(fqn, module) -> bool`` replaces that rule (e.g. to keep the LM head, or the last
-blocks, in high precision as the NVFP4 recipe advises).
+blocks, in high precision as the NVFP4 recipe advises). ``nn.MultiheadAttention``'s
+``out_proj`` is never converted: the attention calls ``F.linear`` on its weights itself.
 
 Example:
     >>> import minifloat
@@ -53,8 +54,15 @@ def convert(
         raise MinifloatError(f"convert() takes a torch.nn.Module, got {type(model).__name__}")
     recipe = get_recipe(recipe)
     targets = []
+    # nn.MultiheadAttention passes out_proj's Parameters to F.multi_head_attention_forward and
+    # never calls its forward: converting it would quantize nothing while saying it does
+    unused = {f"{fqn}.out_proj" if fqn else "out_proj" for fqn, m in model.named_modules()
+              if isinstance(m, torch.nn.MultiheadAttention)}  # fmt: skip
     for fqn, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
+            continue
+        if fqn in unused:
+            log.info("minifloat.convert: keeping %s in high precision (nn.MultiheadAttention never calls its forward)", fqn)
             continue
         if filter is not None:
             keep_high = not filter(fqn, module)
