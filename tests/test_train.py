@@ -81,6 +81,9 @@ def test_a_folder_is_read_only_up_to_max_bytes(tmp_path):
     assert whole == ((texts / "0.txt").read_bytes() + (texts / "1.txt").read_bytes())[:10_000]
     (tmp_path / "euro.txt").write_text("€" * 5000)  # 3 bytes each: 10_000 cuts one in two
     assert len(load_corpus(tmp_path / "euro.txt", max_bytes=10_000).train) == 9_000
+    (tmp_path / "cut.txt").write_bytes(b"x" * 3000 + "€".encode()[:2])  # cut by the file's own end
+    with pytest.raises(minifloat.MinifloatError, match="not UTF-8"):
+        load_corpus(tmp_path / "cut.txt", max_bytes=10_000)
 
 
 def test_gpt_sizes_and_tied_embeddings():

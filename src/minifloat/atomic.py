@@ -6,7 +6,7 @@ import contextlib
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from minifloat.errors import MinifloatError
@@ -44,23 +44,24 @@ def make_dir_beside(target: Path, prefix: str) -> Path:
     """A new empty folder with a unique hidden name in `target`'s folder, mode 0777 less the
     umask, as mkdir gives (tempfile.mkdtemp's is 0700: a folder renamed into place from it
     would be private)."""
-    for _ in range(100):
-        tmp = target.parent / f".{prefix}{secrets.token_hex(4)}"
-        try:
-            tmp.mkdir(0o777)
-            return tmp
-        except FileExistsError:
-            continue
-    raise MinifloatError(f"could not create a temporary folder beside {target}")
+    return _unique_beside(target, lambda tag: f".{prefix}{tag}", lambda p: p.mkdir(0o777))
 
 
 def _create_beside(target: Path) -> Path:
     """A new empty file with a unique hidden name in `target`'s folder, mode 0666 less the umask."""
+    return _unique_beside(
+        target, lambda tag: f".{target.name}.{tag}{target.suffix}",
+        lambda p: os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)),
+    )  # fmt: skip
+
+
+def _unique_beside(target: Path, name: Callable[[str], str], create: Callable[[Path], object]) -> Path:
+    """`create` a path named `name(random tag)` beside `target`, retrying names that exist."""
     for _ in range(100):
-        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}{target.suffix}"
+        tmp = target.parent / name(secrets.token_hex(4))
         try:
-            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            create(tmp)
             return tmp
         except FileExistsError:
             continue
-    raise MinifloatError(f"could not create a temporary file beside {target}")
+    raise MinifloatError(f"could not create a temporary file or folder beside {target}")

@@ -231,11 +231,12 @@ def quantize(
         )
     if amax is not None and scheme.is_mx:
         raise MinifloatError(f"amax= does not apply to {scheme.name}: MX scales come from each block's amax")
-    if amax is not None and bool((_as_float32(amax, "amax") < 0).any()):
+    a = None if amax is None else _as_float32(amax, "amax")
+    if a is not None and bool((a < 0).any()):
         raise MinifloatError(f"amax is a largest magnitude, ≥ 0; got {amax!r} (pass abs(x).max(), not x.max())")
-    if amax is not None and scheme.is_nvfp4 and _as_float32(amax, "amax").numel() != 1:
+    if a is not None and scheme.is_nvfp4 and a.numel() != 1:
         raise MinifloatError(
-            f"amax= for {scheme.name} is the tensor amax, one value; got shape {tuple(_as_float32(amax, 'amax').shape)} "
+            f"amax= for {scheme.name} is the tensor amax, one value; got shape {tuple(a.shape)} "
             f"(the block scales come from each block's amax)"
         )
     from minifloat import kernels

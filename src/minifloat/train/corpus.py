@@ -78,12 +78,13 @@ def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
     for f in files:
         if max_bytes is not None and total >= max_bytes:
             break  # enough: a large folder (or file) is not read whole
+        limit = -1 if max_bytes is None else max_bytes - total
         with open(f, "rb") as fh:
-            raw = fh.read(-1 if max_bytes is None else max_bytes - total)
+            raw = fh.read(limit)
         if b"\x00" in raw:
             raise MinifloatError(f"--data {f}: binary file (contains NUL bytes); give UTF-8 text")
-        try:  # final=False: a character cut by the read at max_bytes is not an error
-            codecs.getincrementaldecoder("utf-8")().decode(raw, final=max_bytes is None)
+        try:  # a character cut by the read at max_bytes is not an error; one cut by the file's end is
+            codecs.getincrementaldecoder("utf-8")().decode(raw, final=limit < 0 or len(raw) < limit)
         except UnicodeDecodeError as err:
             raise MinifloatError(f"--data {f}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         chunks.append(raw)
