@@ -420,7 +420,8 @@ def train(
     if mon is not None:
         mon.close()
     bar(None)
-    if own_group:
+    if own_group:  # every rank done before the teardown (gloo can abort a rank that tears down early)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": _unwrap(model).num_params()}
 
