@@ -137,12 +137,6 @@ class QuantizedTensor:
 
         return func(*unwrap(args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
 
-    def tolist(self):
-        return self.dequantize(self.orig_dtype).tolist()
-
-    def __getitem__(self, index):
-        return self.dequantize(self.orig_dtype)[index]
-
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d QuantizedTensor")
@@ -175,6 +169,6 @@ for _name in (
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
     "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__abs__", "__pow__",
     "__lt__", "__le__", "__gt__", "__ge__", "__float__", "__int__", "__bool__", "__complex__", "__iter__",
-    "sum", "mean", "float", "t", "view", "reshape",
-):
+    "__getitem__",
+):  # dunder methods are looked up on the class, not through __getattr__
     setattr(QuantizedTensor, _name, _forward(_name))
