@@ -128,6 +128,22 @@ def test_delayed_history_rolls_in_a_deepcopy():
     assert int(layer.amax_steps) == 1 and layer.scale[0].item() == pytest.approx(448.0 / 5.0)
 
 
+def test_delayed_modules_roll_at_their_own_optimizers_step():
+    # Two models with their own optimizers, stepped alternately (a GAN), and a frozen layer.
+    g, d = minifloat.nn.Linear(32, 16, recipe="fp8"), minifloat.nn.Linear(32, 16, recipe="fp8")
+    frozen = minifloat.nn.Linear(32, 16, recipe="fp8").requires_grad_(False)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.0), torch.optim.SGD(d.parameters(), lr=0.0)
+    _delayed_step(g, opt_g, 1.0)
+    for step in range(3):
+        g(torch.full((4, 32), 2.0 + step))  # d's step also runs g (forward only)
+        frozen(torch.full((4, 32), 1.0 + step))
+        _delayed_step(d, opt_d, 3.0)
+        _delayed_step(g, opt_g, 1.0)  # g's pending: the max of both forwards of its step
+    assert int(d.amax_steps) == 3 and d.amax_history[0, :3].tolist() == [3.0, 3.0, 3.0]
+    assert int(g.amax_steps) == 4 and g.amax_history[0, :4].tolist() == [4.0, 3.0, 2.0, 1.0]
+    assert int(frozen.amax_steps) == 3 and frozen.amax_history[0, :3].tolist() == [3.0, 2.0, 1.0]
+
+
 def test_delayed_most_recent_interval_and_window():
     recipe = minifloat.DelayedScaling(amax_compute_algo="most_recent", interval=2, amax_history_len=2)
     layer = minifloat.nn.Linear(32, 16, recipe=recipe)

@@ -6,10 +6,11 @@ Semantics (Transformer Engine's ``DelayedScaling``):
   max over all micro-batches of the step (NaN and ±inf are ignored, so one bad micro-batch
   does not poison the history).
 - When an optimizer steps (any ``torch.optim`` optimizer: minifloat registers a global
-  optimizer step post-hook) every module with pending amaxes rolls its history once: the
-  pending amax goes in front (max-reduced across ranks under ``torch.distributed``), the
-  oldest falls off. So a step of 8 micro-batches is one history entry, and a step the
-  `LossScaler` skips adds none.
+  optimizer step post-hook) every module with pending amaxes whose weight it updates (or
+  that no optimizer updates) rolls its history once: the pending amax goes in front
+  (max-reduced across ranks under ``torch.distributed``), the oldest falls off. So a step of
+  8 micro-batches is one history entry, a step the `LossScaler` skips adds none, and of two
+  models with their own optimizers each rolls at its own optimizer's step.
 - Every `interval` steps the scale becomes ``max / reduce(history) / 2**margin``; a zero or
   non-finite result keeps the previous scale (`minifloat.scale_from_amax`).
 - The state is three buffers — ``amax_history`` (3, L), ``scale`` (3,), ``amax_steps`` — in
@@ -31,11 +32,28 @@ from minifloat.recipes import ROLES, DelayedScaling
 from minifloat.scaling import reduce_amax_window, scale_from_amax
 
 _MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # keys in registration order
+_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()  # every optimizer that has stepped
 _HOOK = None
 
 
 def _on_optimizer_step(optimizer, args, kwargs) -> None:
-    roll_all([m for m in list(_MODULES) if m.amax_pending_steps])
+    _OPTIMIZERS.add(optimizer)
+    roll_all(modules_to_roll(optimizer, [m for m in list(_MODULES) if m.amax_pending_steps]))
+
+
+def modules_to_roll(optimizer, pending: list) -> list:
+    """The modules of `pending` that `optimizer`'s step ends the step of: those whose weight it
+    updates, and those whose weight no optimizer updates (frozen layers). A module another
+    optimizer updates waits for that one: two models stepped by their own optimizers (a GAN, a
+    distillation) each roll once per their own step."""
+    if not pending:
+        return []
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if all(id(m.weight) in mine for m in pending):
+        return pending
+    others = {id(p) for opt in list(_OPTIMIZERS) if opt is not optimizer
+              for group in opt.param_groups for p in group["params"]}  # fmt: skip
+    return [m for m in pending if id(m.weight) in mine or id(m.weight) not in others]
 
 
 def register(module) -> None:
