@@ -70,3 +70,33 @@ def test_a_block_whose_nvfp4_scale_underflows_counts_as_flushed_not_saturated():
         layer(x)
     inp = next(r for r in mon.records if r["operand"] == "input")
     assert inp["flushed"] == 0.5 and inp["saturated"] == 0.0
+
+
+def test_the_first_nonfinite_is_kept_across_steps_and_records_are_bounded():
+    model = torch.nn.Sequential(minifloat.nn.Linear(32, 32, recipe="fp8-current"), minifloat.nn.Linear(32, 32, recipe="fp8-current"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with minifloat.monitor(model, max_records=5) as mon:
+        for step in range(3):
+            x = torch.randn(4, 32)
+            if step:
+                x[0, 0] = float("nan")  # layer 0's output: NaN from step 1 on
+            model(x).sum().backward()
+            opt.step()
+        assert mon.first_nonfinite == {"step": 1, "layer": "0", "where": "output"}
+    assert len(mon.records) == 5 and mon.records[-1]["step"] == 2  # the newest 5 of 18
+    with pytest.raises(minifloat.MinifloatError, match="max_records=0"):
+        minifloat.monitor(model, max_records=0)
+
+
+def test_nonfinite_checks_read_no_tensor_during_forward_and_backward(monkeypatch):
+    # bool(tensor) is a device sync on a GPU; the flags are read once per optimizer step.
+    model = torch.nn.Sequential(minifloat.nn.Linear(32, 32, recipe="mxfp8"), minifloat.nn.Linear(32, 32, recipe="mxfp8"))
+    reads = []
+    real = torch.Tensor.__bool__
+    with minifloat.monitor(model, every=1000) as mon:
+        mon.step = 1  # not a recording step: only the checks run
+        monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(t) or real(t))
+        model(torch.randn(4, 32)).sum().backward()
+        monkeypatch.undo()
+        assert reads == [] and len(mon._pending) == 3  # two outputs, layer 1's input gradient
+        assert mon.first_nonfinite is None and mon._pending == []

@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -40,22 +42,29 @@ class Monitor:
 
     Attributes:
         records: one dict per layer, operand and forward/backward: ``step``, ``layer``,
-            ``operand``, ``amax``, ``scale``, ``saturated``, ``flushed``.
+            ``operand``, ``amax``, ``scale``, ``saturated``, ``flushed``; the newest
+            `max_records` of them (a deque: a monitor left on does not grow without bound).
         first_nonfinite: ``{"step", "layer", "where"}`` of the first non-finite output or
             input gradient seen, else None.
         step: optimizer steps seen since the monitor started (set it when resuming).
         every: record operands on every `every`-th step only (non-finite outputs and
             gradients are checked on every step); 1 records all.
+
+    The non-finite checks keep their flags on the tensors' device and read them once per
+    optimizer step (or when `first_nonfinite` is read): no device sync per layer.
     """
 
-    def __init__(self, model: torch.nn.Module, *, every: int = 1) -> None:
+    def __init__(self, model: torch.nn.Module, *, every: int = 1, max_records: int = 100_000) -> None:
         from minifloat.nn.linear import Linear
 
-        self.records: list[dict] = []
-        self.first_nonfinite: dict | None = None
-        self.step = 0
         if every < 1:
             raise MinifloatError(f"Monitor(every={every}): record every ≥ 1 steps")
+        if max_records < 1:
+            raise MinifloatError(f"Monitor(max_records={max_records}): keep at least 1 record")
+        self.records: collections.deque[dict] = collections.deque(maxlen=max_records)
+        self._first_nonfinite: dict | None = None
+        self._pending: list[tuple[dict, torch.Tensor]] = []  # (where, flag "not all finite")
+        self.step = 0
         self.every = every
         self._names = {}
         for name, module in model.named_modules():
@@ -66,7 +75,28 @@ class Monitor:
         self._hook = register_optimizer_step_post_hook(self._on_step)
 
     def _on_step(self, optimizer, args, kwargs) -> None:
+        self._resolve()
         self.step += 1
+
+    @property
+    def first_nonfinite(self) -> dict | None:
+        self._resolve()
+        return self._first_nonfinite
+
+    def _resolve(self) -> None:
+        """Read the pending non-finite flags (one transfer per device), keep the first set."""
+        pending, self._pending = self._pending, []
+        if self._first_nonfinite is not None or not pending:
+            return
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, flag) in enumerate(pending):
+            by_device.setdefault(flag.device, []).append(i)
+        bad = set()
+        for idx in by_device.values():
+            flags = torch.stack([pending[i][1] for i in idx]).tolist()
+            bad.update(i for i, f in zip(idx, flags, strict=True) if f)
+        if bad:
+            self._first_nonfinite = pending[min(bad)][0]
 
     @torch.no_grad()
     def observe(self, layer, operand: str, x: torch.Tensor, q) -> None:
@@ -94,9 +124,14 @@ class Monitor:
             }
         )
 
+    @torch.no_grad()
     def check(self, layer, where: str, t: torch.Tensor) -> None:
-        if self.first_nonfinite is None and not bool(torch.isfinite(t).all()):
-            self.first_nonfinite = {"step": self.step, "layer": self._names.get(id(layer), "?"), "where": where}
+        if self._first_nonfinite is not None:
+            return
+        at = {"step": self.step, "layer": self._names.get(id(layer), "?"), "where": where}
+        self._pending.append((at, ~torch.isfinite(t).all()))
+        if len(self._pending) >= 4096:  # no optimizer steps (inference): read them now and then
+            self._resolve()
 
     def latest(self) -> dict[tuple[str, str], dict]:
         """The newest record per (layer, operand)."""
@@ -106,7 +141,8 @@ class Monitor:
         return out
 
     def close(self) -> None:
-        """Detach from the model (records stay readable)."""
+        """Detach from the model (records and `first_nonfinite` stay readable)."""
+        self._resolve()
         for m in self._modules:
             if m._monitor is self:
                 m._monitor = None
@@ -119,7 +155,7 @@ class Monitor:
         self.close()
 
 
-def monitor(model: torch.nn.Module, *, every: int = 1) -> Monitor:
-    """Start recording telemetry of `model`'s minifloat Linears (on every `every`-th step);
-    use as a context manager or call ``.close()``."""
-    return Monitor(model, every=every)
+def monitor(model: torch.nn.Module, *, every: int = 1, max_records: int = 100_000) -> Monitor:
+    """Start recording telemetry of `model`'s minifloat Linears (on every `every`-th step,
+    keeping the newest `max_records`); use as a context manager or call ``.close()``."""
+    return Monitor(model, every=every, max_records=max_records)
