@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 # The main job on its embedded default: the small GPT on the Python stdlib sources in four
 # precisions, about 5 minutes on 2 cores; the report lands in runs/demo/report.md.
 demo: $(STAMP)
-	$(BIN)/minifloat compare --precisions bf16,fp8,mxfp8,nvfp4 --model small --steps 80 --eval-every 20 --out runs/demo
+	$(BIN)/minifloat compare --precisions bf16,fp8,mxfp8,nvfp4 --model small --steps 80 --eval-every 20 --out runs/demo --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

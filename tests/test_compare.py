@@ -129,13 +129,18 @@ def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys, monkeypatch)
     assert main([*args, "--data", str(bad)]) == 2  # a bad corpus fails once, before any run
     assert "binary file" in capsys.readouterr().err and not (tmp_path / "fail").exists()
 
-    # Runs that fail (here: children that exit before logging a step) are reported as failed,
-    # never with the figures an earlier comparison left in the same folder.
+    # An earlier comparison in --out is kept unless --overwrite says otherwise.
     stale = tmp_path / "fail" / "runs" / "fp32" / "log.jsonl"
     stale.parent.mkdir(parents=True)
     stale.write_text(json.dumps({"step": 0, "loss": 2.5, "step_time_s": 0.1, "lr": 1e-3}) + "\n")
+    (tmp_path / "fail" / "report.md").write_text("an earlier report")
+    assert main(args) == 2
+    assert "already holds a comparison (report.md, runs); pass --overwrite" in capsys.readouterr().err
+    assert stale.exists() and (tmp_path / "fail" / "report.md").read_text() == "an earlier report"
+    # Runs that fail (here: children that exit before logging a step) are reported as failed,
+    # never with the figures the earlier comparison left.
     monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (1, 0, ["RuntimeError: out of memory"]))
-    assert main(args) == 1
+    assert main([*args, "--overwrite"]) == 1
     metrics = json.loads((tmp_path / "fail" / "metrics.json").read_text())
     assert [r["status"] for r in metrics["runs"]] == ["failed", "failed"]
     assert [r["steps_completed"] for r in metrics["runs"]] == [0, 0]

@@ -117,6 +117,48 @@ def test_resume_in_another_precision_and_mismatch_errors(tmp_path):
         train(_cfg(), tmp_path / "empty", resume=True, progress=False)
 
 
+def test_a_fresh_run_refuses_an_earlier_one_unless_told_to_overwrite_it(tmp_path):
+    train(_cfg(steps=3), tmp_path, progress=False)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(minifloat.MinifloatError, match=r"already holds a run \(a checkpoint \(ckpt-00000003\)\); pass --resume"):
+        train(_cfg(), tmp_path, progress=False)
+    with pytest.raises(minifloat.MinifloatError, match="pass one of them"):
+        train(_cfg(), tmp_path, resume=True, overwrite=True, progress=False)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing lost
+    (tmp_path / "checkpoints" / "latest").unlink()
+    with pytest.raises(minifloat.MinifloatError, match=r"already holds a run \(log.jsonl and checkpoints\)"):
+        train(_cfg(), tmp_path, progress=False)
+    result = train(_cfg(steps=2, checkpoint_every=0), tmp_path, overwrite=True, progress=False)
+    assert result["final"]["step"] == 2 and len(_losses(tmp_path)) == 2
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()] == ["ckpt-00000002"]
+
+
+def test_default_sequence_length_fits_every_model_and_out_must_be_a_folder(tmp_path):
+    assert [TrainConfig(model=m).seq_len for m in ("tiny", "small", "base")] == [64, 128, 128]
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(minifloat.MinifloatError, match="is a file; give a folder"):
+        train(_cfg(), tmp_path / "f", progress=False)
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_saving_a_step_again_keeps_the_old_folder_until_latest_moves(tmp_path, monkeypatch):
+    root = tmp_path / "ckpts"
+    first = checkpoint.save_checkpoint(root, 3, {"w": torch.ones(2)}, {"step": 3}, {})
+    second = checkpoint.save_checkpoint(root, 3, {"w": torch.zeros(2)}, {"step": 3}, {})
+    assert second.name == "ckpt-00000003.1" and not first.exists()
+    assert checkpoint.latest_checkpoint(root) == second
+    assert torch.equal(checkpoint.load_checkpoint(second)[1]["w"], torch.zeros(2))
+
+    def crash(path):  # killed after the new folder is in place, before `latest` moves
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "atomic_path", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(root, 3, {"w": torch.full((2,), 7.0)}, {"step": 3}, {})
+    assert checkpoint.latest_checkpoint(root) == second  # still there, still complete
+    assert torch.equal(checkpoint.load_checkpoint(second)[1]["w"], torch.zeros(2))
+
+
 def test_checkpoints_are_readable_by_the_group_as_the_umask_says(tmp_path):
     old = os.umask(0o022)
     try:

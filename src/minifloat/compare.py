@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -202,9 +203,13 @@ def compare(
     *,
     echo: Callable[[str], None] = print,
     plots: bool = True,
+    overwrite: bool = False,
 ) -> dict:
     """Train `base` in each of `precisions` and write ``metrics.json``, ``report.md`` and the
-    plots under `out`; returns the metrics. The first precision is the reference."""
+    plots under `out`; returns the metrics. The first precision is the reference.
+
+    An `out` that holds an earlier comparison (its report or runs) is refused unless
+    `overwrite`, which deletes that comparison first."""
     precisions = parse_precisions(precisions)
     if not base.eval_every:
         base = dataclasses.replace(base, eval_every=base.steps)  # a final val loss is needed
@@ -215,13 +220,13 @@ def compare(
         from minifloat.train.corpus import load_corpus
 
         load_corpus(base.data, base.max_bytes)
+    _clear_previous(out, overwrite)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     runs = []
     for i, precision in enumerate(precisions):
         c = dataclasses.replace(base, precision=precision)
         run_dir = out / "runs" / precision
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "log.jsonl").unlink(missing_ok=True)  # a run that fails early must not show an older one's
         config_path = run_dir / "config.json"
         with atomic_path(config_path) as tmp:
             tmp.write_text(json.dumps(c.to_dict(), indent=2))
@@ -246,6 +251,31 @@ def compare(
 
     write_report(metrics, out, plots=plots)
     return metrics
+
+
+# What a comparison writes under its --out (besides runs/).
+REPORT_FILES = ("metrics.json", "report.md", "loss.png", "scales.png", "speed_memory.png")
+
+
+def _clear_previous(out: Path, overwrite: bool) -> None:
+    """Refuse an earlier comparison in `out`, or (`overwrite`) delete it: its runs, whose
+    checkpoints and logs must not mix with this one's, and its report files."""
+    runs = out / "runs"
+    found = [out / name for name in REPORT_FILES if (out / name).exists()]
+    if runs.is_dir() and any(runs.iterdir()):
+        found.append(runs)
+    if not found:
+        return
+    if not overwrite:
+        raise MinifloatError(
+            f"{out} already holds a comparison ({', '.join(p.name for p in found)}); pass --overwrite "
+            "to delete it and run again, or another --out"
+        )
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _relative_to_first(runs: list[dict]) -> None:

@@ -17,6 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default="runs/compare", help="output folder (metrics.json, report.md, *.png, runs/)"
     )
+    p.add_argument("--overwrite", action="store_true", help="delete an earlier comparison in --out first")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
     p.set_defaults(run=run)
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     precisions = parse_precisions(args.precisions)
     base = config_from_args(args, precision=precisions[0])
-    metrics = compare(precisions, base, args.out, plots=not args.no_plots)
+    metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:

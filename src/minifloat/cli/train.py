@@ -14,7 +14,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small", choices=["tiny", "small", "base"])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128, or the model's block size if smaller)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--grad-accum", type=int, default=1)
@@ -53,6 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a TrainConfig as JSON (as `minifloat compare` writes); other flags but --out/--resume are ignored")  # fmt: skip
     p.add_argument("--out", default="runs/train", help="output folder (log.jsonl, checkpoints/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true", help="delete an earlier run's log and checkpoints in --out first")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -77,7 +78,9 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     from minifloat.train.trainer import train
 
-    result = train(config_from_args(args), args.out, resume=args.resume, progress=not args.quiet)
+    result = train(
+        config_from_args(args), args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
+    )
     final = {k: v for k, v in result["final"].items() if k != "telemetry"}
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the run
         return 0

@@ -11,7 +11,8 @@ A checkpoint is a folder ``ckpt-<step>/`` with
 
 It is written into a temporary folder and renamed into place; then ``latest`` (a one-line file,
 itself replaced atomically) points to it; only then is the previous checkpoint removed. A
-crash at any moment leaves the last complete checkpoint in force.
+crash at any moment leaves the last complete checkpoint in force. (Saving a step whose folder
+exists names the new folder ``ckpt-<step>.1`` and removes the old one after ``latest`` moves.)
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
         for name in ("model.safetensors", "state.pt", "manifest.json"):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
+        # A folder of this step already there (it may be the one `latest` names) goes only
+        # after `latest` names the new one: until then the new one waits under another name.
+        replaced = final if final.exists() else None
+        if replaced is not None:
+            final = _free_name(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     finally:
@@ -76,9 +80,18 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
     previous = latest_checkpoint(root, verify=False)
     with atomic_path(root / "latest") as t:
         t.write_text(final.name + "\n")
-    if previous is not None and previous != final:
-        shutil.rmtree(previous, ignore_errors=True)
+    for old in (previous, replaced):
+        if old is not None and old != final:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _free_name(path: Path) -> Path:
+    """`path` with the first free suffix ``.1``, ``.2``, ..."""
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}.{n}")
 
 
 def latest_checkpoint(root: str | Path, verify: bool = True) -> Path | None:

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ class TrainConfig:
     model: str = "small"
     steps: int = 200
     batch_size: int = 16
-    seq_len: int = 128
+    seq_len: int | None = None  # None: 128, or the model's block size where that is smaller
     lr: float = 1e-3  # 3e-3 trains the small GPT unstably (BF16 val loss 1.71 vs 1.31 at 600 steps)
     warmup: int = 20
     min_lr_ratio: float = 0.1
@@ -67,7 +68,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise MinifloatError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
-        get_config(self.model)
+        block_size = get_config(self.model).block_size
+        if self.seq_len is None:
+            object.__setattr__(self, "seq_len", min(128, block_size))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
             if getattr(self, name) < 1:
                 raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
@@ -89,10 +92,8 @@ class TrainConfig:
             raise MinifloatError(
                 "--eval-every, --checkpoint-every and --telemetry-every must be ≥ 0 (0: off)"
             )
-        if self.seq_len > get_config(self.model).block_size:
-            raise MinifloatError(
-                f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {get_config(self.model).block_size}"
-            )
+        if self.seq_len > block_size:
+            raise MinifloatError(f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {block_size}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -300,9 +301,18 @@ def _resume_state(c: TrainConfig, model: GPT, ckpt_root: Path) -> dict:
 
 
 def train(
-    c: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True, monitor: bool = True
+    c: TrainConfig,
+    out: str | Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    monitor: bool = True,
 ) -> dict:
-    """Train per `c`, writing ``log.jsonl`` and checkpoints under `out`; returns a summary."""
+    """Train per `c`, writing ``log.jsonl`` and checkpoints under `out`; returns a summary.
+
+    A fresh run (not `resume`) refuses an `out` that holds an earlier run's log or checkpoints
+    unless `overwrite`, which deletes them first."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -312,10 +322,16 @@ def train(
     rank, world, own_group = _init_distributed(c)
     main = rank == 0
     out = Path(out)
+    ckpt_root, log_path = out / "checkpoints", out / "log.jsonl"
+    if out.exists() and not out.is_dir():
+        raise MinifloatError(f"--out {out} is a file; give a folder for the log and the checkpoints")
+    if resume and overwrite:
+        raise MinifloatError("--resume continues the run in --out and --overwrite deletes it; pass one of them")
+    if not resume:
+        _clear_previous_run(ckpt_root, log_path, overwrite, main)
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(c)
     model = build_model(c)
-    ckpt_root = out / "checkpoints"
     state = _resume_state(c, model, ckpt_root) if resume else None
     if c.fsdp:
         _shard(model, world)
@@ -351,9 +367,6 @@ def train(
 
         mon = Monitor(model, every=c.telemetry_every)
         mon.step = start
-    log_path = out / "log.jsonl"
-    if main and not resume and log_path.exists():
-        log_path.unlink()
     bar = _progress(c.steps, start, progress and main)
     last = {}
     tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
@@ -424,6 +437,26 @@ def train(
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": _unwrap(model).num_params()}
+
+
+def _clear_previous_run(ckpt_root: Path, log_path: Path, overwrite: bool, main: bool) -> None:
+    """Refuse to start over an earlier run's results, or (`overwrite`) delete them (rank 0)."""
+    found = [p for p in (log_path, ckpt_root) if p.exists()]
+    if not found:
+        return
+    if not overwrite:
+        latest = checkpoint.latest_checkpoint(ckpt_root, verify=False)
+        held = f"a checkpoint ({latest.name})" if latest is not None else " and ".join(p.name for p in found)
+        raise MinifloatError(
+            f"{log_path.parent} already holds a run ({held}); pass --resume to continue it, "
+            "--overwrite to delete it and start over, or another --out"
+        )
+    if main:
+        log_path.unlink(missing_ok=True)
+        if ckpt_root.is_dir():
+            shutil.rmtree(ckpt_root)
+        else:
+            ckpt_root.unlink(missing_ok=True)
 
 
 def _unwrap(model):
