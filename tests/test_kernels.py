@@ -225,3 +225,35 @@ def test_amax_kernel():
     ref = x.abs()[torch.isfinite(x)].max()
     assert cpu.tensor_amax(x, ignore_nan=True).item() == ref.item()
     assert cpu.tensor_amax(x.bfloat16(), ignore_nan=True).item() == x.bfloat16().abs()[torch.isfinite(x)].max().item()
+
+
+def _sr_thresholds(y, fmt):
+    """ceil(frac(r) · 2^32), r = |y| · 2^(m - e) in float64 (e = floor(log2 |y|) clamped to
+    [emin, emax]): the random bits below it round up, the rest down."""
+    a = y.double().abs()
+    _, ex = torch.frexp(torch.where(a > 0, a, torch.ones_like(a)))
+    e = (ex - 1).double().clamp(fmt.emin, fmt.emax)
+    r = (a * torch.pow(2.0, fmt.man_bits - e)).clamp(max=float(2 ** (fmt.man_bits + 2)))
+    r = torch.where(torch.isfinite(r), r, 0.0)
+    return torch.ceil((r - torch.floor(r)) * 2.0**32).to(torch.int64)
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"])
+def test_stochastic_rounding_at_its_thresholds(element):
+    """The kernels' 8-lane stochastic rounding equals the reference for random bits just below,
+    at and above each element's threshold (random bits rarely land there)."""
+    from minifloat.codec import encode_with_bits
+    from minifloat.formats import get_format
+
+    fmt = get_format(element)
+    g = torch.Generator().manual_seed(0)
+    grid = torch.linspace(-fmt.max, fmt.max, 401)
+    specials = [0.0, -0.0, 1e-45, -1e-45, 1e-40, 2.0**fmt.emin, 2.0 ** (fmt.emin - fmt.man_bits - 1), fmt.max,
+                -fmt.max, fmt.max * 1.01, 3e38, -3e38, float("inf"), -float("inf"), float("nan")]  # fmt: skip
+    y = torch.cat([torch.randn(2000, generator=g) * torch.exp(torch.randn(2000, generator=g) * 3), grid,
+                   grid * (1 + 2**-23), grid * (1 - 2**-23), grid + 2**-30, torch.tensor(specials)]).float()  # fmt: skip
+    t = _sr_thresholds(y, fmt)
+    for bits in (t - 2, t - 1, t, t + 1, torch.zeros_like(t), torch.full_like(t, 2**32 - 1)):
+        bits = bits.clamp(0, 2**32 - 1)
+        expected = encode_with_bits(y, fmt, bits=bits, canonical_nan=True)
+        assert torch.equal(cpu.encode_sr(y, bits, fmt), expected)

@@ -432,6 +432,64 @@ DEFINE_LOOPS(bf16, uint16_t, u2f((uint32_t)x[i] << 16),
              v8h h; memcpy(&h, x + i, 16); return (v8f)(__builtin_convertvector(h, v8u) << 16))
 DEFINE_LOOPS(f16, _Float16, (float)x[i], v8x h; memcpy(&h, x + i, 16); return __builtin_convertvector(h, v8f))
 
+/* ---- Stochastic rounding, 8 lanes ---------------------------------------------------------- */
+static inline v8f ld8_any(const void *x, int dt, int64_t j) {
+    if (dt == DT_F32) return ld8_f32((const float *)x, j);
+    if (dt == DT_BF16) return ld8_bf16((const uint16_t *)x, j);
+    return ld8_f16((const _Float16 *)x, j);
+}
+
+static inline v8u mix32v(v8u x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+/* sr_bits of the 8 indices whose low words are lo .. lo + 7 (no wrap: they share `hi`). */
+static inline v8u sr_bits8(uint64_t seed, uint32_t lo, uint32_t hi) {
+    const v8u i = (v8u){0, 1, 2, 3, 4, 5, 6, 7} + lo;
+    return mix32v(mix32v(i ^ (uint32_t)seed) ^ hi);
+}
+
+/* enc_sr of 8 lanes, exactly: with e = floor(log2 |y|) clamped to [emin, emax], r = |y| * 2^(m - e)
+ * is exact in float32 (a power-of-two scaling), k = floor(r) and f = r - k too (Sterbenz), and so
+ * are F = f * 2^24 = q + g (q = floor(F) < 2^24, g in [0, 1)) and g * 256. Rounding up when
+ * rb * 2^-32 < f, i.e. rb_hi * 256 + rb_lo < (q + g) * 256 with rb_hi = rb >> 8, rb_lo = rb & 255:
+ * rb_hi < q, or rb_hi == q and rb_lo < g * 256 (integers below 2^24 and floats, all exact). */
+static inline v8i enc_sr8(v8f y, v8u rb, const elem_t *p) {
+    const v8i u = (v8i)y, a = u & 0x7fffffff;
+    const v8i e = vmin(vmax((a >> 23) - 127, (v8i){0} + p->emin), (v8i){0} + p->emax);
+    const v8f cap = (v8f){0} + (float)(1 << (p->man_bits + 2));
+    v8f r = (v8f)a * (v8f)((127 + p->man_bits - e) << 23);
+    r = (v8f)vsel(r <= cap, (v8i)r, (v8i)cap); /* NaN: cap (its lane is replaced below) */
+    const v8i k = __builtin_convertvector(r, v8i); /* r >= 0: truncation is floor */
+    const v8f f = (r - __builtin_convertvector(k, v8f)) * 0x1p24f;
+    const v8i q = __builtin_convertvector(f, v8i);
+    const v8f g = (f - __builtin_convertvector(q, v8f)) * 256.0f;
+    const v8i hi = (v8i)(rb >> 8), lo = (v8i)(rb & 255);
+    const v8i up = (hi < q) | ((hi == q) & (v8i)(__builtin_convertvector(lo, v8f) < g));
+    v8i code = ((e - p->emin) << p->man_bits) + k - up;
+    code = vmin(code, (v8i){0} + p->max_code) | ((u >> 31) & p->sign_mask);
+    return vsel(a > 0x7f800000, (v8i){0} + p->nan_code, code);
+}
+
+/* Stochastic rounding of y[0..n) with the given random bits, 8 lanes at a time and the tail one
+ * by one, as the quantize kernels do it: for the tests, which choose bits at the rounding
+ * thresholds. */
+void mf_encode_sr(const float *y, const uint32_t *rb, int64_t n, const elem_t *p, uint8_t *out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8f v;
+        v8u b;
+        memcpy(&v, y + j, 32);
+        memcpy(&b, rb + j, 32);
+        store8(enc_sr8(v, b, p), out + j);
+    }
+    for (; j < n; j++) out[j] = (uint8_t)enc_sr(y[j], rb[j], p);
+}
+
 typedef void (*amax_fn)(const void *, int64_t, uint32_t *, int *);
 static const amax_fn AMAX[3] = {amax_f32, amax_bf16, amax_f16};
 static const int ESIZE[3] = {4, 2, 2};
@@ -754,13 +812,21 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                 const uint64_t i0 = (uint64_t)(r * J->Kp + s0);
                 uint32_t hi = sr_hi(J->seed, i0);
                 int64_t b = 0, left = bc > CH ? n : bc; /* spans start on a block boundary */
-                for (int64_t j = 0; j < n; j++, left--) {
+                for (int64_t j = 0, w; j < n; j += w, left -= w) {
                     if (left == 0) b++, left = bc;
                     const uint64_t i = i0 + (uint64_t)j;
                     if ((uint32_t)i == 0 && j > 0) hi = sr_hi(J->seed, i); /* crossed a 2^32 boundary */
-                    const float v = load(src, sdt, j);
-                    cd[j] = (uint8_t)enc_sr(v * es[b], sr_bits(J->seed, i, hi), &J->p);
-                    if (nan_dec && isnan(v)) nan_dec[(s0 - c0) / bc + b] = NAN;
+                    if (left >= 8 && j + 8 <= n && (uint32_t)i <= 0xfffffff8u) { /* 8 lanes, one block */
+                        const v8f v = ld8_any(src, sdt, j);
+                        store8(enc_sr8(v * es[b], sr_bits8(J->seed, (uint32_t)i, hi), &J->p), cd + j);
+                        if (nan_dec && vany((v8i)(v != v))) nan_dec[(s0 - c0) / bc + b] = NAN;
+                        w = 8;
+                    } else {
+                        const float v = load(src, sdt, j);
+                        cd[j] = (uint8_t)enc_sr(v * es[b], sr_bits(J->seed, i, hi), &J->p);
+                        if (nan_dec && isnan(v)) nan_dec[(s0 - c0) / bc + b] = NAN;
+                        w = 1;
+                    }
                 }
             } else {
                 for (int64_t b = 0, step = lb >= 0 ? n : bc; b * step < n; b++) { /* one call, or one per block */

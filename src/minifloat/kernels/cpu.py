@@ -69,9 +69,22 @@ def library() -> ctypes.CDLL | None:
                                ctypes.c_uint64, _P, _I, _P, _P, _I]  # fmt: skip
     lib.mf_block_amax.restype = _F
     lib.mf_block_amax.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I]
+    lib.mf_encode_sr.restype = None
+    lib.mf_encode_sr.argtypes = [_P, _P, _L, _P, _P]
     lib.mf_dequantize.restype = None
     lib.mf_dequantize.argtypes = [_P, _L, _L, _L, _I, _P, _P, _P, _P, _F, _L, _L, _P, _I]
     return lib
+
+
+def encode_sr(y: torch.Tensor, bits: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """The kernels' stochastic rounding of float32 `y` with the uint32 random `bits` (int64
+    tensor), element by element: for tests, which pick bits at the rounding thresholds."""
+    y = y.contiguous().reshape(-1)
+    b = bits.reshape(-1).to(torch.int64)
+    rb = torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).contiguous()  # uint32 bits as int32
+    out = torch.empty(y.numel(), dtype=torch.uint8)
+    library().mf_encode_sr(y.data_ptr(), rb.data_ptr(), y.numel(), ctypes.byref(elem_params(fmt)), out.data_ptr())
+    return out
 
 
 def runs_on(device: torch.device) -> bool:
