@@ -144,6 +144,22 @@ def test_delayed_modules_roll_at_their_own_optimizers_step():
     assert int(frozen.amax_steps) == 3 and frozen.amax_history[0, :3].tolist() == [3.0, 2.0, 1.0]
 
 
+def test_delayed_state_stays_float32_when_the_model_is_cast():
+    layer = minifloat.nn.Linear(32, 16, recipe="fp8")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    x = torch.full((4, 32), 0.1)
+    (layer(x) * 1e-4).sum().backward()  # grad_output amax 1e-4: E5M2 scale 5.7e8
+    opt.step()
+    history, scale = layer.amax_history.clone(), layer.scale.clone()
+    assert scale[2] > torch.finfo(torch.float16).max
+    for dtype in (torch.float16, torch.bfloat16):
+        layer.to(dtype)
+        assert layer.weight.dtype == dtype
+        assert layer.amax_history.dtype == layer.scale.dtype == torch.float32
+        assert torch.equal(layer.amax_history, history) and torch.equal(layer.scale, scale)  # not inf, no bits lost
+        assert layer(x.to(dtype)).dtype == dtype
+
+
 def test_delayed_most_recent_interval_and_window():
     recipe = minifloat.DelayedScaling(amax_compute_algo="most_recent", interval=2, amax_history_len=2)
     layer = minifloat.nn.Linear(32, 16, recipe=recipe)

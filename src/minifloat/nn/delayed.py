@@ -77,6 +77,9 @@ def roll_all(modules: list) -> None:
         roll(module, amax)
 
 
+FP32_BUFFERS = ("amax_history", "scale")  # float32 whatever the model's dtype (Linear._apply)
+
+
 def init_buffers(module, recipe: DelayedScaling, device=None) -> None:
     n, f32 = len(ROLES), torch.float32
     module.register_buffer("amax_history", torch.zeros(n, recipe.amax_history_len, dtype=f32, device=device))

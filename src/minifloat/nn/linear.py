@@ -201,6 +201,18 @@ class Linear(torch.nn.Linear):
         name = next((k for k, v in _named_recipes().items() if v == self.recipe), type(self.recipe).__name__)
         return f"{super().extra_repr()}, recipe={name}"
 
+    def _apply(self, fn, recurse=True):
+        # The delayed-scaling state stays float32 whatever dtype the model is cast to (as TE's
+        # FP8 metadata does): in bf16 the amaxes would lose bits, and in fp16 a grad_output
+        # scale (57344 / amax) overflows to inf. Devices still move.
+        kept = {n: b for n in delayed.FP32_BUFFERS if (b := self._buffers.get(n)) is not None}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Checkpoints are precision-agnostic: a run saved under another recipe has no
         # (or other) delayed-scaling buffers; keep this module's fresh state then.
