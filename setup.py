@@ -1,9 +1,16 @@
 """Build the optional fused CPU kernels. A failed compile only warns (optional=True): the
 library then runs its pure-PyTorch reference and says so once at run time."""
 
+import hashlib
 import os
+from pathlib import Path
 
 from setuptools import Extension, setup
+
+SOURCE = "src/minifloat/kernels/_cpu.c"
+# The build records which source it came from; minifloat.kernels.cpu refuses a library built
+# from another version of it (a checkout updated without a rebuild) and runs the reference.
+source_hash = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()[:16]
 
 # Built from source on the machine that runs it (make demo / make test), so tune for it;
 # MINIFLOAT_PORTABLE=1 builds for any x86-64.
@@ -13,7 +20,8 @@ setup(
     ext_modules=[
         Extension(
             "minifloat.kernels._cpu",
-            sources=["src/minifloat/kernels/_cpu.c"],
+            sources=[SOURCE],
+            define_macros=[("MF_SOURCE_HASH", f'"{source_hash}"')],
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi", *arch],
             extra_link_args=["-fopenmp"],
             optional=True,

@@ -257,3 +257,42 @@ def test_stochastic_rounding_at_its_thresholds(element):
         bits = bits.clamp(0, 2**32 - 1)
         expected = encode_with_bits(y, fmt, bits=bits, canonical_nan=True)
         assert torch.equal(cpu.encode_sr(y, bits, fmt), expected)
+
+
+class _FakeLibrary:
+    """A loaded library as ctypes shows it: functions whose restype can be set."""
+
+    _name = "stale.so"
+
+    def __init__(self, source_hash: bytes, with_kernels: bool):
+        def mf_source_hash():
+            return source_hash
+
+        self.mf_source_hash = mf_source_hash
+        if with_kernels:
+            for name in ("mf_amax", "mf_quantize", "mf_block_amax", "mf_encode_sr", "mf_dequantize"):
+                setattr(self, name, lambda *a: None)
+
+
+@pytest.mark.parametrize(
+    ("source_hash", "with_kernels", "why"),
+    [(b"0123456789abcdef", True, "built from another version of _cpu.c"), (None, False, "mf_amax")],
+)
+def test_a_library_built_from_another_source_is_not_used(monkeypatch, source_hash, with_kernels, why):
+    """An updated checkout that was not rebuilt: warn once and run the reference."""
+    import ctypes
+    import hashlib
+    from pathlib import Path
+
+    real = hashlib.sha256(Path(cpu.__file__).with_name("_cpu.c").read_bytes()).hexdigest()[:16].encode()
+    fake = _FakeLibrary(source_hash or real, with_kernels)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(ctypes, "CDLL", lambda path: fake)
+            cpu.library.cache_clear()
+            with pytest.warns(RuntimeWarning, match=why):
+                assert cpu.library() is None
+            assert not cpu.supports(torch.ones(3))  # the reference serves
+    finally:
+        cpu.library.cache_clear()
+    assert cpu.library() is not None

@@ -22,6 +22,12 @@
 #include <immintrin.h>
 #endif
 
+#ifndef MF_SOURCE_HASH
+#define MF_SOURCE_HASH "unknown"
+#endif
+/* The first 16 hex digits of this file's SHA-256, as setup.py computed them at build time. */
+const char *mf_source_hash(void) { return MF_SOURCE_HASH; }
+
 typedef struct {
     int32_t man_bits, emin, emax, max_code, sign_mask, nan_code; /* NaN encodes canonically; formats
                                                                    * without NaN (FP6, FP4): nan_code == sign_mask, a zero */

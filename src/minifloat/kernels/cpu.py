@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib.util
 import math
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -54,14 +56,35 @@ def library() -> ctypes.CDLL | None:
         if spec is None or spec.origin is None:
             raise OSError("the extension minifloat.kernels._cpu was not built")
         lib = ctypes.CDLL(spec.origin)
-    except OSError as err:
+        _check_built_from_this_source(lib)
+        _declare(lib)
+    except (OSError, AttributeError) as err:  # AttributeError: a library without a kernel this code calls
         warnings.warn(
             f"minifloat: fast CPU kernels unavailable ({err}); using the pure-PyTorch reference. "
-            f"Reinstall with a C compiler (gcc with OpenMP) to build them.",
+            f"Reinstall with a C compiler (gcc with OpenMP) to build them (`make test` or "
+            f"`pip install -e .` in a checkout).",
             RuntimeWarning,
             stacklevel=3,
         )
         return None
+    return lib
+
+
+def _check_built_from_this_source(lib: ctypes.CDLL) -> None:
+    """Refuse a library built from another version of _cpu.c (an updated checkout not rebuilt):
+    its kernels may differ from the reference this code expects. Installs without the source
+    file skip the check."""
+    source = Path(__file__).with_name("_cpu.c")
+    if not source.exists():
+        return
+    lib.mf_source_hash.restype = ctypes.c_char_p
+    built = lib.mf_source_hash().decode()
+    here = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    if built != here:
+        raise OSError(f"{lib._name} was built from another version of {source.name} ({built}, this one is {here})")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.mf_amax.restype = _F
     lib.mf_amax.argtypes = [_P, _I, _L, _I, _I]
     lib.mf_quantize.restype = None
@@ -73,7 +96,6 @@ def library() -> ctypes.CDLL | None:
     lib.mf_encode_sr.argtypes = [_P, _P, _L, _P, _P]
     lib.mf_dequantize.restype = None
     lib.mf_dequantize.argtypes = [_P, _L, _L, _L, _I, _P, _P, _P, _P, _F, _L, _L, _P, _I]
-    return lib
 
 
 def encode_sr(y: torch.Tensor, bits: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
