@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
     p.add_argument("--config", default=None, metavar="JSON",
-                   help="a TrainConfig as JSON (as `minifloat compare` writes); other flags but --out/--resume are ignored")  # fmt: skip
+                   help="a TrainConfig as JSON (as `minifloat compare` writes); of the other flags only --out, --resume, --overwrite and --quiet apply")  # fmt: skip
     p.add_argument("--out", default="runs/train", help="output folder (log.jsonl, checkpoints/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run's log and checkpoints in --out first")
