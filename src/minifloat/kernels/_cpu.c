@@ -57,14 +57,17 @@ static inline uint32_t enc_rne(float y, const elem_t *p) {
     return a > 0x7f800000u ? (uint32_t)p->nan_code : c;
 }
 
-/* Counter-based stochastic-rounding bits of element i: codec.sr_bits, bit for bit. */
-static inline uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    return x ^ (x >> 16);
-}
+/* Counter-based stochastic-rounding bits of element i: codec.sr_bits, bit for bit. The mixer is
+ * defined for one uint32 and (below, mix32v) for 8 lanes of them. */
+#define DEFINE_MIX32(NAME, T)                                                                      \
+    static inline T NAME(T x) {                                                                    \
+        x ^= x >> 16;                                                                              \
+        x *= 0x7feb352du;                                                                          \
+        x ^= x >> 15;                                                                              \
+        x *= 0x846ca68bu;                                                                          \
+        return x ^ (x >> 16);                                                                      \
+    }
+DEFINE_MIX32(mix32, uint32_t)
 
 /* The high-word term, the same for all 2^32 indices sharing i >> 32 (hoisted by callers). */
 static inline uint32_t sr_hi(uint64_t seed, uint64_t i) {
@@ -445,13 +448,7 @@ static inline v8f ld8_any(const void *x, int dt, int64_t j) {
     return ld8_f16((const _Float16 *)x, j);
 }
 
-static inline v8u mix32v(v8u x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    return x ^ (x >> 16);
-}
+DEFINE_MIX32(mix32v, v8u)
 
 /* sr_bits of the 8 indices whose low words are lo .. lo + 7 (no wrap: they share `hi`). */
 static inline v8u sr_bits8(uint64_t seed, uint32_t lo, uint32_t hi) {
