@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,14 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def remove(path: Path) -> None:
+    """Delete the file or the folder tree at `path`, if there is one (`--overwrite`)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def make_dir_beside(target: Path, prefix: str) -> Path:

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from minifloat.atomic import atomic_path
+from minifloat.atomic import atomic_path, remove
 from minifloat.errors import MinifloatError
 from minifloat.train.trainer import PRECISIONS, TrainConfig
 
@@ -272,10 +271,7 @@ def _clear_previous(out: Path, overwrite: bool) -> None:
             "to delete it and run again, or another --out"
         )
     for path in found:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        remove(path)
 
 
 def _relative_to_first(runs: list[dict]) -> None:

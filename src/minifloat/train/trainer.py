@@ -21,13 +21,13 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from minifloat.atomic import remove
 from minifloat.errors import MinifloatError
 from minifloat.loss_scaling import LossScaler
 from minifloat.recipes import RECIPES
@@ -452,11 +452,8 @@ def _clear_previous_run(ckpt_root: Path, log_path: Path, overwrite: bool, main: 
             "--overwrite to delete it and start over, or another --out"
         )
     if main:
-        log_path.unlink(missing_ok=True)
-        if ckpt_root.is_dir():
-            shutil.rmtree(ckpt_root)
-        else:
-            ckpt_root.unlink(missing_ok=True)
+        for path in found:
+            remove(path)
 
 
 def _unwrap(model):
