@@ -63,13 +63,32 @@ def test_info_lists_every_recipe_with_its_backend(capsys):
 
 def test_bench_train_times_recipes_against_baselines(capsys):
     argv = ["bench", "train", "--recipes", "fp8,mxfp8", "--layers", "1", "--dim", "64", "--hidden", "128",
-            "--tokens", "64", "--reps", "1", "--json"]  # fmt: skip
+            "--tokens", "64", "--reps", "1", "--json", "--bf16"]  # fmt: skip
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     models = [r["model"] for r in out["results"]]
     assert models[:2] == ["bf16", "fp32"] and models[-2:] == ["fp8", "mxfp8"]
     bf16 = out["results"][0]
     assert bf16["vs_bf16"] == 1.0 and all(r["step_s"] > 0 for r in out["results"])
+    assert out["bf16_skipped"] is None
+
+
+def test_bench_train_skips_an_emulated_bf16_baseline_unless_asked(capsys, monkeypatch):
+    import minifloat.bench as bench
+
+    assert bench.train_baselines(None, slowdown=lambda: 1.5) == (("bf16", "fp32", "torchao"), None)
+    assert bench.train_baselines(True, slowdown=lambda: 100.0) == (("bf16", "fp32", "torchao"), None)
+    assert bench.train_baselines(False, slowdown=lambda: 1.5) == (("fp32", "torchao"), None)
+    baselines, note = bench.train_baselines(None, slowdown=lambda: 97.0)
+    assert baselines == ("fp32", "torchao") and "97x the FP32 time" in note and "--bf16" in note
+    monkeypatch.setattr(bench, "bf16_matmul_slowdown", lambda: 97.0)
+    argv = ["bench", "train", "--recipes", "fp8", "--layers", "1", "--dim", "32", "--hidden", "32",
+            "--tokens", "16", "--reps", "1"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "BF16 baseline skipped: a BF16 matmul takes 97x" in out
+    rows = [line.split()[0] for line in out.splitlines()[3:]]
+    assert "bf16" not in rows and rows[0] == "fp32" and rows[-1] == "fp8", out
 
 
 def test_bench_gemm_times_emulated_gemms_and_says_why_not_native(capsys):

@@ -270,6 +270,42 @@ def bench_gemm(m: int, n: int, k: int, schemes=GEMM_DEFAULT_SCHEMES, *, device: 
 
 TRAIN_DEFAULT_RECIPES = ("fp8", "fp8-current", "mxfp8", "nvfp4")
 
+# A BF16 matmul this many times slower than FP32 has no BF16 units under it (CPUs without
+# AVX512-BF16 / AMX convert element by element: ~100x here); native ones are 0.5-2x.
+BF16_EMULATED_SLOWDOWN = 8.0
+
+
+def bf16_matmul_slowdown(n: int = 256, device: str | torch.device = "cpu") -> float:
+    """Time of an n³ BF16 matmul over the FP32 one on `device` (best of 3 each): a probe of
+    whether BF16 is native there, taken before minutes of BF16 baseline are spent.
+
+    Example:
+        >>> bf16_matmul_slowdown(32) > 0
+        True
+    """
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(n, n, device=device).to(dtype)
+        (a @ a).sum().item()  # warm-up, and a sync on an asynchronous device
+        best[dtype] = min(_time(lambda a=a: (a @ a).sum().item()) for _ in range(3))
+    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
+
+
+def train_baselines(bf16: bool | None, *, slowdown: Callable[[], float] | None = None
+                    ) -> tuple[tuple[str, ...], str | None]:
+    """`bench_train`'s baselines: FP32 and torchao, and BF16 autocast when `bf16` is True, or
+    (None) when `slowdown()` (default `bf16_matmul_slowdown`) shows BF16 matmuls native. Returns the baselines and,
+    when BF16 was left out for being emulated, a note saying so."""
+    if bf16 is False:
+        return ("fp32", "torchao"), None
+    if bf16 is None:
+        ratio = (slowdown or bf16_matmul_slowdown)()
+        if ratio > BF16_EMULATED_SLOWDOWN:
+            return ("fp32", "torchao"), (
+                f"BF16 baseline skipped: a BF16 matmul takes {ratio:.0f}x the FP32 time on this machine "
+                "(no BF16 units: at the default size a BF16 step takes minutes); --bf16 times it anyway")
+    return ("bf16", "fp32", "torchao"), None
+
 
 def _mlp(layers: int, dim: int, hidden: int) -> torch.nn.Sequential:
     blocks = []
