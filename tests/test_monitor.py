@@ -23,6 +23,23 @@ def test_records_every_operand_with_exact_fractions():
     assert layer._monitor is None  # closed
 
 
+def test_counts_steps_of_its_own_model_once_per_backward():
+    model = minifloat.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), "mxfp8")
+    other = torch.nn.Linear(4, 4)
+    # Two optimizers over one model (e.g. Muon for matrices, AdamW for the rest), and another model's.
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.0), torch.optim.SGD(model[1].parameters(), lr=0.0)]
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.0)
+    with minifloat.monitor(model) as mon:
+        for _ in range(3):
+            model(torch.randn(2, 32)).sum().backward()
+            for opt in opts:
+                opt.step()
+            other(torch.randn(1, 4)).sum().backward()
+            other_opt.step()
+        assert mon.step == 3  # was 9: every optimizer in the process counted
+    assert sorted({r["step"] for r in mon.records}) == [0, 1, 2]
+
+
 def test_saturation_with_a_delayed_scale():
     layer = minifloat.nn.Linear(32, 16, recipe="fp8")
     opt = torch.optim.SGD(layer.parameters(), lr=0.0)

@@ -46,7 +46,10 @@ class Monitor:
             `max_records` of them (a deque: a monitor left on does not grow without bound).
         first_nonfinite: ``{"step", "layer", "where"}`` of the first non-finite output or
             input gradient seen, else None.
-        step: optimizer steps seen since the monitor started (set it when resuming).
+        step: training steps of `model` seen since the monitor started (set it when
+            resuming): optimizer steps that update a parameter of `model` after it ran, so
+            two optimizers stepping one model after one backward count once, and another
+            model's optimizer not at all.
         every: record operands on every `every`-th step only (non-finite outputs and
             gradients are checked on every step); 1 records all.
 
@@ -66,6 +69,8 @@ class Monitor:
         self._pending: list[tuple[dict, torch.Tensor]] = []  # (where, flag "not all finite")
         self.step = 0
         self.every = every
+        self._model = model
+        self._ran = False  # the model ran forward since the last counted step
         self._names = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear):
@@ -75,8 +80,13 @@ class Monitor:
         self._hook = register_optimizer_step_post_hook(self._on_step)
 
     def _on_step(self, optimizer, args, kwargs) -> None:
-        self._resolve()
-        self.step += 1
+        if not self._ran:
+            return
+        mine = {id(p) for p in self._model.parameters()}
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            self._resolve()
+            self.step += 1
+            self._ran = False
 
     @property
     def first_nonfinite(self) -> dict | None:
@@ -100,6 +110,7 @@ class Monitor:
 
     @torch.no_grad()
     def observe(self, layer, operand: str, x: torch.Tensor, q) -> None:
+        self._ran = True
         if self.step % self.every:
             return
         fmt = q.scheme.element_format
@@ -126,6 +137,7 @@ class Monitor:
 
     @torch.no_grad()
     def check(self, layer, where: str, t: torch.Tensor) -> None:
+        self._ran = True
         if self._first_nonfinite is not None:
             return
         at = {"step": self.step, "layer": self._names.get(id(layer), "?"), "where": where}
@@ -147,6 +159,7 @@ class Monitor:
             if m._monitor is self:
                 m._monitor = None
         self._hook.remove()
+        self._model = None
 
     def __enter__(self) -> Monitor:
         return self
