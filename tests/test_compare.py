@@ -148,18 +148,25 @@ def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys, monkeypatch)
     assert "failed" in capsys.readouterr().out
     monkeypatch.undo()
 
-    # A learning rate far too large: the loss ends above where it started.
+    # A learning rate far too large: the loss goes NaN.
     metrics = compare(
         ["fp32"],
-        _base(lr=50.0, warmup=1, steps=8, grad_clip=0.0),
+        _base(lr=1e8, warmup=1, steps=8, grad_clip=0.0),
         tmp_path / "div",
         echo=lambda s: None,
         plots=False,
     )
     run = metrics["runs"][0]
     assert run["status"] == "diverged", run
-    assert not math.isfinite(run["final_train_loss"]) or run["final_train_loss"] > run["first_train_loss"]
+    assert math.isnan(run["final_train_loss"]) and math.isnan(run["final_val_loss"])
     assert "diverged" in (tmp_path / "div" / "report.md").read_text()
+    # metrics.json is strict JSON: the NaN losses are the string "nan", which float() reads back.
+    strict = json.loads((tmp_path / "div" / "metrics.json").read_text(), parse_constant=_refuse)
+    assert strict["runs"][0]["final_train_loss"] == "nan" == strict["runs"][0]["final_val_loss"]
+
+
+def _refuse(token: str):
+    raise ValueError(f"{token} is not JSON")
 
 
 def test_loss_smoothing_is_centred():

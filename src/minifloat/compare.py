@@ -6,7 +6,8 @@ diverges does not take the others down, and its peak resident memory is its own 
 ``wait4``). The parent reads each run's ``log.jsonl`` and derives the metrics below, then the
 report (`minifloat.report.compare`) draws the plots and writes ``report.md``.
 
-Metrics of one run (``metrics.json`` → ``runs[i]``):
+Metrics of one run (``metrics.json`` → ``runs[i]``; strict JSON, a non-finite figure such as
+a diverged run's loss written as the string ``"nan"`` / ``"inf"``, see `minifloat.jsonio`):
 
 - ``final_train_loss``: mean training loss of the last 10 % of steps (at least one step);
 - ``final_val_loss``: the validation loss after the last step (fixed held-out windows);
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from minifloat import jsonio
 from minifloat.atomic import atomic_path, remove
 from minifloat.errors import MinifloatError
 from minifloat.train.trainer import PRECISIONS, TrainConfig
@@ -245,7 +247,7 @@ def compare(
     metrics = {"runs": runs, "config": {**base.to_dict(), "precisions": precisions}, "env": environment()}
     metrics["config"].pop("precision")
     with atomic_path(out / "metrics.json") as tmp:
-        tmp.write_text(json.dumps(metrics, indent=2, allow_nan=True))
+        tmp.write_text(jsonio.dumps(metrics, indent=2))  # a diverged run's NaN loss as "nan"
     from minifloat.report.compare import write_report
 
     write_report(metrics, out, plots=plots)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from minifloat import jsonio
 from minifloat.cli.train import add_training_arguments, config_from_args
 from minifloat.compare import DEFAULT_PRECISIONS
 
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     base = config_from_args(args, precision=precisions[0])
     metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite)
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print(jsonio.dumps(metrics, indent=2))
     else:
         print()
         print(summary_table(metrics))

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
 
+from minifloat import jsonio
 from minifloat.errors import MinifloatError
 
 
@@ -93,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
     names = list(SCHEMES) if not args.schemes else [get_scheme(s).name for s in args.schemes.split(",")]
     rows = [error_report(x, n) for n in names]
     if args.json:
-        rows = [{k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows]
-        print(json.dumps({"input": label, "shape": list(x.shape), "results": rows}, indent=2))  # inf, nan: strings
+        print(jsonio.dumps({"input": label, "shape": list(x.shape), "results": rows}, indent=2))
         return 0
     print(f"input {label} {tuple(x.shape)}")
     bad = {kind: int(f(x).sum()) for kind, f in (("NaN", torch.isnan), ("inf", torch.isinf))}

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
+from minifloat import jsonio
 from minifloat.train.trainer import PRECISIONS, TrainConfig
 
 
@@ -84,5 +84,5 @@ def run(args: argparse.Namespace) -> int:
     final = {k: v for k, v in result["final"].items() if k != "telemetry"}
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the run
         return 0
-    print(json.dumps({"final": final, "log": result["log"], "params": result["params"]}))
+    print(jsonio.dumps({"final": final, "log": result["log"], "params": result["params"]}))
     return 0
