@@ -194,6 +194,13 @@ def test_quantized_tensor_behaves_like_its_values():
     assert torch.equal(q @ torch.eye(32), d @ torch.eye(32)) and torch.equal(q[1], d[1])
     assert torch.equal(torch.nn.functional.relu(q), torch.relu(d))
     assert q.to("cpu").dequantize().equal(d) and "mxfp8" in repr(q)
+    # comparisons are elementwise, as a tensor's (== used to be Python's identity test)
+    assert torch.equal(q == 0, d == 0) and torch.equal(q != d, d != d) and (q == q).all()
+    assert torch.equal(2**q, 2**d) and torch.equal(q // 0.5, d // 0.5) and torch.equal(q % 0.5, d % 0.5)
+    assert len({q, q}) == 1  # hashable by identity, as a tensor
+    c = q.clone()  # a QuantizedTensor with its own codes and scales
+    assert type(c) is minifloat.QuantizedTensor and torch.equal(c.dequantize(), d)
+    assert c.data.data_ptr() != q.data.data_ptr() and c.scale.data_ptr() != q.scale.data_ptr()
 
 
 def test_tensor_methods_and_dtype_conversions_see_the_dequantized_values():

@@ -1,10 +1,10 @@
 """`QuantizedTensor`: packed codes + scales + the scheme that made them.
 
 Torch functions and Tensor methods it does not implement run on its dequantized value
-(``torch.add(q, 1)``, ``q @ w``, ``q[0]``, ``q.max()``, ``float(q)``), so it can stand in for a
-tensor wherever exactness of the quantized representation is not needed. ``q.to(device)``
-moves the codes and scales as they are; ``q.to(dtype)`` (like ``q.float()``) gives the
-dequantized values.
+(``torch.add(q, 1)``, ``q @ w``, ``q == 0``, ``q[0]``, ``q.max()``, ``float(q)``), so it can
+stand in for a tensor wherever exactness of the quantized representation is not needed.
+``q.to(device)`` moves the codes and scales as they are, ``q.clone()`` copies them;
+``q.to(dtype)`` (like ``q.float()``) gives the dequantized values.
 
 Example:
     >>> import minifloat
@@ -113,6 +113,11 @@ class QuantizedTensor:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return QuantizedTensor(move(self.data), move(self.scale), move(self.tensor_scale), self.shape, self.scheme, self.orig_dtype)
 
+    def clone(self) -> QuantizedTensor:
+        """A QuantizedTensor owning copies of the codes and scales (not the dequantized values)."""
+        copy = lambda t: None if t is None else t.clone()  # noqa: E731
+        return QuantizedTensor(copy(self.data), copy(self.scale), copy(self.tensor_scale), self.shape, self.scheme, self.orig_dtype)
+
     def cpu(self) -> QuantizedTensor:
         return self.to("cpu")
 
@@ -168,7 +173,9 @@ def _forward(name: str):
 for _name in (
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
     "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__abs__", "__pow__",
-    "__lt__", "__le__", "__gt__", "__ge__", "__float__", "__int__", "__bool__", "__complex__", "__iter__",
-    "__getitem__",
+    "__rpow__", "__floordiv__", "__rfloordiv__", "__mod__", "__pos__",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "__float__", "__int__", "__bool__", "__complex__", "__iter__", "__getitem__",
 ):  # dunder methods are looked up on the class, not through __getattr__
     setattr(QuantizedTensor, _name, _forward(_name))
+QuantizedTensor.__hash__ = object.__hash__  # by identity, as Tensor's (a class with __eq__ loses it)
