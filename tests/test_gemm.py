@@ -34,6 +34,8 @@ def test_emulated_gemm_equals_float64_product_of_the_dequantized_operands(scheme
     bound = 256 * 2.0**-24 * (da.abs() @ db.abs().T)
     assert out.dtype == torch.float32
     assert ((out.double() - ref).abs() <= bound).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # must not make it a BF16 matmul
+        assert torch.equal(scaled_mm(qa, qb), out)
     assert not torch.equal(da, a.double())  # it really quantized
 
 

@@ -272,6 +272,26 @@ def test_autocast_disables_or_overrides_the_recipe():
     assert not torch.equal(layer(x), y8)
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_torch_autocast_sets_the_output_dtype_not_the_gemm(name):
+    # As nn.Linear's, the output takes autocast's dtype; the quantized GEMMs (FP32 emulation,
+    # Hadamard transform) must not run in BF16: the same values as without autocast, rounded.
+    _, layer = _pair(name)
+    x = torch.randn(64, 256, requires_grad=True)
+    g = torch.randn(64, 128).bfloat16()
+    torch.manual_seed(1)  # the same stochastic-rounding seeds in both runs
+    y = layer(x)
+    y.backward(g.float())
+    grads = x.grad, layer.weight.grad
+    x.grad = layer.weight.grad = None
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yb = layer(x)
+        yb.backward(g)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
+    assert torch.equal(x.grad, grads[0]) and torch.equal(layer.weight.grad, grads[1])
+
+
 def test_leading_dims_bf16_and_no_bias():
     layer = minifloat.nn.Linear(64, 32, bias=False, recipe="fp8-current", dtype=torch.bfloat16)
     x = torch.randn(2, 3, 5, 64, dtype=torch.bfloat16, requires_grad=True)

@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -269,6 +270,23 @@ def _native(a, b, out_dtype: torch.dtype, a_transposed: bool, b_transposed: bool
     return out[:M, :N].to(out_dtype)
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype torch.autocast runs GEMMs in on `device` here, or None when it is off."""
+    try:
+        on = torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return None
+    return torch.get_autocast_dtype(device.type) if on else None
+
+
+def without_autocast(device: torch.device):
+    """torch.autocast off on `device`: its BF16/FP16 would round what the emulated GEMMs
+    compute in FP32 (the matmul of the dequantized operands, a Hadamard transform)."""
+    if autocast_dtype(device) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 def scaled_mm(
     a,
     b,
@@ -295,4 +313,5 @@ def scaled_mm(
         raise MinifloatError(
             "torch.backends.cuda.matmul.allow_tf32 is on: TF32 would round the emulated operands; turn it off"
         )
-    return (operand_values(a, a_transposed) @ operand_values(b, b_transposed).t()).to(out_dtype)
+    with without_autocast(a.device):  # FP32 accumulation, as the hardware's, under torch.autocast too
+        return (operand_values(a, a_transposed) @ operand_values(b, b_transposed).t()).to(out_dtype)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from minifloat import kernels
 from minifloat.errors import MinifloatError
-from minifloat.gemm import choose_backend, scaled_mm
+from minifloat.gemm import autocast_dtype, choose_backend, scaled_mm, without_autocast
 from minifloat.hadamard import hadamard_matrix, rht
 from minifloat.nn import delayed
 from minifloat.nn.autocast import current as _autocast_current
@@ -76,6 +76,14 @@ class _Plan:
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _Plan):
+        # Under torch.autocast the output takes its dtype, as torch.nn.Linear's (and TE's);
+        # the GEMM itself stays the exact low-precision one.
+        out_dtype = autocast_dtype(x.device) or x.dtype
+        with without_autocast(x.device):
+            return _LinearFunction._forward(ctx, x, weight, bias, plan, out_dtype)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, plan: _Plan, out_dtype: torch.dtype):
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)
         xq = plan.quantize("input", x2)
@@ -85,7 +93,7 @@ class _LinearFunction(torch.autograd.Function):
             out += bias.float()
         # _unsafe_view: the result owns its storage, so it is not reported as a view (FSDP2
         # warns about views returned from modules, as in-place ops on them skip its hooks).
-        out = torch.ops.aten._unsafe_view(out.to(x.dtype), (*x.shape[:-1], weight.shape[0]))
+        out = torch.ops.aten._unsafe_view(out.to(out_dtype), (*x.shape[:-1], weight.shape[0]))
         if plan.monitor is not None:
             plan.monitor.check(plan.layer, "output", out)
 
@@ -108,6 +116,11 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with without_autocast(grad_out.device):
+            return _LinearFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         plan: _Plan = ctx.plan
         (weight,) = ctx.saved_tensors
         out_features = weight.shape[0]
