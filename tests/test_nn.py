@@ -292,6 +292,15 @@ def test_torch_autocast_sets_the_output_dtype_not_the_gemm(name):
     assert torch.equal(x.grad, grads[0]) and torch.equal(layer.weight.grad, grads[1])
 
 
+def test_a_second_derivative_is_a_clear_error():
+    # The quantized backward is not differentiable (a gradient penalty through it): say so.
+    _, layer = _pair("mxfp8", 64, 64)
+    x = torch.randn(4, 64, requires_grad=True)
+    (g,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.square().sum().backward()
+
+
 def test_leading_dims_bf16_and_no_bias():
     layer = minifloat.nn.Linear(64, 32, bias=False, recipe="fp8-current", dtype=torch.bfloat16)
     x = torch.randn(2, 3, 5, 64, dtype=torch.bfloat16, requires_grad=True)

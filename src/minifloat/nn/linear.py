@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from minifloat import kernels
 from minifloat.errors import MinifloatError
@@ -115,6 +116,7 @@ class _LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # a second derivative (create_graph=True) is a clear error, not a silent zero
     def backward(ctx, grad_out):
         with without_autocast(grad_out.device):
             return _LinearFunction._backward(ctx, grad_out)
