@@ -123,7 +123,10 @@ def load(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> di
         raise CorruptFileError(f"{path}: not a readable safetensors file ({err}); was it truncated?") from None
     tag = metadata.get("format")
     if tag not in (FORMAT_TAG, _OLD_TAG):
-        raise CorruptFileError(f"{path}: not written by minifloat.save (metadata format {tag!r})")
+        raise CorruptFileError(
+            f"{path}: not written by minifloat.save (metadata format {tag!r}); a plain safetensors file "
+            "(no QuantizedTensors) loads with safetensors.torch.load_file"
+        )
     text = metadata.get("entries")
     if tag == FORMAT_TAG and (text is None or _sha256(text.encode()) != metadata.get("entries_sha256")):
         raise CorruptFileError(f"{path}: the minifloat metadata does not match its checksum; the file was modified")
