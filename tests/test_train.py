@@ -107,6 +107,25 @@ def test_resume_is_bit_identical(tmp_path, precision):
     assert last_full["val_loss"] == last_part["val_loss"]
 
 
+def test_telemetry_samples_the_trainers_steps_when_a_step_is_skipped(tmp_path, monkeypatch):
+    from minifloat.loss_scaling import LossScaler
+
+    real_step = LossScaler.step
+
+    def skip_the_first(self, optimizer, *args, **kwargs):  # as non-finite gradients would
+        if self.skipped_steps == 0:
+            self._found_inf = True
+            self.skipped_steps += 1
+            return False
+        return real_step(self, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(LossScaler, "step", skip_the_first)
+    train(_cfg(precision="fp8-current", telemetry_every=2, steps=5, checkpoint_every=0), tmp_path, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in log] == [True, False, False, False, False]
+    assert [bool(r["telemetry"]) for r in log] == [True, False, True, False, True]  # steps 0, 2, 4
+
+
 def test_resume_in_another_precision_and_mismatch_errors(tmp_path):
     train(_cfg(precision="fp8", steps=3), tmp_path, progress=False)
     result = train(_cfg(precision="nvfp4"), tmp_path, resume=True, progress=False)

@@ -372,6 +372,8 @@ def train(
     tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
     for step in range(start, c.steps):
         t0 = time.perf_counter()
+        if mon is not None:
+            mon.step = step  # a skipped optimizer step (non-finite gradients) is a step here too
         lr = lr_at(step, c)
         for group in opt.param_groups:
             group["lr"] = lr
