@@ -1,9 +1,10 @@
+import dataclasses
 import json
 
 import pytest
 
 import minifloat
-from minifloat.recipes import RECIPES, DelayedScaling, MXScaling, NVFP4BlockScaling, get_recipe
+from minifloat.recipes import RECIPES, ROLES, DelayedScaling, MXScaling, NVFP4BlockScaling, get_recipe
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -62,3 +63,14 @@ def test_callable_amax_algo_is_recorded_but_not_rebuilt():
     assert d["amax_compute_algo"].startswith("<callable")
     with pytest.raises(minifloat.MinifloatError, match="callable"):
         get_recipe(d)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_schemes_are_remembered_per_recipe_without_changing_it(name):
+    recipe = get_recipe(name)
+    fresh = dataclasses.replace(recipe)
+    first = [recipe.scheme(role) for role in ROLES]
+    assert [recipe.scheme(role) for role in ROLES] == first
+    assert all(recipe.scheme(role) is s for role, s in zip(ROLES, first, strict=True))  # no new Scheme per call
+    assert recipe == fresh and hash(recipe) == hash(fresh) and recipe.to_dict() == fresh.to_dict()
+    assert [fresh.scheme(role) for role in ROLES] == first

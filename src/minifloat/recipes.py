@@ -55,7 +55,18 @@ class Recipe:
     kind: ClassVar[str] = ""
 
     def scheme(self, role: str) -> Scheme:
-        """The scheme that quantizes operand `role` along a GEMM's reduction dimension."""
+        """The scheme that quantizes operand `role` along a GEMM's reduction dimension
+        (`_scheme`'s, remembered by the instance: every forward and backward asks, several
+        times per layer)."""
+        cache = self.__dict__.get("_schemes")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_schemes", cache)  # not a field: eq, hash, to_dict ignore it
+        if role not in cache:
+            cache[role] = self._scheme(role)
+        return cache[role]
+
+    def _scheme(self, role: str) -> Scheme:
         raise NotImplementedError
 
     @property
@@ -117,7 +128,7 @@ class DelayedScaling(Recipe):
                 f"unknown amax_compute_algo {self.amax_compute_algo!r}; use 'max', 'most_recent' or a callable"
             )
 
-    def scheme(self, role: str) -> Scheme:
+    def _scheme(self, role: str) -> Scheme:
         return _fp8_schemes(self.format, _role(role), self.margin)
 
     @property
@@ -136,7 +147,7 @@ class CurrentScaling(Recipe):
     def __post_init__(self) -> None:
         _fp8_schemes(self.format, "input", self.margin)  # validates both
 
-    def scheme(self, role: str) -> Scheme:
+    def _scheme(self, role: str) -> Scheme:
         return _fp8_schemes(self.format, _role(role), self.margin)
 
 
@@ -150,7 +161,7 @@ class Float8BlockScaling(Recipe):
     def __post_init__(self) -> None:
         _fp8_schemes(self.format, "input", 0)
 
-    def scheme(self, role: str) -> Scheme:
+    def _scheme(self, role: str) -> Scheme:
         role = _role(role)
         element = "e5m2" if (self.format == "hybrid" and role == "grad_output") else "e4m3"
         return named(get_scheme("fp8_block128x128" if role == "weight" else "fp8_block128").replace(element=element))
@@ -171,7 +182,7 @@ class MXScaling(Recipe):
     def __post_init__(self) -> None:
         self.scheme("input"), self.scheme("grad_output")
 
-    def scheme(self, role: str) -> Scheme:
+    def _scheme(self, role: str) -> Scheme:
         element = self.grad_element if (_role(role) == "grad_output" and self.grad_element) else self.element
         return named(get_scheme("mxfp8").replace(element=element, scale_rule=self.scale_rule))
 
@@ -187,7 +198,7 @@ class NVFP4BlockScaling(Recipe):
     weight_2d_blocks: bool = True
     rht_seed: int = 0
 
-    def scheme(self, role: str) -> Scheme:
+    def _scheme(self, role: str) -> Scheme:
         role = _role(role)
         if role == "weight":
             return get_scheme("nvfp4_2d" if self.weight_2d_blocks else "nvfp4")
