@@ -227,6 +227,19 @@ def test_amax_kernel():
     assert cpu.tensor_amax(x.bfloat16(), ignore_nan=True).item() == x.bfloat16().abs()[torch.isfinite(x)].max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(64, 96), (2048, 37), (33, 129), (1, 40), (40, 1), (8, 8)])
+def test_transpose_kernel_copies_every_element(shape, dtype):
+    # Whole 32 x 32 tiles (8 x 8 register transposes) and ragged edges; NaN payloads kept.
+    base = special_input(shape, torch.float32, seed=5).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    base.view(bits).view(-1)[3] = 0x7FC0_1234 if dtype == torch.float32 else 0x7E12  # a NaN with a payload
+    for view in (base.t(), base[1:].t(), base[:, 1:].t()):  # a storage offset; columns sliced (no fast path)
+        out = cpu.contiguous(view)
+        assert out.is_contiguous() and out.shape == view.shape and out.dtype == dtype
+        assert torch.equal(out.view(bits), view.contiguous().view(bits))
+
+
 def _sr_thresholds(y, fmt):
     """ceil(frac(r) · 2^32), r = |y| · 2^(m - e) in float64 (e = floor(log2 |y|) clamped to
     [emin, emax]): the random bits below it round up, the rest down."""

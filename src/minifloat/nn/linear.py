@@ -105,10 +105,10 @@ class _LinearFunction(torch.autograd.Function):
         elif plan.per_tensor:
             ctx.xt = xq
         else:
-            xt = x2.t()
+            xt = kernels.contiguous(x2.t())
             if plan.rht:
                 xt = rht(xt, _rht_matrix(plan, x.device))
-            ctx.xt = plan.quantize("input", xt.contiguous(), record=False)
+            ctx.xt = plan.quantize("input", xt, record=False)
         # The input-gradient GEMM needs the weight along out_features: reuse it when the
         # quantization does not depend on the orientation, else requantize in backward.
         ctx.wq = wq if (plan.per_tensor or plan.recipe.weight_2d) else None
@@ -134,7 +134,7 @@ class _LinearFunction(torch.autograd.Function):
             if ctx.wq is not None:
                 grad_x = scaled_mm(gq, ctx.wq, b_transposed=True, backend=plan.backend)
             else:
-                wt = plan.quantize("weight", weight.t().contiguous(), record=False)
+                wt = plan.quantize("weight", kernels.contiguous(weight.t()), record=False)
                 grad_x = scaled_mm(gq, wt, backend=plan.backend)
             grad_x = torch.ops.aten._unsafe_view(grad_x.to(ctx.x_dtype), ctx.x_shape)
             if plan.monitor is not None:
@@ -143,10 +143,10 @@ class _LinearFunction(torch.autograd.Function):
             if plan.per_tensor:
                 grad_w = scaled_mm(gq, ctx.xt, a_transposed=True, b_transposed=True, backend=plan.backend)
             else:
-                gt = g2.t()
+                gt = kernels.contiguous(g2.t())
                 if plan.rht:
                     gt = rht(gt, _rht_matrix(plan, g2.device))
-                gtq = plan.quantize("grad_output", gt.contiguous(), record=False)
+                gtq = plan.quantize("grad_output", gt, record=False)
                 grad_w = scaled_mm(gtq, ctx.xt, backend=plan.backend)
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
