@@ -110,13 +110,16 @@ class QuantizedTensor:
             return self.dequantize(dtype).to(device or self.device, non_blocking=non_blocking)
         if device is None:
             return self
-        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return QuantizedTensor(move(self.data), move(self.scale), move(self.tensor_scale), self.shape, self.scheme, self.orig_dtype)
+        return self._map_parts(lambda t: t.to(device, non_blocking=non_blocking))
 
     def clone(self) -> QuantizedTensor:
         """A QuantizedTensor owning copies of the codes and scales (not the dequantized values)."""
-        copy = lambda t: None if t is None else t.clone()  # noqa: E731
-        return QuantizedTensor(copy(self.data), copy(self.scale), copy(self.tensor_scale), self.shape, self.scheme, self.orig_dtype)
+        return self._map_parts(torch.Tensor.clone)
+
+    def _map_parts(self, fn) -> QuantizedTensor:
+        """The same tensor with `fn` applied to its codes and scales."""
+        ts = None if self.tensor_scale is None else fn(self.tensor_scale)
+        return QuantizedTensor(fn(self.data), fn(self.scale), ts, self.shape, self.scheme, self.orig_dtype)
 
     def cpu(self) -> QuantizedTensor:
         return self.to("cpu")

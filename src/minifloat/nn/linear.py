@@ -116,7 +116,7 @@ class _LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # a second derivative (create_graph=True) is a clear error, not a silent zero
+    @once_differentiable  # a second derivative through it (create_graph=True) is a clear error
     def backward(ctx, grad_out):
         with without_autocast(grad_out.device):
             return _LinearFunction._backward(ctx, grad_out)
