@@ -1093,37 +1093,32 @@ static inline void transpose8x8_u16(const uint16_t *s, int64_t ls, uint16_t *d, 
 }
 #endif
 
+/* Tile [i0, i1) x [j0, j1) of src (R x C) into dst (C x R); elements of esize 4 or 2 bytes. */
+static inline void transpose_tile(const void *src, void *dst, int esize, int64_t R, int64_t C, int64_t i0, int64_t i1,
+                                  int64_t j0, int64_t j1) {
+#ifdef __AVX2__
+    if (i1 - i0 == TT && j1 - j0 == TT) { /* whole tiles: 8 x 8 in registers */
+        for (int64_t i = i0; i < i1; i += 8)
+            for (int64_t j = j0; j < j1; j += 8) {
+                if (esize == 4) transpose8x8_f32((const float *)src + i * C + j, C, (float *)dst + j * R + i, R);
+                else transpose8x8_u16((const uint16_t *)src + i * C + j, C, (uint16_t *)dst + j * R + i, R);
+            }
+        return;
+    }
+#endif
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1; j++) {
+            if (esize == 4) ((uint32_t *)dst)[j * R + i] = ((const uint32_t *)src)[i * C + j];
+            else ((uint16_t *)dst)[j * R + i] = ((const uint16_t *)src)[i * C + j];
+        }
+}
+
 void mf_transpose(const void *src, void *dst, int64_t R, int64_t C, int esize, int nthreads) {
     const int64_t nti = (R + TT - 1) / TT, ntj = (C + TT - 1) / TT;
 #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
     for (int64_t ti = 0; ti < nti; ti++)
         for (int64_t tj = 0; tj < ntj; tj++) {
             const int64_t i0 = ti * TT, j0 = tj * TT;
-            const int64_t i1 = i0 + TT < R ? i0 + TT : R, j1 = j0 + TT < C ? j0 + TT : C;
-            if (esize == 4) {
-                const float *s = (const float *)src;
-                float *d = (float *)dst;
-#ifdef __AVX2__
-                if (i1 - i0 == TT && j1 - j0 == TT) {
-                    for (int64_t i = i0; i < i1; i += 8)
-                        for (int64_t j = j0; j < j1; j += 8) transpose8x8_f32(s + i * C + j, C, d + j * R + i, R);
-                    continue;
-                }
-#endif
-                for (int64_t i = i0; i < i1; i++)
-                    for (int64_t j = j0; j < j1; j++) d[j * R + i] = s[i * C + j];
-            } else {
-                const uint16_t *s = (const uint16_t *)src;
-                uint16_t *d = (uint16_t *)dst;
-#ifdef __AVX2__
-                if (i1 - i0 == TT && j1 - j0 == TT) {
-                    for (int64_t i = i0; i < i1; i += 8)
-                        for (int64_t j = j0; j < j1; j += 8) transpose8x8_u16(s + i * C + j, C, d + j * R + i, R);
-                    continue;
-                }
-#endif
-                for (int64_t i = i0; i < i1; i++)
-                    for (int64_t j = j0; j < j1; j++) d[j * R + i] = s[i * C + j];
-            }
+            transpose_tile(src, dst, esize, R, C, i0, i0 + TT < R ? i0 + TT : R, j0, j0 + TT < C ? j0 + TT : C);
         }
 }
