@@ -51,8 +51,9 @@ def test_foreign_safetensors_file_is_rejected(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(2)}, str(tmp_path / "f.safetensors"))
-    with pytest.raises(CorruptFileError, match="not written by minifloat.save"):
+    with pytest.raises(CorruptFileError, match="not written by minifloat.save") as err:
         load(tmp_path / "f.safetensors")
+    assert "loads with safetensors.torch.load_file" in str(err.value)  # what does load it
 
 
 def test_save_is_atomic_and_keeps_the_old_file_on_failure(tmp_path):
