@@ -1050,7 +1050,7 @@ void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int 
 
 /* ---- Transpose: dst (C x R) = src (R x C)ᵀ, for the column-wise operands of training -------- */
 /* torch's copy of a transposed view runs at 5-7 GB/s here; tiles of 32 x 32 elements that stay
- * in L1, transposed 8 x 8 at a time in registers for 4-byte elements, reach memory speed. */
+ * in L1, transposed 8 x 8 at a time in registers (4- and 2-byte elements), are 2-5x faster. */
 #define TT 32
 #ifdef __AVX2__
 static inline void transpose8x8_f32(const float *s, int64_t ls, float *d, int64_t ld) {
