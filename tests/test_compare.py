@@ -163,6 +163,10 @@ def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys, monkeypatch)
     # metrics.json is strict JSON: the NaN losses are the string "nan", which float() reads back.
     strict = json.loads((tmp_path / "div" / "metrics.json").read_text(), parse_constant=_refuse)
     assert strict["runs"][0]["final_train_loss"] == "nan" == strict["runs"][0]["final_val_loss"]
+    # So is every line of the run's log.jsonl; read_log gives the floats back.
+    lines = Path(run["log"]).read_text().splitlines()
+    assert any(json.loads(line, parse_constant=_refuse)["loss"] == "nan" for line in lines)
+    assert any(math.isnan(r["loss"]) for r in cmp.read_log(Path(run["log"])))
 
 
 def _refuse(token: str):

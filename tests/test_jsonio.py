@@ -11,3 +11,8 @@ def test_nonfinite_floats_become_strings_float_reads_back():
     assert back["a"][0] == 1.0 and back["n"] == 3
     assert float(back["a"][1]) == math.inf and float(back["a"][2][0]) == -math.inf
     assert math.isnan(float(back["a"][2][1]["b"]))
+    # loads reads it back as floats (a string "nan" too: the log and metrics files hold none).
+    again = jsonio.loads(text)
+    assert again["a"][:1] == [1.0] and again["a"][1] == math.inf and again["a"][2][0] == -math.inf
+    assert math.isnan(again["a"][2][1]["b"]) and math.isnan(again["s"]) and again["n"] == 3
+    assert math.isnan(jsonio.loads('{"x": NaN}')["x"])  # logs written before the strings

@@ -103,7 +103,7 @@ def read_log(path: Path) -> list[dict]:
         return records
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            records.append(jsonio.loads(line))
         except json.JSONDecodeError:
             break
     return records

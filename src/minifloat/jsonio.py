@@ -6,6 +6,8 @@ written as the string Python's ``str`` gives it (``"nan"``, ``"inf"``, ``"-inf"`
 Example:
     >>> dumps({"loss": float("nan"), "steps": [1.5, float("-inf")]})
     '{"loss": "nan", "steps": [1.5, "-inf"]}'
+    >>> loads('{"loss": "nan", "steps": [1.5, "-inf"]}')
+    {'loss': nan, 'steps': [1.5, -inf]}
 """
 
 from __future__ import annotations
@@ -28,3 +30,22 @@ def strict(obj):
 def dumps(obj, **kwargs) -> str:
     """``json.dumps`` of ``strict(obj)``; refuses any NaN it would still have to write."""
     return json.dumps(strict(obj), allow_nan=False, **kwargs)
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def restore(obj):
+    """Inverse of `strict`: the strings ``"nan"``, ``"inf"``, ``"-inf"`` become floats again."""
+    if isinstance(obj, str):
+        return _NONFINITE.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: restore(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [restore(v) for v in obj]
+    return obj
+
+
+def loads(text: str):
+    """``json.loads`` of what `dumps` wrote (older files' bare ``NaN`` tokens read too)."""
+    return restore(json.loads(text))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from minifloat import jsonio
 from minifloat.atomic import remove
 from minifloat.errors import MinifloatError
 from minifloat.loss_scaling import LossScaler
@@ -311,6 +312,9 @@ def train(
 ) -> dict:
     """Train per `c`, writing ``log.jsonl`` and checkpoints under `out`; returns a summary.
 
+    ``log.jsonl`` holds one strict JSON record per step (a diverged loss is the string ``"nan"``,
+    `minifloat.jsonio.loads` reads it back as a float).
+
     A fresh run (not `resume`) refuses an `out` that holds an earlier run's log or checkpoints
     unless `overwrite`, which deletes them first."""
     from torch.distributed.checkpoint.state_dict import (
@@ -413,7 +417,7 @@ def train(
             last["val_loss"] = evaluate(model, data.val, c)
         if main:
             with open(log_path, "a") as f:
-                f.write(json.dumps(last) + "\n")
+                f.write(jsonio.dumps(last) + "\n")
         bar(last)
         if (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0) or step + 1 == c.steps:
             # Collective under FSDP: every rank gathers, rank 0 writes.
