@@ -172,6 +172,13 @@ def test_given_scale_and_amax_are_the_delayed_path():
         quantize(x, "fp8_rowwise", scale=torch.ones(3))
     with pytest.raises(MinifloatError, match=r"amax= for nvfp4 is the tensor amax, one value; got shape \(3,\)"):
         quantize(x, "nvfp4", amax=torch.ones(3))
+    # 0 or inf would decode every value as NaN or 0, a negative scale flips the signs.
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(MinifloatError, match=f"positive and finite; got {bad} \\(derive it with minifloat.scale_from_amax"):
+            fake_quantize(x, "fp8", scale=bad)
+    rows[5] = -rows[5]
+    with pytest.raises(MinifloatError, match="positive and finite; got -6.0 among the 8 given"):
+        quantize(x, "fp8_rowwise", scale=rows)
 
 
 def test_stochastic_rounding_is_unbiased_and_reproducible():

@@ -114,6 +114,22 @@ def _as_float32(value: torch.Tensor | float, what: str) -> torch.Tensor:
         raise MinifloatError(f"{what} must be a number or a float tensor, got {type(value).__name__} {value!r}") from None
 
 
+def _check_scale(s: torch.Tensor) -> None:
+    """A given encode scale must be positive and finite: 0 or inf would decode every value as
+    NaN or 0, a negative one flips the signs. Checked where it costs no device synchronization
+    (CPU tensors, Python numbers); on an accelerator the caller's rule (`scale_from_amax`) holds."""
+    if s.device.type != "cpu":
+        return
+    bad = ~((s > 0) & torch.isfinite(s))
+    if bool(bad.any()):
+        v = s[bad][0].item()
+        raise MinifloatError(
+            f"scale is an encode multiplier (max / amax), positive and finite; got {v}"
+            + ("" if s.numel() == 1 else f" among the {s.numel()} given")
+            + " (derive it with minifloat.scale_from_amax, which keeps the previous scale for a zero or non-finite amax)"
+        )
+
+
 def _grid_scale(value: torch.Tensor | float, layout: Layout, what: str) -> torch.Tensor:
     """A user-given scale or amax broadcast to the scale grid (float32)."""
     t = _as_float32(value, what)
@@ -231,6 +247,8 @@ def quantize(
         )
     if amax is not None and scheme.is_mx:
         raise MinifloatError(f"amax= does not apply to {scheme.name}: MX scales come from each block's amax")
+    if scale is not None:
+        _check_scale(_as_float32(scale, "scale"))
     a = None if amax is None else _as_float32(amax, "amax")
     if a is not None and bool((a < 0).any()):
         raise MinifloatError(f"amax is a largest magnitude, ≥ 0; got {amax!r} (pass abs(x).max(), not x.max())")
