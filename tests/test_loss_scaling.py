@@ -41,6 +41,22 @@ def test_overflow_skips_the_step_and_backs_off():
     assert scaler.get_scale() == 4.0 and scaler.skipped_steps == 1
 
 
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_overflow_skips_only_that_optimizers_step(bad_first):
+    # As torch's GradScaler: the optimizer with finite gradients steps, in either order; the
+    # scale backs off once for the step.
+    (good, good_opt, scaler), (bad, bad_opt, _) = _setup(scale=8.0), _setup()
+    before = bad.weight.detach().clone()
+    for opt in (good_opt, bad_opt):
+        opt.zero_grad()
+    scaler.scale(good(torch.ones(1, 4)).sum() + bad(torch.full((1, 4), float("inf"))).sum()).backward()
+    order = [(bad_opt, False), (good_opt, True)] if bad_first else [(good_opt, True), (bad_opt, False)]
+    assert [scaler.step(opt) for opt, _ in order] == [took for _, took in order]
+    scaler.update()
+    assert torch.equal(bad.weight, before) and good.weight[0, 0].item() == 0.0  # 1 - lr * 1
+    assert scaler.get_scale() == 4.0 and scaler.skipped_steps == 1
+
+
 def test_growth_after_interval_of_finite_steps():
     model, opt, scaler = _setup(scale=8.0, interval=2)
     _step(model, opt, scaler, torch.ones(1, 4))

@@ -114,7 +114,7 @@ def test_telemetry_samples_the_trainers_steps_when_a_step_is_skipped(tmp_path, m
 
     def skip_the_first(self, optimizer, *args, **kwargs):  # as non-finite gradients would
         if self.skipped_steps == 0:
-            self._found_inf = True
+            self._found[id(optimizer)] = True
             self.skipped_steps += 1
             return False
         return real_step(self, optimizer, *args, **kwargs)

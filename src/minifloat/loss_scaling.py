@@ -1,8 +1,9 @@
 """`LossScaler`: dynamic loss scaling for low-precision gradients (FP16, FP8, FP4).
 
 Multiply the loss by a scale S so small gradients survive the narrow formats; unscale the
-gradients before the optimizer; when any gradient is inf/NaN, skip the step and halve S;
-after `growth_interval` finite steps in a row, double S. Gradients stay in the parameters'
+gradients before the optimizer; when any of its gradients is inf/NaN, skip that optimizer's
+step (others step, as with torch's GradScaler) and halve S; after `growth_interval` finite
+steps in a row, double S. Gradients stay in the parameters'
 dtype (FP32 master weights), so accumulation over micro-batches is FP32.
 
 Example:
@@ -64,8 +65,7 @@ class LossScaler:
         self._scale = float(init_scale) if enabled else 1.0
         self._growth_tracker = 0
         self.skipped_steps = 0
-        self._found_inf: bool | None = None
-        self._unscaled: set[int] = set()
+        self._found: dict[int, bool] = {}  # per optimizer (id) unscaled since the last update()
 
     def get_scale(self) -> float:
         return self._scale
@@ -76,10 +76,9 @@ class LossScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
         """Divide the gradients of `optimizer`'s parameters by S (once per step, e.g. before
-        gradient clipping); returns whether any gradient is non-finite."""
-        if id(optimizer) in self._unscaled:
+        gradient clipping); returns whether any of them is non-finite."""
+        if id(optimizer) in self._found:
             raise MinifloatError("unscale_() was already called for this optimizer since the last update()")
-        self._unscaled.add(id(optimizer))
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.enabled and grads:
             inv = 1.0 / self._scale
@@ -95,26 +94,27 @@ class LossScaler:
             found = torch.maximum(found, torch.stack(fs).any().float().cpu())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        self._found_inf = bool(found) or bool(self._found_inf)
-        return self._found_inf
+        self._found[id(optimizer)] = bool(found)
+        return bool(found)
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs) -> bool:
-        """Unscale if not done yet, then ``optimizer.step()`` unless a gradient is
+        """Unscale if not done yet, then ``optimizer.step()`` unless one of its gradients is
         non-finite. Returns whether the step was taken."""
-        if id(optimizer) not in self._unscaled:
+        if id(optimizer) not in self._found:
             self.unscale_(optimizer)
-        if self._found_inf:
+        if self._found[id(optimizer)]:
             self.skipped_steps += 1
             return False
         optimizer.step(*args, **kwargs)
         return True
 
     def update(self) -> None:
-        """Adjust S after the step: back off on overflow, grow after enough good steps."""
-        if self._found_inf is None:
+        """Adjust S after the step: back off when any optimizer's gradients overflowed, grow
+        after enough good steps."""
+        if not self._found:
             raise MinifloatError("update() before step(): call scaler.step(optimizer) first")
         if self.enabled:
-            if self._found_inf:
+            if any(self._found.values()):
                 self._scale = max(self._scale * self.backoff_factor, self.min_scale)
                 self._growth_tracker = 0
             else:
@@ -122,8 +122,7 @@ class LossScaler:
                 if self._growth_tracker == self.growth_interval:
                     self._scale = min(self._scale * self.growth_factor, self.max_scale)
                     self._growth_tracker = 0
-        self._found_inf = None
-        self._unscaled.clear()
+        self._found.clear()
 
     def state_dict(self) -> dict[str, float | int]:
         return {"scale": self._scale, "growth_tracker": self._growth_tracker, "skipped_steps": self.skipped_steps}
