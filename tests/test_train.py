@@ -12,7 +12,7 @@ import minifloat
 from minifloat.train import checkpoint
 from minifloat.train.corpus import get_batch, load_corpus, stdlib_corpus
 from minifloat.train.model import GPT, GPT_SIZES
-from minifloat.train.trainer import TrainConfig, build_model, lr_at, train
+from minifloat.train.trainer import TrainConfig, build_model, lr_at, read_log, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,6 +105,26 @@ def test_resume_is_bit_identical(tmp_path, precision):
     last_full = json.loads((full / "log.jsonl").read_text().splitlines()[-1])
     last_part = json.loads((part / "log.jsonl").read_text().splitlines()[-1])
     assert last_full["val_loss"] == last_part["val_loss"]
+
+
+def test_resume_rewinds_the_log_to_the_checkpoint(tmp_path):
+    # A run killed after logging steps past its last checkpoint, the last line torn mid-write:
+    # the resumed run logs those steps once, from the checkpoint, as an uninterrupted run does.
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(_cfg(steps=4, checkpoint_every=0), full, progress=False)
+    train(_cfg(steps=2, checkpoint_every=0), part, progress=False)
+    with open(part / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 99.0}\n{"step": 4, "lo')
+    c = _cfg(steps=4, checkpoint_every=0)
+    result = train(c, part, resume=True, progress=False)
+    assert [r["step"] for r in read_log(part / "log.jsonl")] == [1, 2, 3, 4]
+    assert _losses(part) == _losses(full) and result["final"]["step"] == 4
+    # Resuming a finished run trains nothing and reports its last step; fewer steps is an error.
+    assert train(c, part, resume=True, progress=False)["final"] == json.loads(
+        (part / "log.jsonl").read_text().splitlines()[-1])
+    assert _losses(part) == _losses(full)
+    with pytest.raises(minifloat.MinifloatError, match=r"ckpt-00000004 is at step 4, past --steps 3; pass --steps 4 or more"):
+        train(_cfg(steps=3), part, resume=True, progress=False)
 
 
 def test_telemetry_samples_the_trainers_steps_when_a_step_is_skipped(tmp_path, monkeypatch):

@@ -47,7 +47,7 @@ import torch
 from minifloat import jsonio
 from minifloat.atomic import atomic_path, remove
 from minifloat.errors import MinifloatError
-from minifloat.train.trainer import PRECISIONS, TrainConfig
+from minifloat.train.trainer import PRECISIONS, TrainConfig, read_log
 
 DEFAULT_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 HALF_PRECISIONS = ("bf16", "fp16")
@@ -94,19 +94,6 @@ def weight_bytes(c: TrainConfig) -> dict[str, int]:
         "params": params,
         "quantized_params": quantized,
     }
-
-
-def read_log(path: Path) -> list[dict]:
-    """The JSONL records of a run (a torn last line from a killed run is dropped)."""
-    records = []
-    if not path.exists():
-        return records
-    for line in path.read_text().splitlines():
-        try:
-            records.append(jsonio.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
 
 
 def run_metrics(records: list[dict], c: TrainConfig) -> dict:

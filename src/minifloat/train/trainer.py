@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from minifloat import jsonio
-from minifloat.atomic import remove
+from minifloat.atomic import atomic_path, remove
 from minifloat.errors import MinifloatError
 from minifloat.loss_scaling import LossScaler
 from minifloat.recipes import RECIPES
@@ -274,6 +274,35 @@ def _state_options(c: TrainConfig):
     return StateDictOptions(full_state_dict=True, cpu_offload=c.fsdp)
 
 
+def read_log(path: Path) -> list[dict]:
+    """The JSONL records of a run (a torn last line from a killed run ends them)."""
+    return [rec for _, rec in _log_lines(path)]
+
+
+def _log_lines(path: Path) -> list[tuple[str, dict]]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append((line, jsonio.loads(line)))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def _rewind_log(path: Path, step: int) -> dict:
+    """On resume from the checkpoint of `step`: keep the log's records up to it and return the
+    last. A run killed after logging later steps (or mid-line) would otherwise have them twice,
+    and a torn line would hide every record after it."""
+    keep = [(line, rec) for line, rec in _log_lines(path) if rec.get("step", 0) <= step]
+    text = "".join(line + "\n" for line, _ in keep)
+    if path.exists() and path.read_text() != text:
+        with atomic_path(path) as tmp:
+            tmp.write_text(text)
+    return keep[-1][1] if keep else {}
+
+
 def _resume_state(c: TrainConfig, model: GPT, ckpt_root: Path) -> dict:
     """Load the latest checkpoint's weights into the (unsharded) `model`; return its state."""
     path = checkpoint.latest_checkpoint(ckpt_root)
@@ -347,7 +376,7 @@ def train(
     )  # fmt: skip
     scaler = LossScaler(enabled=c.precision == "fp16")
     data_gen = torch.Generator().manual_seed(c.seed)
-    start = 0
+    start, last = 0, {}
     if state is not None:
         try:
             set_optimizer_state_dict(model, opt, state["optimizer"], options=_state_options(c))
@@ -360,6 +389,13 @@ def train(
         rngs = state.get("torch_rng_ranks") or [state["torch_rng"]]
         torch.set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
         start = int(state["step"])
+        if start > c.steps:
+            raise MinifloatError(
+                f"--resume: {state['path']} is at step {start}, past --steps {c.steps}; "
+                f"pass --steps {start} or more (equal: nothing left to train)"
+            )
+        if main:
+            last = _rewind_log(log_path, start)
     if c.compile:
         model = torch.compile(model)
     if c.activation_checkpointing:
@@ -372,7 +408,6 @@ def train(
         mon = Monitor(model, every=c.telemetry_every)
         mon.step = start
     bar = _progress(c.steps, start, progress and main)
-    last = {}
     tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
     for step in range(start, c.steps):
         t0 = time.perf_counter()
