@@ -117,3 +117,18 @@ def test_nonfinite_checks_read_no_tensor_during_forward_and_backward(monkeypatch
         monkeypatch.undo()
         assert reads == [] and len(mon._pending) == 3  # two outputs, layer 1's input gradient
         assert mon.first_nonfinite is None and mon._pending == []
+
+
+def test_refuses_what_it_could_not_watch():
+    model = minifloat.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), "mxfp8")
+    with pytest.raises(minifloat.MinifloatError, match="monitor\\(\\) takes a torch.nn.Module, got str"):
+        minifloat.monitor("model")
+    # Each layer has one monitor slot: a second monitor would silence the first.
+    with minifloat.monitor(model) as first:
+        with pytest.raises(minifloat.MinifloatError, match="layer 0 is already watched by another monitor"):
+            minifloat.monitor(model)
+        model(torch.randn(2, 32))
+    assert {r["layer"] for r in first.records} == {"0", "1"}
+    minifloat.monitor(model).close()  # free again once the first is closed
+    with pytest.warns(UserWarning, match="no minifloat Linear layers, so nothing will be recorded; convert it first"):
+        minifloat.monitor(torch.nn.Sequential(torch.nn.Linear(32, 32))).close()

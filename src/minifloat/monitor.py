@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import warnings
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -60,6 +61,8 @@ class Monitor:
     def __init__(self, model: torch.nn.Module, *, every: int = 1, max_records: int = 100_000) -> None:
         from minifloat.nn.linear import Linear
 
+        if not isinstance(model, torch.nn.Module):
+            raise MinifloatError(f"monitor() takes a torch.nn.Module, got {type(model).__name__}")
         if every < 1:
             raise MinifloatError(f"Monitor(every={every}): record every ≥ 1 steps")
         if max_records < 1:
@@ -71,12 +74,22 @@ class Monitor:
         self.every = every
         self._model = model
         self._ran = False  # the model ran forward since the last counted step
-        self._names = {}
-        for name, module in model.named_modules():
-            if isinstance(module, Linear):
-                module._monitor = self
-                self._names[id(module)] = name
+        self._names = {id(m): name for name, m in model.named_modules() if isinstance(m, Linear)}
         self._modules = [m for m in model.modules() if isinstance(m, Linear)]
+        for m in self._modules:
+            if m._monitor is not None:  # one slot per layer: a second monitor would silence the first
+                raise MinifloatError(
+                    f"layer {self._names[id(m)] or '<root>'} is already watched by another monitor; "
+                    "close that one first (or read its records)"
+                )
+        if not self._modules:
+            warnings.warn(
+                "minifloat.monitor: the model has no minifloat Linear layers, so nothing will be "
+                "recorded; convert it first (minifloat.convert(model, recipe))",
+                stacklevel=3,
+            )
+        for m in self._modules:
+            m._monitor = self
         self._hook = register_optimizer_step_post_hook(self._on_step)
 
     def _on_step(self, optimizer, args, kwargs) -> None:
