@@ -3,8 +3,8 @@
 Multiply the loss by a scale S so small gradients survive the narrow formats; unscale the
 gradients before the optimizer; when any of its gradients is inf/NaN, skip that optimizer's
 step (others step, as with torch's GradScaler) and halve S; after `growth_interval` finite
-steps in a row, double S. Gradients stay in the parameters'
-dtype (FP32 master weights), so accumulation over micro-batches is FP32.
+steps in a row, double S. Gradients stay in the parameters' dtype (FP32 master weights), so
+accumulation over micro-batches is FP32.
 
 Example:
     >>> model = torch.nn.Linear(4, 1)
