@@ -27,7 +27,7 @@ e8m0      NaN (0xFF)          NaN; zero and negatives are NaN too    +inf → 2*
 ========  ==================  =====================================  =======================
 
 (*) FP6 and FP4 have no NaN code. Like ml_dtypes, a NaN encodes to a zero whose sign bit is
-the NaN's sign bit flipped (+NaN → 0x20 for FP6, 0x8 for FP4). The scaled quantizers carry NaN
+the NaN's sign bit flipped (+NaN → 0x20 for FP6, 0x8 for FP4), and `encode` warns that it did. The scaled quantizers carry NaN
 through the block scale instead, so a NaN never becomes a finite number there.
 
 E8M0 has no zero and no subnormals: positive values up to 2**-127 encode to 2**-127, and —
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -166,6 +167,12 @@ def encode(
     check_float_tensor(x, "encode")
     check_rounding(rounding)
     bits = random_bits(x.shape, generator, x.device) if rounding == "stochastic" else None
+    if fmt.nan_code is None and fmt.signed and bool(torch.isnan(x).any()):
+        warnings.warn(
+            f"encode: {fmt.name} has no NaN code, so a NaN encodes to a zero (as in ml_dtypes); "
+            "minifloat.quantize keeps NaN by making that block's scale NaN",
+            stacklevel=2,
+        )
     return encode_with_bits(x, fmt, saturate=saturate, bits=bits)
 
 
