@@ -50,6 +50,8 @@ def test_nvfp4_recipe_switches():
         (lambda: MXScaling(element="e9m9"), "unknown format"),
         (lambda: get_recipe({"recipe": "bogus"}), "not a recipe description"),
         (lambda: get_recipe("fp8").scheme("bias"), "unknown operand role 'bias'"),
+        (lambda: NVFP4BlockScaling(rht="no"), r"NVFP4BlockScaling\(rht=...\) takes True or False, got 'no'"),
+        (lambda: NVFP4BlockScaling(rht_seed=-1), "rht_seed must be an integer ≥ 0, got -1"),
     ],
 )
 def test_bad_recipes_name_the_problem(bad, match):

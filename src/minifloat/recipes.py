@@ -198,6 +198,13 @@ class NVFP4BlockScaling(Recipe):
     weight_2d_blocks: bool = True
     rht_seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("rht", "stochastic_rounding", "weight_2d_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise MinifloatError(f"NVFP4BlockScaling({name}=...) takes True or False, got {getattr(self, name)!r}")
+        if isinstance(self.rht_seed, bool) or not isinstance(self.rht_seed, int) or self.rht_seed < 0:
+            raise MinifloatError(f"rht_seed must be an integer ≥ 0, got {self.rht_seed!r}")
+
     def _scheme(self, role: str) -> Scheme:
         role = _role(role)
         if role == "weight":
