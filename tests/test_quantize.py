@@ -210,6 +210,22 @@ def test_quantized_tensor_behaves_like_its_values():
     assert c.data.data_ptr() != q.data.data_ptr() and c.scale.data_ptr() != q.scale.data_ptr()
 
 
+
+@pytest.mark.parametrize(
+    "op",
+    [lambda q: q.mul_(2), lambda q: q.zero_(), lambda q: q.copy_(torch.zeros(4, 32)), lambda q: torch.relu_(q),
+     lambda q: torch.nn.functional.relu(q, inplace=True), lambda q: torch.add(torch.ones(4, 32), 1, out=q),
+     lambda q: q.__setitem__(0, 5.0)],
+)
+def test_in_place_operations_are_refused_not_lost(op):
+    # They would change a dequantized copy: q would silently keep its old values.
+    q = quantize(-torch.ones(4, 32), "mxfp8")
+    with pytest.raises(MinifloatError, match="a QuantizedTensor is read-only: .* would change a dequantized copy"):
+        op(q)
+    assert torch.equal(q.dequantize(), -torch.ones(4, 32))
+    assert torch.equal(torch.zeros(4, 32).add_(q), q.dequantize())  # reading q in place of a tensor is fine
+
+
 def test_tensor_methods_and_dtype_conversions_see_the_dequantized_values():
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
     q = quantize(x, "mxfp8")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from minifloat.errors import MinifloatError
 from minifloat.schemes import Scheme
 
 
@@ -136,6 +137,16 @@ class QuantizedTensor:
     # --- everything else runs on the dequantized value --------------------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        outs = kwargs.get("out")
+        if (
+            (args and isinstance(args[0], QuantizedTensor) and (_in_place(name) or kwargs.get("inplace") is True))
+            or isinstance(outs, QuantizedTensor)
+            or (isinstance(outs, (list, tuple)) and any(isinstance(o, QuantizedTensor) for o in outs))
+        ):
+            raise _read_only(name + ("(out=q)" if outs is not None else ""))
+
         def unwrap(a):
             if isinstance(a, QuantizedTensor):
                 return a.dequantize(a.orig_dtype)
@@ -143,7 +154,7 @@ class QuantizedTensor:
                 return type(a)(unwrap(b) for b in a)
             return a
 
-        return func(*unwrap(args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return func(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
 
     def __len__(self) -> int:
         if not self.shape:
@@ -156,11 +167,28 @@ class QuantizedTensor:
         # pickle and the interpreter probe for and must not see a dequantized tensor's.
         if name.startswith("_") or name in QuantizedTensor.__slots__ or not hasattr(torch.Tensor, name):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if _in_place(name):
+            raise _read_only(name)
         return getattr(self.dequantize(self.orig_dtype), name)
+
+    def __setitem__(self, index, value) -> None:
+        raise _read_only("q[...] = value")
 
     def __array__(self, dtype=None):
         a = self.dequantize(torch.float32).numpy()
         return a if dtype is None else a.astype(dtype)
+
+
+def _in_place(name: str) -> bool:
+    """torch's naming of in-place operations: ``mul_``, ``zero_``, ``copy_`` (not dunders)."""
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _read_only(what: str) -> MinifloatError:
+    return MinifloatError(
+        f"a QuantizedTensor is read-only: {what} would change a dequantized copy and leave its codes "
+        "as they were; work on q.dequantize() (a float tensor), and quantize the result again if needed"
+    )
 
 
 def _forward(name: str):
