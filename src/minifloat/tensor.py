@@ -4,7 +4,8 @@ Torch functions and Tensor methods it does not implement run on its dequantized 
 (``torch.add(q, 1)``, ``q @ w``, ``q == 0``, ``q[0]``, ``q.max()``, ``float(q)``), so it can
 stand in for a tensor wherever exactness of the quantized representation is not needed.
 ``q.to(device)`` moves the codes and scales as they are, ``q.clone()`` copies them;
-``q.to(dtype)`` (like ``q.float()``) gives the dequantized values.
+``q.to(dtype)`` (like ``q.float()``) gives the dequantized values. It is read-only: in-place
+operations (``q.mul_(2)``, ``out=q``, ``q[0] = 1``) raise instead of changing a dequantized copy.
 
 Example:
     >>> import minifloat
