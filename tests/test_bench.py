@@ -61,3 +61,13 @@ def test_bench_cli_small(capsys):
     assert main(["bench", "quantize", "--size", "64x256", "--reps", "1", "--schemes", "fp8"]) == 0
     text = capsys.readouterr().out
     assert "read bound" in text and "x.to(torch.float8_e4m3fn)" in text
+
+
+def test_bench_json_is_strict_when_a_figure_is_not_finite(capsys, monkeypatch):
+    import minifloat.bench
+
+    # e.g. a timer that read 0 s: the ratio is inf; scripts parsing --json must still read it
+    monkeypatch.setattr(minifloat.bench, "bench_quantize", lambda *a, **k: {"read_bound_gelem_s": float("inf")})
+    assert main(["bench", "quantize", "--size", "64x256", "--reps", "1", "--json"]) == 0
+    text = capsys.readouterr().out
+    assert json.loads(text, parse_constant=lambda t: pytest.fail(f"bare {t} in --json"))["read_bound_gelem_s"] == "inf"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from minifloat import jsonio
 from minifloat.errors import MinifloatError
 
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     schemes = DEFAULT_SCHEMES if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
     out = bench_quantize(*args.size, schemes=schemes, reps=reps)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(jsonio.dumps(out, indent=2))
         return 0
     print(f"input {out['shape'][0]}x{out['shape'][1]} float32, {out['threads']} threads, "
           f"median of {out['reps']}; read bound (sum) {out['read_bound_gelem_s']:.2f} Gelem/s")
@@ -112,7 +112,7 @@ def _train(args: argparse.Namespace, reps: int) -> int:
                       reps=reps, baselines=baselines, progress=progress)
     out["bf16_skipped"] = note
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(jsonio.dumps(out, indent=2))
         return 0
     if note:
         print(note)
@@ -140,7 +140,7 @@ def _gemm(args: argparse.Namespace, reps: int) -> int:
     schemes = GEMM_DEFAULT_SCHEMES if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
     out = bench_gemm(*shape, schemes, device=device, reps=reps, bf16=args.bf16 is not False)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(jsonio.dumps(out, indent=2))
         return 0
     m, n, k = out["shape"]
     bf16 = _fmt(out["bf16_tflops"], ".2f")
