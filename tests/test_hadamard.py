@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from minifloat.hadamard import hadamard_matrix, rht
+from minifloat.hadamard import hadamard_matrix, hadamard_signs, rht, rht_reference
 
 
 def test_hadamard_matrix_is_orthogonal_with_pm_quarter_entries():
@@ -8,18 +9,49 @@ def test_hadamard_matrix_is_orthogonal_with_pm_quarter_entries():
     assert torch.allclose(t @ t.T, torch.eye(16, dtype=torch.float64), atol=1e-6)
     assert torch.equal(t.abs(), torch.full((16, 16), 0.25, dtype=torch.float64))
     assert not torch.equal(hadamard_matrix(16, seed=3), hadamard_matrix(16, seed=4))
+    # the signs are the matrix's first column (H's is all ones), scaled by sqrt(16)
+    assert torch.equal(hadamard_signs(16, seed=3), hadamard_matrix(16, seed=3)[:, 0] * 4)
+
+
+@pytest.mark.parametrize("n", [2, 4, 16, 64])
+def test_reference_is_the_matrix_product(n):
+    # The butterflies against x @ T in float64 (the definition): a few float32 roundings apart.
+    x = torch.randn(300, 4 * n, generator=torch.Generator().manual_seed(n))
+    want = (x.double().reshape(-1, n) @ hadamard_matrix(n, seed=5).double()).reshape(x.shape)
+    got = rht_reference(x, hadamard_signs(n, seed=5))
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=0, atol=4e-6 * x.abs().max().item())
 
 
 def test_rht_preserves_products_and_pads_with_zeros():
     a, b = torch.randn(5, 40), torch.randn(7, 40)  # 40 is padded to 48
-    t = hadamard_matrix(16)
-    ta, tb = rht(a, t), rht(b, t)
+    ta, tb = rht(a), rht(b)
     assert ta.shape == (5, 48)
     assert torch.allclose(ta @ tb.T, a @ b.T, atol=1e-4)
+    assert torch.equal(rht(a.bfloat16()), rht(a.bfloat16().float()))  # float32 out, from any float
 
 
 def test_rht_spreads_an_outlier_over_its_group():
     x = torch.zeros(1, 16)
     x[0, 3] = 16.0
-    y = rht(x, hadamard_matrix(16))
+    y = rht(x)
     assert torch.equal(y.abs(), torch.full((1, 16), 4.0))
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_kernel_equals_reference_bit_for_bit(seed, monkeypatch):
+    from minifloat.kernels import cpu
+
+    if cpu.library() is None:
+        pytest.skip("compiled kernels unavailable")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1037, 48, generator=g) * torch.logspace(-40, 30, 48)  # subnormal to huge
+    x[3, 5], x[9, 17], x[20, 0] = float("nan"), float("inf"), float("-inf")
+    x[50, :16] = 3.4e38  # the sums overflow to inf
+    fast = rht(x, seed)
+    monkeypatch.setenv("MINIFLOAT_KERNELS", "reference")
+    ref = rht(x, seed)
+    assert torch.equal(torch.isnan(fast), torch.isnan(ref))
+    bits = lambda t: torch.where(torch.isnan(t), 0.0, t).view(torch.int32)  # noqa: E731 (NaN payloads aside)
+    assert torch.equal(bits(fast), bits(ref))
+    assert torch.isnan(ref[50, :16]).any() and torch.isinf(ref[9, 16:32]).all()  # overflow; an inf spreads

@@ -281,7 +281,7 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def without_autocast(device: torch.device):
     """torch.autocast off on `device`: its BF16/FP16 would round what the emulated GEMMs
-    compute in FP32 (the matmul of the dequantized operands, a Hadamard transform)."""
+    compute in FP32 (the matmul of the dequantized operands)."""
     if autocast_dtype(device) is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)

@@ -6,10 +6,13 @@ Hadamard matrix, s fixed random signs). Since ``T Tᵀ = I`` the product is unch
 arithmetic, ``(a T)(b T)ᵀ = a bᵀ``, while outliers are spread over their 16-element group
 before quantization, which makes block scales tighter (arXiv 2509.25149 §4.2).
 
+It is computed as a fast Walsh–Hadamard transform (log2 16 = 4 rounds of additions per
+value, in a fixed order: `rht_reference`), so it gives the same bits on every device, which a
+16×16 matrix product (summation order up to the BLAS) would not.
+
 Example:
     >>> a, b = torch.randn(3, 32), torch.randn(5, 32)
-    >>> t = hadamard_matrix(16, seed=0)
-    >>> torch.allclose(rht(a, t) @ rht(b, t).T, a @ b.T, atol=1e-5)
+    >>> torch.allclose(rht(a, seed=0) @ rht(b, seed=0).T, a @ b.T, atol=1e-5)
     True
 """
 
@@ -22,31 +25,61 @@ import torch
 from minifloat.errors import MinifloatError
 
 
-@functools.lru_cache(maxsize=8)
-def _hadamard_signed(n: int, seed: int) -> torch.Tensor:
+def _check_size(n: int) -> None:
     if n < 1 or n & (n - 1):
         raise MinifloatError(f"the Hadamard transform size must be a power of two, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:  # Sylvester construction: [[H, H], [H, -H]]
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _signs(n: int, seed: int) -> torch.Tensor:
+    _check_size(n)
     g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
-    return (signs[:, None] * h / n**0.5).float()
+    return torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+
+
+def hadamard_signs(n: int = 16, seed: int = 0) -> torch.Tensor:
+    """The random signs s (float32 ±1) of the transform drawn from `seed`."""
+    return _signs(n, seed).clone()
 
 
 def hadamard_matrix(n: int = 16, seed: int = 0) -> torch.Tensor:
-    """The orthogonal float32 matrix ``diag(signs) · H_n / sqrt(n)`` with signs drawn from `seed`."""
-    return _hadamard_signed(n, seed).clone()
+    """The orthogonal float32 matrix ``T = diag(signs) · H_n / sqrt(n)`` with signs drawn from
+    `seed` (H_n the Sylvester Hadamard matrix): what `rht` multiplies each group by."""
+    _check_size(n)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:  # Sylvester construction: [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (_signs(n, seed).double()[:, None] * h / n**0.5).float()
 
 
-def rht(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """Apply `t` (n×n) to each group of n along the last dim of `x`, zero-padding it to a
-    multiple of n (float32 out; the padded columns are kept so both operands agree)."""
-    n = t.shape[0]
+def rht_reference(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """`rht` of float32 `x` whose last dim is a multiple of n = len(signs), in pure PyTorch:
+    the fast Walsh–Hadamard transform in a fixed order, so every device computes the same bits.
+
+    Each group v (n values) becomes v ⊙ s; then for h = 1, 2, 4, ..., n/2 every pair (v[i],
+    v[i + h]) with i mod 2h < h becomes (v[i] + v[i + h], v[i] - v[i + h]); finally × 1/sqrt(n)
+    (a power of two for n = 4^k). In exact arithmetic that is ``v @ T`` (`hadamard_matrix`)."""
+    n = signs.numel()
+    y = x.reshape(-1, n) * signs.to(x.device)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * n**-0.5).to(torch.float32)
+
+
+def rht(x: torch.Tensor, seed: int = 0, n: int = 16) -> torch.Tensor:
+    """Multiply each group of n along the last dim of `x` by ``T = diag(s) · H_n / sqrt(n)``,
+    zero-padding it to a multiple of n (float32 out; the padded columns are kept so both
+    operands agree). The CPU kernel computes `rht_reference`'s bits."""
+    from minifloat import kernels
+
+    _check_size(n)
     cols = x.shape[-1]
     pad = (-cols) % n
     xf = x.float()
     if pad:
         xf = torch.nn.functional.pad(xf, (0, pad))
-    # One 2-D GEMM over all groups (a batched matmul of 16×16 blocks loops per block on CPU).
-    return (xf.reshape(-1, n) @ t.to(xf.device)).reshape(*xf.shape[:-1], cols + pad)
+    return kernels.rht(xf.contiguous(), _signs(n, seed))

@@ -45,3 +45,13 @@ def contiguous(x: torch.Tensor) -> torch.Tensor:
     from minifloat.kernels import cpu
 
     return cpu.contiguous(x) if _use_fast() and cpu.supports(x) else x.contiguous()
+
+
+def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """`minifloat.hadamard.rht_reference` of a contiguous float32 `x`; the CPU kernel for 16."""
+    from minifloat.hadamard import rht_reference
+    from minifloat.kernels import cpu
+
+    if _use_fast() and signs.numel() == 16 and x.dtype == torch.float32 and cpu.supports(x):
+        return cpu.rht16(x, signs)
+    return rht_reference(x, signs)

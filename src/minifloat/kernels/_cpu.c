@@ -1122,3 +1122,55 @@ void mf_transpose(const void *src, void *dst, int64_t R, int64_t C, int esize, i
             transpose_tile(src, dst, esize, R, C, i0, i0 + TT < R ? i0 + TT : R, j0, j0 + TT < C ? j0 + TT : C);
         }
 }
+
+/* ---- Random Hadamard transform of NVFP4 (16-point fast Walsh-Hadamard transform) ----------- */
+/* y = FWHT16(x * s) / 4 per group of 16, in hadamard.rht_reference's order (rounds h = 1, 2, 4,
+ * 8: (a, b) -> (a + b, a - b)), so the bits are the reference's. One pass over memory, where a
+ * 16 x 16 matrix product through the BLAS ran at about 1.4 Gelem/s here. */
+static inline void rht16_scalar(const float *x, const float *s, float *y) {
+    float v[16];
+    for (int i = 0; i < 16; i++) v[i] = x[i] * s[i];
+    for (int h = 1; h < 16; h *= 2)
+        for (int i = 0; i < 16; i++)
+            if (!(i & h)) {
+                const float a = v[i], b = v[i + h];
+                v[i] = a + b, v[i + h] = a - b;
+            }
+    for (int i = 0; i < 16; i++) y[i] = v[i] * 0.25f;
+}
+
+#ifdef __AVX2__
+/* (a, b) pairs h apart inside a register: the partner from a permute; sums kept where the
+ * lane is the pair's first (a + b), differences w - v = a - b where it is the second. */
+static inline __m256 fwht_round(__m256 v, __m256 w, int second) {
+    const __m256 sum = _mm256_add_ps(v, w), dif = _mm256_sub_ps(w, v);
+    return second == 0xAA   ? _mm256_blend_ps(sum, dif, 0xAA)
+           : second == 0xCC ? _mm256_blend_ps(sum, dif, 0xCC)
+                            : _mm256_blend_ps(sum, dif, 0xF0);
+}
+
+static inline __m256 fwht8(__m256 v) {
+    v = fwht_round(v, _mm256_permute_ps(v, 0xB1), 0xAA);           /* h = 1 */
+    v = fwht_round(v, _mm256_permute_ps(v, 0x4E), 0xCC);           /* h = 2 */
+    return fwht_round(v, _mm256_permute2f128_ps(v, v, 0x01), 0xF0); /* h = 4 */
+}
+#endif
+
+void mf_rht16(const float *x, float *y, int64_t ngroups, const float *s, int nthreads) {
+    const int64_t per = 1024, nch = (ngroups + per - 1) / per;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < nch; c++) {
+        const int64_t g1 = (c + 1) * per < ngroups ? (c + 1) * per : ngroups;
+        int64_t g = c * per;
+#ifdef __AVX2__
+        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8), q = _mm256_set1_ps(0.25f);
+        for (; g < g1; g++) {
+            const __m256 lo = fwht8(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * g), s0));
+            const __m256 hi = fwht8(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * g + 8), s1));
+            _mm256_storeu_ps(y + 16 * g, _mm256_mul_ps(_mm256_add_ps(lo, hi), q)); /* h = 8 */
+            _mm256_storeu_ps(y + 16 * g + 8, _mm256_mul_ps(_mm256_sub_ps(lo, hi), q));
+        }
+#endif
+        for (; g < g1; g++) rht16_scalar(x + 16 * g, s, y + 16 * g);
+    }
+}

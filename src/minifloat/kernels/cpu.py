@@ -96,6 +96,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mf_encode_sr.argtypes = [_P, _P, _L, _P, _P]
     lib.mf_transpose.restype = None
     lib.mf_transpose.argtypes = [_P, _P, _L, _L, _I, _I]
+    lib.mf_rht16.restype = None
+    lib.mf_rht16.argtypes = [_P, _P, _L, _P, _I]
     lib.mf_dequantize.restype = None
     lib.mf_dequantize.argtypes = [_P, _L, _L, _L, _I, _P, _P, _P, _P, _F, _L, _L, _P, _I]
 
@@ -129,6 +131,14 @@ def contiguous(x: torch.Tensor) -> torch.Tensor:
                                torch.get_num_threads())  # fmt: skip
         return out
     return x.contiguous()
+
+
+def rht16(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """`hadamard.rht_reference` of contiguous float32 `x` (last dim a multiple of 16)."""
+    out = torch.empty(x.shape, dtype=torch.float32)
+    s = signs.to(torch.float32).contiguous()
+    library().mf_rht16(x.data_ptr(), out.data_ptr(), x.numel() // 16, s.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def amax_value(x: torch.Tensor, *, ignore_nan: bool = False) -> float:

@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 from minifloat import kernels
 from minifloat.errors import MinifloatError
 from minifloat.gemm import autocast_dtype, choose_backend, scaled_mm, without_autocast
-from minifloat.hadamard import hadamard_matrix, rht
+from minifloat.hadamard import rht
 from minifloat.nn import delayed
 from minifloat.nn.autocast import current as _autocast_current
 from minifloat.quantize import quantize
@@ -107,7 +107,7 @@ class _LinearFunction(torch.autograd.Function):
         else:
             xt = kernels.contiguous(x2.t())
             if plan.rht:
-                xt = rht(xt, _rht_matrix(plan, x.device))
+                xt = rht(xt, plan.recipe.rht_seed)
             ctx.xt = plan.quantize("input", xt, record=False)
         # The input-gradient GEMM needs the weight along out_features: reuse it when the
         # quantization does not depend on the orientation, else requantize in backward.
@@ -145,7 +145,7 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 gt = kernels.contiguous(g2.t())
                 if plan.rht:
-                    gt = rht(gt, _rht_matrix(plan, g2.device))
+                    gt = rht(gt, plan.recipe.rht_seed)
                 gtq = plan.quantize("grad_output", gt, record=False)
                 grad_w = scaled_mm(gtq, ctx.xt, backend=plan.backend)
             grad_w = grad_w.to(weight.dtype)
@@ -154,9 +154,6 @@ class _LinearFunction(torch.autograd.Function):
         ctx.xt = ctx.wq = None
         return grad_x, grad_w, grad_b, None
 
-
-def _rht_matrix(plan: _Plan, device: torch.device) -> torch.Tensor:
-    return hadamard_matrix(16, plan.recipe.rht_seed).to(device)
 
 
 class Linear(torch.nn.Linear):
