@@ -27,8 +27,9 @@ e8m0      NaN (0xFF)          NaN; zero and negatives are NaN too    +inf → 2*
 ========  ==================  =====================================  =======================
 
 (*) FP6 and FP4 have no NaN code. Like ml_dtypes, a NaN encodes to a zero whose sign bit is
-the NaN's sign bit flipped (+NaN → 0x20 for FP6, 0x8 for FP4), and `encode` warns that it did. The scaled quantizers carry NaN
-through the block scale instead, so a NaN never becomes a finite number there.
+the NaN's sign bit flipped (+NaN → 0x20 for FP6, 0x8 for FP4), and `encode` warns that it did.
+The scaled quantizers carry NaN through the block scale instead, so a NaN never becomes a
+finite number there.
 
 E8M0 has no zero and no subnormals: positive values up to 2**-127 encode to 2**-127, and —
 an ml_dtypes quirk we reproduce so the codes stay identical — values strictly between 2**-127

@@ -1140,20 +1140,17 @@ static inline void rht16_scalar(const float *x, const float *s, float *y) {
 }
 
 #ifdef __AVX2__
-/* (a, b) pairs h apart inside a register: the partner from a permute; sums kept where the
- * lane is the pair's first (a + b), differences w - v = a - b where it is the second. */
-static inline __m256 fwht_round(__m256 v, __m256 w, int second) {
-    const __m256 sum = _mm256_add_ps(v, w), dif = _mm256_sub_ps(w, v);
-    return second == 0xAA   ? _mm256_blend_ps(sum, dif, 0xAA)
-           : second == 0xCC ? _mm256_blend_ps(sum, dif, 0xCC)
-                            : _mm256_blend_ps(sum, dif, 0xF0);
-}
+/* (a, b) pairs h apart inside a register: the partner w from a permute; sums kept where the
+ * lane is the pair's first (a + b), differences w - v = a - b where it is the second (the
+ * lanes of the immediate SECOND). */
+#define FWHT_ROUND(v, w, SECOND) _mm256_blend_ps(_mm256_add_ps(v, w), _mm256_sub_ps(w, v), SECOND)
 
 static inline __m256 fwht8(__m256 v) {
-    v = fwht_round(v, _mm256_permute_ps(v, 0xB1), 0xAA);           /* h = 1 */
-    v = fwht_round(v, _mm256_permute_ps(v, 0x4E), 0xCC);           /* h = 2 */
-    return fwht_round(v, _mm256_permute2f128_ps(v, v, 0x01), 0xF0); /* h = 4 */
+    v = FWHT_ROUND(v, _mm256_permute_ps(v, 0xB1), 0xAA);           /* h = 1 */
+    v = FWHT_ROUND(v, _mm256_permute_ps(v, 0x4E), 0xCC);           /* h = 2 */
+    return FWHT_ROUND(v, _mm256_permute2f128_ps(v, v, 0x01), 0xF0); /* h = 4 */
 }
+#undef FWHT_ROUND
 #endif
 
 void mf_rht16(const float *x, float *y, int64_t ngroups, const float *s, int nthreads) {
