@@ -180,6 +180,20 @@ def test_default_sequence_length_fits_every_model_and_out_must_be_a_folder(tmp_p
     assert (tmp_path / "f").read_text() == "mine"
 
 
+def test_without_the_latest_pointer_the_newest_checkpoint_is_used(tmp_path):
+    # e.g. checkpoint folders copied without `latest`: resume from the newest, and say so
+    root = tmp_path / "ckpts"
+    assert checkpoint.latest_checkpoint(root) is None
+    checkpoint.save_checkpoint(root, 2, {"w": torch.ones(2)}, {"step": 2}, {})
+    (root / "latest").unlink()
+    (root / "ckpt-00000009").mkdir()  # no manifest: not a checkpoint
+    with pytest.warns(UserWarning, match="has no 'latest' pointer; using the newest checkpoint, ckpt-00000002"):
+        assert checkpoint.latest_checkpoint(root).name == "ckpt-00000002"
+    new = checkpoint.save_checkpoint(root, 4, {"w": torch.zeros(2)}, {"step": 4}, {})
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-00000004", "ckpt-00000009", "latest"]
+    assert checkpoint.latest_checkpoint(root) == new
+
+
 def test_saving_a_step_again_keeps_the_old_folder_until_latest_moves(tmp_path, monkeypatch):
     root = tmp_path / "ckpts"
     first = checkpoint.save_checkpoint(root, 3, {"w": torch.ones(2)}, {"step": 3}, {})

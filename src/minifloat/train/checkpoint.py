@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -53,6 +55,7 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
     for stale in root.glob(".ckpt-tmp-*"):  # what a killed save left behind
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"ckpt-{step:08d}"
+    previous = latest_checkpoint(root, verify=False)  # before the new folder joins them
     tmp = make_dir_beside(final, "ckpt-tmp-")
     try:
         save(tmp / "model.safetensors", weights)
@@ -77,7 +80,6 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    previous = latest_checkpoint(root, verify=False)
     with atomic_path(root / "latest") as t:
         t.write_text(final.name + "\n")
     for old in (previous, replaced):
@@ -95,11 +97,23 @@ def _free_name(path: Path) -> Path:
 
 
 def latest_checkpoint(root: str | Path, verify: bool = True) -> Path | None:
-    """The folder ``latest`` points to under `root`, None when there is no checkpoint."""
+    """The folder ``latest`` points to under `root`, None when there is no checkpoint.
+
+    Without ``latest`` (deleted, or the folders copied without it), the newest folder that holds
+    a manifest, with a warning; `load_checkpoint` then verifies it as any other."""
     root = Path(root)
     pointer = root / "latest"
     if not pointer.exists():
-        return None
+        found = sorted(
+            (int(m[1]), int(m[2] or 0), p)
+            for p in (root.iterdir() if root.is_dir() else ())
+            if (m := re.fullmatch(r"ckpt-(\d+)(?:\.(\d+))?", p.name)) and (p / "manifest.json").is_file()
+        )
+        if not found:
+            return None
+        if verify:
+            warnings.warn(f"{root} has no 'latest' pointer; using the newest checkpoint, {found[-1][2].name}", stacklevel=2)
+        return found[-1][2]
     path = root / pointer.read_text().strip()
     if verify and not path.is_dir():
         raise MinifloatError(f"{pointer} points to {path.name}, which does not exist; the checkpoint folder was altered")
