@@ -164,7 +164,10 @@ def test_a_fresh_run_refuses_an_earlier_one_unless_told_to_overwrite_it(tmp_path
     with pytest.raises(minifloat.MinifloatError, match="pass one of them"):
         train(_cfg(), tmp_path, resume=True, overwrite=True, progress=False)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing lost
-    (tmp_path / "checkpoints" / "latest").unlink()
+    (tmp_path / "checkpoints" / "latest").unlink()  # the folder still names the checkpoint
+    with pytest.raises(minifloat.MinifloatError, match=r"already holds a run \(a checkpoint \(ckpt-00000003\)\)"):
+        train(_cfg(), tmp_path, progress=False)
+    (tmp_path / "checkpoints" / "ckpt-00000003" / "manifest.json").unlink()
     with pytest.raises(minifloat.MinifloatError, match=r"already holds a run \(log.jsonl and checkpoints\)"):
         train(_cfg(), tmp_path, progress=False)
     result = train(_cfg(steps=2, checkpoint_every=0), tmp_path, overwrite=True, progress=False)
