@@ -294,8 +294,8 @@ def bf16_matmul_slowdown(n: int = 256, device: str | torch.device = "cpu") -> fl
 def train_baselines(bf16: bool | None, *, slowdown: Callable[[], float] | None = None
                     ) -> tuple[tuple[str, ...], str | None]:
     """`bench_train`'s baselines: FP32 and torchao, and BF16 autocast when `bf16` is True, or
-    (None) when `slowdown()` (default `bf16_matmul_slowdown`) shows BF16 matmuls native. Returns the baselines and,
-    when BF16 was left out for being emulated, a note saying so."""
+    (None) when `slowdown()` (default `bf16_matmul_slowdown`) shows BF16 matmuls native.
+    Returns the baselines and, when BF16 was left out for being emulated, a note saying so."""
     if bf16 is False:
         return ("fp32", "torchao"), None
     if bf16 is None:

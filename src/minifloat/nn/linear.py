@@ -155,7 +155,6 @@ class _LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-
 class Linear(torch.nn.Linear):
     """`torch.nn.Linear` with its GEMMs quantized by `recipe` (a name or a `Recipe`).
 
