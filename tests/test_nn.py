@@ -1,6 +1,8 @@
 import copy
 import logging
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -320,6 +322,17 @@ def test_input_of_the_wrong_width_is_a_clear_error():
         minifloat.convert("model", "fp8")
 
 
+def test_a_float64_model_or_input_is_a_clear_error_naming_the_fix():
+    # nn.Linear runs in float64; the quantizers do not: say so at the layer, not deep in quantize
+    layer = minifloat.nn.Linear(64, 32, recipe="mxfp8")
+    with pytest.raises(minifloat.DTypeError, match=r"got a torch.float64 input; run the model in float32 \(model.float\(\)\)"):
+        layer(torch.randn(4, 64, dtype=torch.float64))
+    with pytest.raises(minifloat.DTypeError, match="got a torch.float64 weight"):
+        layer.double()(torch.randn(4, 64))
+    with minifloat.autocast(enabled=False):  # high precision: as nn.Linear
+        assert layer(torch.randn(4, 64, dtype=torch.float64)).dtype == torch.float64
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_empty_batch_gives_empty_output_and_zero_gradients(name):
     layer = minifloat.nn.Linear(64, 32, recipe=name)
@@ -394,3 +407,11 @@ def test_native_cuda_training_step_agrees_with_emulated(name):
     emulated.backend = "emulated"
     for a, b in zip(_run(native, x, g), _run(emulated, x, g), strict=True):
         assert torch.allclose(a, b, rtol=2**-7, atol=2**-7 * b.abs().max().item())
+
+
+def test_importing_minifloat_does_not_import_torch_dynamo():
+    # torch.compiler.disable (what keeps the kernels opaque to torch.compile) imports
+    # torch._dynamo, 1.8 s here: made on the first forward, not when minifloat is imported.
+    code = "import sys, minifloat; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

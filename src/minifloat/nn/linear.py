@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from minifloat import kernels
-from minifloat.errors import MinifloatError
+from minifloat.errors import DTypeError, MinifloatError
 from minifloat.gemm import autocast_dtype, choose_backend, scaled_mm, without_autocast
 from minifloat.hadamard import rht
 from minifloat.nn import delayed
 from minifloat.nn.autocast import current as _autocast_current
-from minifloat.quantize import quantize
+from minifloat.quantize import QUANTIZE_DTYPES, quantize
 from minifloat.recipes import ROLES, NVFP4BlockScaling, Recipe, get_recipe
 
 
@@ -205,6 +205,14 @@ class Linear(torch.nn.Linear):
         state = _autocast_current()
         if not state.enabled:
             return F.linear(x, self.weight, self.bias)
+        for what, t in (("input", x), ("weight", self.weight)):
+            if t.dtype not in QUANTIZE_DTYPES:
+                raise DTypeError(
+                    f"{self.__class__.__name__}(in_features={self.in_features}, out_features={self.out_features}) "
+                    f"quantizes float32, bfloat16 or float16 tensors, got a {t.dtype} {what}; run the model in "
+                    f"float32 (model.float()), or keep this layer in high precision "
+                    f"(convert(..., filter=...), or minifloat.autocast(enabled=False))"
+                )
         plan = _Plan(self, state.recipe or self.recipe, x.device)
         return _linear(x, self.weight, self.bias, plan)
 
@@ -240,11 +248,21 @@ class Linear(torch.nn.Linear):
             missing_keys[n_missing:] = [k for k in missing_keys[n_missing:] if k[len(prefix):] not in keys]
 
 
-@torch.compiler.disable
 def _linear(x, weight, bias, plan):
+    return (_OPAQUE or _opaque())(x, weight, bias, plan)
+
+
+_OPAQUE = None
+
+
+def _opaque():
     # Opaque to torch.compile: the kernels are compiled C called through ctypes, and the
     # delayed-scaling state is updated in place; the rest of a compiled model still fuses.
-    return _LinearFunction.apply(x, weight, bias, plan)
+    # Made on first use: torch.compiler.disable imports torch._dynamo, which would double the
+    # time `import minifloat` takes (1.8 of 3.8 s here) for every script, compiled or not.
+    global _OPAQUE
+    _OPAQUE = torch.compiler.disable(_LinearFunction.apply)
+    return _OPAQUE
 
 
 def _named_recipes():
