@@ -34,7 +34,9 @@ class LossScaler:
             after a step with non-finite gradients.
         growth_interval: finite steps in a row before S grows.
         min_scale / max_scale: bounds of S.
-        enabled: False makes every method a pass-through (scale 1, never skips).
+        enabled: False keeps S at 1 (the loss and the gradients are not scaled, S never
+            changes), while a step with non-finite gradients is still skipped, so they never
+            reach the weights (torch's GradScaler, disabled, would take that step).
     """
 
     def __init__(
