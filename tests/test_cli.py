@@ -3,7 +3,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import minifloat
 from minifloat import FORMATS
 from minifloat.cli import main
 
@@ -46,6 +48,13 @@ def test_console_entry_point_runs():
     assert done.returncode == 0 and "e2m1" in done.stdout
     bad = subprocess.run([sys.executable, "-m", "minifloat", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_version_names_minifloat_and_torch(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"minifloat {minifloat.__version__} (torch {torch.__version__})"
 
 
 def test_info_lists_every_recipe_with_its_backend(capsys):

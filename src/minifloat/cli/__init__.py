@@ -6,6 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import torch
+
+from minifloat import __version__
 from minifloat.cli import bench, compare, error, formats, info, train
 from minifloat.errors import MinifloatError
 from minifloat.kernels.allocator import keep_freed_memory
@@ -18,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="minifloat",
         description="Bit-exact FP8 / FP6 / FP4 formats and low-precision training for PyTorch.",
     )
+    parser.add_argument("--version", action="version", version=f"minifloat {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in SUBCOMMANDS:
         module.add_parser(sub)
