@@ -51,6 +51,11 @@ def test_margin_and_history_settings_are_checked():
         AmaxHistory(4, algo="percentile", percentile=150)
     with pytest.raises(MinifloatError, match="ema_decay must be in \\[0, 1\\), got 1.5"):
         AmaxHistory(4, algo="ema", ema_decay=1.5)
+    for kwargs in ({"length": 0}, {"ema_decay": 1.0}, {"ema_decay": -0.1}, {"percentile": -1.0}, {"percentile": 100.5}):
+        with pytest.raises(MinifloatError, match="must be"):
+            AmaxHistory(**kwargs)
+    for kwargs in ({"length": 1}, {"ema_decay": 0.0}, {"percentile": 0.0}, {"percentile": 100.0}):  # the bounds
+        AmaxHistory(**kwargs)
 
 
 @pytest.mark.parametrize("amax", [1.0, 3.0, 447.0, 448.0, 449.0, 1e-30, 2.0**-130, 6e37])
@@ -107,6 +112,9 @@ def test_finite_amax():
     assert math.isnan(finite_amax(x).item())
     assert finite_amax(x, ignore_nan=True).item() == 5.0
     assert finite_amax(torch.empty(0)).item() == 0.0
+    small = torch.tensor([[0.25, -float("inf")], [float("nan"), 0.5]])  # inf counts as nothing, not as 1
+    assert finite_amax(small, dim=1, ignore_nan=True).tolist() == [0.25, 0.5]
+    assert finite_amax(small[:1]).item() == 0.25 and finite_amax(torch.tensor([-float("inf")])).item() == 0.0
 
 
 def test_amax_history_algorithms():
@@ -125,6 +133,12 @@ def test_amax_history_algorithms():
     assert hist["percentile"].amax().item() == pytest.approx(torch.quantile(torch.tensor([5.0, 3.0, 2.0]), 0.99).item())
     assert custom.amax().item() == 10.0
     assert AmaxHistory(length=4).amax().item() == 0.0
+    assert hist["max"].history.tolist() == [5.0, 3.0, 2.0] and hist["max"].steps == len(seq)  # newest first
+    one = AmaxHistory(length=1)
+    for a in seq:
+        one.update(torch.tensor(a))
+    assert one.amax().item() == 5.0 and one.steps == len(seq)
+    assert AmaxHistory().length == 1024  # TE's DelayedScaling default amax_history_len
 
 
 def test_amax_history_state_dict_round_trip():
