@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 from minifloat.errors import MinifloatError
@@ -77,9 +78,7 @@ class Scheme:
         if self.rounding not in ("nearest", "stochastic"):
             raise MinifloatError(f"unknown rounding {self.rounding!r}; use 'nearest' or 'stochastic'")
         if self.granularity == "block":
-            if self.block is None or len(self.block) != 2 or min(self.block) < 1:
-                raise MinifloatError(f"block granularity needs block=(rows, cols) ≥ 1, got {self.block!r}")
-            object.__setattr__(self, "block", tuple(int(b) for b in self.block))
+            object.__setattr__(self, "block", _block(self.block))
             if self.block[1] * fmt.bits % 8:
                 raise MinifloatError(
                     f"a block of {self.block[1]} {fmt.name} elements is not whole bytes; "
@@ -125,13 +124,24 @@ class Scheme:
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Scheme:
-        d = dict(d)
-        if d.get("block") is not None:
-            d["block"] = tuple(d["block"])
-        try:
+        try:  # a JSON list for block is fine: __post_init__ makes it a tuple
             return cls(**d)
         except TypeError as err:
             raise MinifloatError(f"not a scheme description: {err}") from None
+
+
+def _block(block: object) -> tuple[int, int]:
+    """`block` as two whole numbers ≥ 1 (ints, or NumPy / torch integers), else a clear error:
+    32.5 is not truncated to 32."""
+    try:
+        rows, cols = block
+        if not isinstance(rows, bool) and not isinstance(cols, bool):
+            rows, cols = operator.index(rows), operator.index(cols)
+            if min(rows, cols) >= 1:
+                return rows, cols
+    except (TypeError, ValueError):
+        pass
+    raise MinifloatError(f"block granularity needs block=(rows, cols), two whole numbers ≥ 1, got {block!r}")
 
 
 def _gcd8(bits: int) -> int:
