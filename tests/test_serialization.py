@@ -95,15 +95,29 @@ def test_module_style_names_with_dots_round_trip(tmp_path):
     assert torch.equal(back["blocks.0.fc"].data, tensors["blocks.0.fc"].data)
 
 
-def _rewrite(path, edit):
-    """Re-save the file at `path` with its metadata passed through `edit` (a forger who
-    rewrites the header, or a writer of another version), tensors unchanged."""
+def _rewrite(path, edit=lambda m: m, edit_tensors=lambda t: t):
+    """Re-save the file at `path` with its metadata passed through `edit` and its tensors
+    through `edit_tensors` (a forger who rewrites the header, or a writer of another version)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(path), framework="pt") as f:
         metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
-    save_file(tensors, str(path), metadata=edit(metadata))
+    save_file(edit_tensors(tensors), str(path), metadata=edit(metadata))
+
+
+@pytest.mark.parametrize(
+    ("edit", "stored"),
+    [(lambda t: t.reshape(6, 4), "torch.float32 of shape \\[6, 4\\]"), (lambda t: t.view(torch.int32), "torch.int32 of shape")],
+)
+def test_a_tensor_stored_with_another_shape_or_dtype_is_rejected(tmp_path, edit, stored):
+    """The same bytes under another header shape or dtype pass the checksum of the bytes; the
+    shape and dtype recorded at save time catch them (a plain tensor has no geometry to check)."""
+    path = tmp_path / "w.safetensors"
+    save(path, {"b": torch.randn(4, 6)})
+    _rewrite(path, edit_tensors=lambda t: {**t, "b.tensor": edit(t["b.tensor"])})
+    with pytest.raises(CorruptFileError, match=f"tensor 'b.tensor' is {stored}.*; it was saved as float32 of shape \\[4, 6\\]"):
+        load(path)
 
 
 def test_every_single_bit_flip_is_rejected(tmp_path):
