@@ -30,6 +30,36 @@ def test_block_and_mx_recipes_quantize_along_blocks_of_the_published_sizes():
     assert MXScaling(element="e2m3", grad_element="e3m2").scheme("grad_output").element == "e3m2"
 
 
+def test_what_linear_and_convert_read_off_each_recipe():
+    # weight_2d: square weight blocks serve W and Wᵀ; block_multiple: what convert requires of
+    # a layer's features; delayed: scales from an amax history kept in the module
+    expect = {"fp8": (False, 1, True), "fp8-current": (False, 1, False), "fp8-block": (True, 128, False),
+              "mxfp8": (False, 32, False), "mxfp6": (False, 32, False), "mxfp6-e2m3": (False, 32, False),
+              "mxfp4": (False, 32, False), "nvfp4": (True, 16, False)}  # fmt: skip
+    assert set(expect) == set(RECIPES)
+    for name, want in expect.items():
+        r = get_recipe(name)
+        assert (r.weight_2d, r.block_multiple, r.delayed) == want, name
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recipes_are_frozen(name):
+    # a layer remembers the schemes its recipe gave; a recipe changed in place would desync them
+    r = get_recipe(name)
+    field = dataclasses.fields(r)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(r, field, getattr(r, field))
+
+
+def test_fp8_block_hybrid_takes_e5m2_for_gradients_only():
+    from minifloat.recipes import Float8BlockScaling
+
+    r = Float8BlockScaling(format="hybrid")
+    assert [r.scheme(role).element for role in ROLES] == ["e4m3", "e4m3", "e5m2"]
+    assert r.scheme("grad_output").block == (1, 128) and r.scheme("weight").block == (128, 128)
+    assert DelayedScaling(amax_history_len=1).amax_history_len == 1  # the shortest history
+
+
 def test_nvfp4_recipe_switches():
     r = get_recipe("nvfp4")
     assert r.rht and r.stochastic_rounding and r.weight_2d
