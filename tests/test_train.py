@@ -238,6 +238,21 @@ def test_corrupted_checkpoint_is_rejected_with_the_file_named(tmp_path):
         train(_cfg(), tmp_path, resume=True, progress=False)
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [lambda m: {**m, "sha256": {}}, lambda m: {**m, "sha256": {"model.safetensors": m["sha256"]["model.safetensors"]}},
+     lambda m: [m], lambda m: {**m, "sha256": "x"}, lambda m: {**m, "format": "other"}],
+)  # fmt: skip
+def test_an_altered_manifest_is_rejected_not_trusted(tmp_path, edit):
+    # a manifest that drops a checksum would let an unverified state.pt through
+    ckpt = checkpoint.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {"step": 1}, {})
+    manifest = ckpt / "manifest.json"
+    manifest.write_text(json.dumps(edit(json.loads(manifest.read_text()))))
+    with pytest.raises(minifloat.CorruptFileError, match="manifest.json: (not a minifloat checkpoint manifest|the checksums "
+                       "of model.safetensors, state.pt are missing; the manifest was altered)"):  # fmt: skip
+        checkpoint.load_checkpoint(ckpt)
+
+
 _KILL_SCRIPT = """
 import os, signal, sys
 import torch

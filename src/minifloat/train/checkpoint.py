@@ -31,6 +31,8 @@ from minifloat.atomic import atomic_path, make_dir_beside
 from minifloat.errors import MinifloatError
 from minifloat.serialization import CorruptFileError, load, save
 
+_FILES = ("model.safetensors", "state.pt")  # what the manifest's checksums cover
+
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -64,10 +66,10 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
             "format": "minifloat-checkpoint-1",
             "step": step,
             "config": config,
-            "sha256": {name: _sha256(tmp / name) for name in ("model.safetensors", "state.pt")},
+            "sha256": {name: _sha256(tmp / name) for name in _FILES},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        for name in ("model.safetensors", "state.pt", "manifest.json"):
+        for name in (*_FILES, "manifest.json"):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         # A folder of this step already there (it may be the one `latest` names) goes only
@@ -130,9 +132,12 @@ def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], di
         raise MinifloatError(f"{mpath}: missing; {path} is not a complete minifloat checkpoint") from None
     except json.JSONDecodeError as err:
         raise CorruptFileError(f"{mpath}: corrupted ({err})") from None
-    if manifest.get("format") != "minifloat-checkpoint-1":
+    if not isinstance(manifest, dict) or manifest.get("format") != "minifloat-checkpoint-1":
         raise CorruptFileError(f"{mpath}: not a minifloat checkpoint manifest")
-    for name, digest in manifest["sha256"].items():
+    digests = manifest.get("sha256")
+    if not isinstance(digests, dict) or not set(_FILES) <= set(digests):  # both verified, always
+        raise CorruptFileError(f"{mpath}: the checksums of {', '.join(_FILES)} are missing; the manifest was altered")
+    for name, digest in digests.items():
         f = path / name
         if not f.exists():
             raise CorruptFileError(f"{f}: missing from the checkpoint")
