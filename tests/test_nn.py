@@ -194,6 +194,22 @@ def test_delayed_scale_is_what_quantizes_and_nonfinite_amax_is_ignored():
     assert torch.allclose(y, xq @ wq.T, rtol=1e-5, atol=1e-5)
 
 
+def test_delayed_scaling_reads_its_step_count_once_not_per_quantize():
+    # On a GPU int(buffer) waits for the device: the count is kept as a Python int instead,
+    # and read again from the buffer only after a state_dict is loaded.
+    torch.manual_seed(0)
+    trained = minifloat.nn.Linear(32, 16, recipe="fp8")
+    _delayed_step(trained, torch.optim.SGD(trained.parameters(), lr=0.0), 4.0)
+    fresh = minifloat.nn.Linear(32, 16, recipe="fp8")
+    x = torch.randn(4, 32) * 8  # above the history's amax: the delayed scale saturates it
+    with torch.no_grad():
+        fresh(x)  # no history yet: scaled from x itself
+        fresh.load_state_dict(trained.state_dict())
+        assert torch.equal(fresh(x), trained(x))  # now the loaded history's scale
+        trained.amax_steps = torch.empty((), dtype=torch.int64, device="meta")  # unreadable from here on
+        assert torch.equal(trained(x), fresh(x))
+
+
 def test_first_step_without_history_scales_from_the_tensor():
     delayed = minifloat.nn.Linear(32, 16, recipe="fp8")
     current = minifloat.nn.Linear(32, 16, recipe="fp8-current")

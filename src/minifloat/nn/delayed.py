@@ -101,9 +101,23 @@ def record(module, role: str, amax: torch.Tensor) -> None:
         module.amax_pending_steps = 1
 
 
+def steps(module) -> int:
+    """``module.amax_steps`` as a Python int: read from the buffer once (on a GPU, a device
+    sync), then kept in step by `roll`, so that quantizing an operand never waits for the
+    device. Loading a state_dict forgets it (`forget_steps`)."""
+    n = module.__dict__.get("amax_steps_int")
+    if n is None:
+        n = module.__dict__["amax_steps_int"] = int(module.amax_steps)
+    return n
+
+
+def forget_steps(module) -> None:
+    module.__dict__.pop("amax_steps_int", None)
+
+
 def current_scale(module, role: str) -> torch.Tensor | None:
     """The scale to quantize `role` with, or None (no history yet: use the tensor's own amax)."""
-    if int(module.amax_steps) == 0:
+    if steps(module) == 0:
         return None
     return module.scale[ROLES.index(role)]
 
@@ -112,13 +126,14 @@ def roll(module, pending: torch.Tensor) -> None:
     """End of a step: push the (rank-reduced) `pending` amaxes into the history, maybe
     refresh the scales."""
     recipe: DelayedScaling = module.recipe
+    n = steps(module) + 1  # read before the buffer moves on
     with torch.no_grad():
         module.amax_history.copy_(torch.roll(module.amax_history, 1, dims=1))
         module.amax_history[:, 0] = pending
         module.amax_steps += 1
-        steps = int(module.amax_steps)
-        if (steps - 1) % recipe.interval == 0:
-            seen = module.amax_history[:, : min(steps, module.amax_history.shape[1])]
+        module.__dict__["amax_steps_int"] = n
+        if (n - 1) % recipe.interval == 0:
+            seen = module.amax_history[:, : min(n, module.amax_history.shape[1])]
             amax = reduce_amax_window(seen, recipe.amax_compute_algo)
             for i, role in enumerate(ROLES):
                 fmt = recipe.scheme(role).element_format

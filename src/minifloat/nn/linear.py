@@ -244,6 +244,8 @@ class Linear(torch.nn.Linear):
             state_dict = {k: v for k, v in state_dict.items() if k not in {prefix + k2 for k2 in keys}}
         n_missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if mine:
+            delayed.forget_steps(self)  # amax_steps may have changed
         if mine and not theirs:
             missing_keys[n_missing:] = [k for k in missing_keys[n_missing:] if k[len(prefix):] not in keys]
 
