@@ -19,7 +19,7 @@ from minifloat import (
     encode,
     get_format,
 )
-from minifloat.codec import sr_bits
+from minifloat.codec import random_bits, sr_bits, sr_seed
 from tests.conftest import FORMAT_NAMES, ML_DTYPES, all_patterns, oracle_encode, requires_cuda
 
 SATURATE = [True, False]
@@ -178,6 +178,20 @@ def test_stochastic_rounding_is_reproducible_and_exact_values_stay():
     assert torch.equal(a, b) and not torch.equal(a, c)
     exact = decode(encode(x, "e4m3"), "e4m3")
     assert torch.equal(encode(exact, "e4m3", rounding="stochastic"), encode(exact, "e4m3"))
+
+
+def test_stochastic_rounding_seeds_come_from_the_cpu_generator_on_any_device():
+    # A seed drawn on an accelerator would make every call wait for the device to read it
+    # back; from the CPU generator, CPU and GPU runs seeded alike also round alike.
+    torch.manual_seed(5)
+    lo, hi = torch.randint(0, 2**32, (2,), dtype=torch.int64).tolist()
+    torch.manual_seed(5)
+    assert sr_seed() == lo | hi << 32
+    torch.manual_seed(5)
+    on_meta = random_bits((3, 4), device="meta")  # a device whose values cannot be read back
+    assert on_meta.shape == (3, 4) and on_meta.device.type == "meta"
+    assert torch.randint(0, 2**32, (2,), dtype=torch.int64).tolist() != [lo, hi]  # the CPU stream moved on
+    assert sr_seed(torch.Generator().manual_seed(1)) == sr_seed(torch.Generator().manual_seed(1))
 
 
 def test_any_shape_and_strides():

@@ -116,9 +116,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_seed(generator: torch.Generator | None = None, device=None) -> int:
-    """One 64-bit seed for a stochastic-rounding call, drawn from `generator` (or torch's)."""
-    lo, hi = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator, device=device).tolist()
+def sr_seed(generator: torch.Generator | None = None) -> int:
+    """One 64-bit seed for a stochastic-rounding call, drawn from `generator`, else from torch's
+    default CPU generator whatever device the tensor is on: a seed drawn on an accelerator
+    would make every call wait for it (to read it back), and this way a CPU run and a GPU run
+    seeded alike round alike."""
+    on = generator.device if generator is not None else "cpu"
+    lo, hi = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator, device=on).tolist()
     return lo | hi << 32
 
 
@@ -137,7 +141,7 @@ def sr_bits(seed: int, numel: int, device=None) -> torch.Tensor:
 def random_bits(shape: tuple[int, ...], generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """Uniform uint32 random bits (held in int64), one per element of `shape` in row-major
     order: the stochastic-rounding input, `sr_bits` of a seed drawn from `generator`."""
-    return sr_bits(sr_seed(generator, device), math.prod(shape), device).view(shape)
+    return sr_bits(sr_seed(generator), math.prod(shape), device).view(shape)
 
 
 def encode(
