@@ -3,6 +3,7 @@
 cast), plus torchao for MX, and the NaN / inf / zero / empty / odd-shape contract."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -210,7 +211,6 @@ def test_quantized_tensor_behaves_like_its_values():
     assert c.data.data_ptr() != q.data.data_ptr() and c.scale.data_ptr() != q.scale.data_ptr()
 
 
-
 @pytest.mark.parametrize(
     "op",
     [lambda q: q.mul_(2), lambda q: q.zero_(), lambda q: q.copy_(torch.zeros(4, 32)), lambda q: torch.relu_(q),
@@ -242,6 +242,12 @@ def test_tensor_methods_and_dtype_conversions_see_the_dequantized_values():
     assert float(one) == 3.0 and int(one) == 3 and bool(one)
     with pytest.raises(TypeError, match="len\\(\\) of a 0-d QuantizedTensor"):
         len(one)
+    with warnings.catch_warnings():  # NumPy 2's copy= protocol, without its deprecation warning
+        warnings.simplefilter("error")
+        assert np.array_equal(np.asarray(q), d.numpy()) and np.array(q, dtype=np.float64).dtype == np.float64
+        assert np.array(q, copy=True).dtype == np.float32
+        with pytest.raises(ValueError, match="copy=False cannot be honoured"):
+            np.array(q, copy=False)
     # copies stay QuantizedTensors (copy must not find a dequantized tensor's __deepcopy__)
     assert type(copy.deepcopy(q)) is minifloat.QuantizedTensor and not hasattr(q, "no_such_method")
 

@@ -175,9 +175,12 @@ class QuantizedTensor:
     def __setitem__(self, index, value) -> None:
         raise _read_only("q[...] = value")
 
-    def __array__(self, dtype=None):
+    def __array__(self, dtype=None, copy=None):
+        # NumPy 2 passes copy=: the values are dequantized into a new array, never a view
+        if copy is False:
+            raise ValueError("a QuantizedTensor's values are dequantized into a new array; copy=False cannot be honoured")
         a = self.dequantize(torch.float32).numpy()
-        return a if dtype is None else a.astype(dtype)
+        return a if dtype is None else a.astype(dtype, copy=False)
 
 
 def _in_place(name: str) -> bool:
