@@ -253,6 +253,22 @@ def test_an_altered_manifest_is_rejected_not_trusted(tmp_path, edit):
         checkpoint.load_checkpoint(ckpt)
 
 
+class _NotWeights:  # torch.load(weights_only=True) must refuse to build it
+    pass
+
+
+def test_a_state_pt_that_needs_full_unpickling_is_refused_even_with_valid_checksums(tmp_path):
+    # The manifest's checksums catch damage, not a forger who rewrites them: state.pt is read
+    # with weights_only=True, so arbitrary pickled objects (code) are refused all the same.
+    ckpt = checkpoint.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {"step": 1}, {})
+    torch.save({"step": 1, "payload": _NotWeights()}, ckpt / "state.pt")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["sha256"]["state.pt"] = checkpoint._sha256(ckpt / "state.pt")
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(minifloat.CorruptFileError, match=r"state.pt: cannot be read safely"):
+        checkpoint.load_checkpoint(ckpt)
+
+
 _KILL_SCRIPT = """
 import os, signal, sys
 import torch
