@@ -1,4 +1,5 @@
 import copy
+import itertools
 import logging
 import re
 import subprocess
@@ -427,7 +428,22 @@ def test_native_cuda_training_step_agrees_with_emulated(name):
 
 def test_importing_minifloat_does_not_import_torch_dynamo():
     # torch.compiler.disable (what keeps the kernels opaque to torch.compile) imports
-    # torch._dynamo, 1.8 s here: made on the first forward, not when minifloat is imported.
-    code = "import sys, minifloat; print('torch._dynamo' in sys.modules)"
+    # torch._dynamo, 1.8 s here: made by the first minifloat Linear, not on import.
+    code = "import sys, torch, minifloat; minifloat.quantize(torch.ones(4, 32), 'mxfp8'); print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_torch_compile_does_not_recompile_per_layer_shape(caplog):
+    # The GEMMs are opaque to torch.compile from the first forward: made while dynamo traced
+    # one, the frames around them recompiled for every layer shape, past dynamo's limit (8).
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    widths = [32 * (i + 1) for i in range(11)]
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths)])
+    minifloat.convert(model, "mxfp8")
+    compiled = torch.compile(model)
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        compiled(torch.randn(4, 32)).sum().backward()
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]

@@ -181,6 +181,8 @@ class Linear(torch.nn.Linear):
         choose_backend([], "cpu", backend)  # validates the name
         self.backend = backend
         self._monitor = None
+        if _OPAQUE is None:
+            _opaque()
         if self.recipe.delayed:
             delayed.init_buffers(self, self.recipe)
             delayed.register(self)
@@ -197,24 +199,7 @@ class Linear(torch.nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise MinifloatError(
-                f"{self.__class__.__name__}(in_features={self.in_features}, out_features={self.out_features}) got an "
-                f"input of shape {tuple(x.shape)}; its last dimension must be in_features={self.in_features}"
-            )
-        state = _autocast_current()
-        if not state.enabled:
-            return F.linear(x, self.weight, self.bias)
-        for what, t in (("input", x), ("weight", self.weight)):
-            if t.dtype not in QUANTIZE_DTYPES:
-                raise DTypeError(
-                    f"{self.__class__.__name__}(in_features={self.in_features}, out_features={self.out_features}) "
-                    f"quantizes float32, bfloat16 or float16 tensors, got a {t.dtype} {what}; run the model in "
-                    f"float32 (model.float()), or keep this layer in high precision "
-                    f"(convert(..., filter=...), or minifloat.autocast(enabled=False))"
-                )
-        plan = _Plan(self, state.recipe or self.recipe, x.device)
-        return _linear(x, self.weight, self.bias, plan)
+        return (_OPAQUE or _opaque())(self, x)
 
     def extra_repr(self) -> str:
         name = next((k for k, v in _named_recipes().items() if v == self.recipe), type(self.recipe).__name__)
@@ -250,20 +235,39 @@ class Linear(torch.nn.Linear):
             missing_keys[n_missing:] = [k for k in missing_keys[n_missing:] if k[len(prefix):] not in keys]
 
 
-def _linear(x, weight, bias, plan):
-    return (_OPAQUE or _opaque())(x, weight, bias, plan)
+def _forward(self: Linear, x: torch.Tensor) -> torch.Tensor:
+    """`Linear.forward`: checks, the autocast state, then the three quantized GEMMs."""
+    if x.dim() == 0 or x.shape[-1] != self.in_features:
+        raise MinifloatError(
+            f"{self.__class__.__name__}(in_features={self.in_features}, out_features={self.out_features}) got an "
+            f"input of shape {tuple(x.shape)}; its last dimension must be in_features={self.in_features}"
+        )
+    state = _autocast_current()
+    if not state.enabled:
+        return F.linear(x, self.weight, self.bias)
+    for what, t in (("input", x), ("weight", self.weight)):
+        if t.dtype not in QUANTIZE_DTYPES:
+            raise DTypeError(
+                f"{self.__class__.__name__}(in_features={self.in_features}, out_features={self.out_features}) "
+                f"quantizes float32, bfloat16 or float16 tensors, got a {t.dtype} {what}; run the model in "
+                f"float32 (model.float()), or keep this layer in high precision "
+                f"(convert(..., filter=...), or minifloat.autocast(enabled=False))"
+            )
+    plan = _Plan(self, state.recipe or self.recipe, x.device)
+    return _LinearFunction.apply(x, self.weight, self.bias, plan)
 
 
 _OPAQUE = None
 
 
 def _opaque():
-    # Opaque to torch.compile: the kernels are compiled C called through ctypes, and the
-    # delayed-scaling state is updated in place; the rest of a compiled model still fuses.
-    # Made on first use: torch.compiler.disable imports torch._dynamo, which would double the
-    # time `import minifloat` takes (1.8 of 3.8 s here) for every script, compiled or not.
+    """`_forward` opaque to torch.compile: the kernels are compiled C called through ctypes,
+    and the delayed-scaling state is updated in place; the rest of a compiled model still
+    fuses. A traced forward would be compiled once per layer shape (past dynamo's limit of 8
+    in a model with more). Made by the first Linear's __init__, outside any compiled region,
+    not on import: torch.compiler.disable imports torch._dynamo, 1.8 s here."""
     global _OPAQUE
-    _OPAQUE = torch.compiler.disable(_LinearFunction.apply)
+    _OPAQUE = torch.compiler.disable(_forward)
     return _OPAQUE
 
 
