@@ -206,6 +206,8 @@ def test_quantized_tensor_behaves_like_its_values():
     assert torch.equal(q == 0, d == 0) and torch.equal(q != d, d != d) and (q == q).all()
     assert torch.equal(2**q, 2**d) and torch.equal(q // 0.5, d // 0.5) and torch.equal(q % 0.5, d % 0.5)
     assert len({q, q}) == 1  # hashable by identity, as a tensor
+    assert (len(q), q.size(), q.size(1), q.size(-2), q.dim(), q.numel()) == (4, (4, 32), 32, 4, 2, 128)
+    assert q.to() is q and quantize(torch.empty(0, 32), "mxfp8").bits_per_element == 8.25
     c = q.clone()  # a QuantizedTensor with its own codes and scales
     assert type(c) is minifloat.QuantizedTensor and torch.equal(c.dequantize(), d)
     assert c.data.data_ptr() != q.data.data_ptr() and c.scale.data_ptr() != q.scale.data_ptr()
