@@ -107,6 +107,14 @@ def test_bits_per_element_and_nbytes(name, bits):
     assert q.nbytes == 64 * 256 * bits / 8 + tensor_bytes
 
 
+@pytest.mark.parametrize(("name", "row_bytes", "one_bytes"), [("fp8", 257, 1), ("fp6_e3m2", 195, 3), ("fp4", 129, 1)])
+def test_odd_rows_pack_into_the_fewest_whole_bytes(name, row_bytes, one_bytes):
+    # 257 codes: FP8 one byte each, FP6 four in three bytes (65 groups), FP4 two per byte
+    q = quantize(torch.randn(3, 257), name)
+    assert q.data.shape == (3, row_bytes) and q.nbytes == 3 * row_bytes + 4  # + the FP32 scale
+    assert quantize(torch.tensor(3.0), name).data.shape == (1, one_bytes)  # a 0-d tensor: one code
+
+
 def test_nan_poisons_exactly_its_block_or_row_or_tensor():
     x = torch.randn(4, 64)
     x[1, 37] = float("nan")
