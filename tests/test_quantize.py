@@ -171,6 +171,10 @@ def test_given_scale_and_amax_are_the_delayed_path():
     q = quantize(x, "fp8", scale=torch.tensor(16.0))
     assert torch.equal(q.scale, torch.tensor([[1 / 16]]))
     assert torch.equal(q.dequantize(), fake_quantize(x, "fp8", amax=torch.tensor(28.0)))  # 448/28 = 16
+    small = quantize(x * 0.01, "fp8", amax=0.5)  # an amax below 1 is an amax (scale 896)
+    assert torch.equal(small.scale, torch.tensor([[1 / 896]]))
+    with pytest.raises(MinifloatError, match="amax is a largest magnitude, ≥ 0; got -0.5"):
+        quantize(x, "fp8", amax=-0.5)
     rows = torch.arange(1, 9, dtype=torch.float32)
     assert torch.equal(quantize(x, "fp8_rowwise", scale=rows).scale.flatten(), 1 / rows)
     g = x.abs().max() * 2
