@@ -199,7 +199,7 @@ class Linear(torch.nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_OPAQUE or _opaque())(self, x)
+        return (_OPAQUE or _opaque())(self, x)  # _opaque(): a Linear unpickled in a fresh process
 
     def extra_repr(self) -> str:
         name = next((k for k, v in _named_recipes().items() if v == self.recipe), type(self.recipe).__name__)
@@ -237,10 +237,10 @@ class Linear(torch.nn.Linear):
 
 def _forward(self: Linear, x: torch.Tensor) -> torch.Tensor:
     """`Linear.forward`: checks, the autocast state, then the three quantized GEMMs."""
+    layer = f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features})"
     if x.dim() == 0 or x.shape[-1] != self.in_features:
         raise MinifloatError(
-            f"{self.__class__.__name__}(in_features={self.in_features}, out_features={self.out_features}) got an "
-            f"input of shape {tuple(x.shape)}; its last dimension must be in_features={self.in_features}"
+            f"{layer} got an input of shape {tuple(x.shape)}; its last dimension must be in_features={self.in_features}"
         )
     state = _autocast_current()
     if not state.enabled:
@@ -248,8 +248,7 @@ def _forward(self: Linear, x: torch.Tensor) -> torch.Tensor:
     for what, t in (("input", x), ("weight", self.weight)):
         if t.dtype not in QUANTIZE_DTYPES:
             raise DTypeError(
-                f"{self.__class__.__name__}(in_features={self.in_features}, out_features={self.out_features}) "
-                f"quantizes float32, bfloat16 or float16 tensors, got a {t.dtype} {what}; run the model in "
+                f"{layer} quantizes float32, bfloat16 or float16 tensors, got a {t.dtype} {what}; run the model in "
                 f"float32 (model.float()), or keep this layer in high precision "
                 f"(convert(..., filter=...), or minifloat.autocast(enabled=False))"
             )
