@@ -435,8 +435,8 @@ def test_importing_minifloat_does_not_import_torch_dynamo():
 
 
 def test_torch_compile_does_not_recompile_per_layer_shape(caplog):
-    # The GEMMs are opaque to torch.compile from the first forward: made while dynamo traced
-    # one, the frames around them recompiled for every layer shape, past dynamo's limit (8).
+    # Each Linear's whole forward is one call opaque to torch.compile: a traced forward was
+    # compiled once per layer shape, past dynamo's recompile limit (8) in a model with more.
     import torch._dynamo
 
     torch._dynamo.reset()
