@@ -19,7 +19,7 @@ from minifloat import (
     encode,
     get_format,
 )
-from minifloat.codec import random_bits, sr_bits, sr_seed
+from minifloat.codec import encode_with_bits, random_bits, sr_bits, sr_seed
 from tests.conftest import FORMAT_NAMES, ML_DTYPES, all_patterns, oracle_encode, requires_cuda
 
 SATURATE = [True, False]
@@ -137,9 +137,17 @@ def test_specials_documented_table():
     assert encode(x, "e4m3").tolist() == [0x7F, 0x7E, 0xFE, 0x7E, 0x80]
     assert encode(x, "e4m3", saturate=False).tolist() == [0x7F, 0x7F, 0xFF, 0x7F, 0x80]
     assert encode(x, "e5m2", saturate=False).tolist() == [0x7E, 0x7C, 0xFC, 0x7C, 0x80]
-    with pytest.warns(UserWarning, match="e2m1 has no NaN code, so a NaN encodes to a zero"):
+    with pytest.warns(UserWarning, match="e2m1 has no NaN code, so a NaN encodes to a zero") as caught:
         assert encode(x, "e2m1", saturate=False).tolist() == [0x8, 0x7, 0xF, 0x7, 0x8]
+    assert caught[0].filename == __file__  # the warning points at the caller's line
     assert encode(torch.tensor([0.0, -1.0, 2.0**-140, float("inf")]), "e8m0").tolist() == [255, 255, 0, 254]
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e8m0"])
+def test_formats_with_a_nan_code_encode_nan_without_a_warning(name):
+    """Only the formats without a NaN code (FP6, FP4) warn that a NaN became a zero."""
+    assert encode(torch.tensor([float("nan"), 1.0]), name)[0].item() == get_format(name).nan_code
 
 
 @pytest.mark.parametrize(
@@ -178,6 +186,23 @@ def test_stochastic_rounding_is_reproducible_and_exact_values_stay():
     assert torch.equal(a, b) and not torch.equal(a, c)
     exact = decode(encode(x, "e4m3"), "e4m3")
     assert torch.equal(encode(exact, "e4m3", rounding="stochastic"), encode(exact, "e4m3"))
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_stochastic_rounding_rounds_up_exactly_when_the_draw_is_below_the_fraction(name):
+    """SR rounds |x| up iff bits * 2**-32 < (|x| - lower) / quantum: a representable value
+    stays put even for the extreme draws 0 and 2**32 - 1, and the threshold is exact."""
+    fmt = get_format(name)
+    table = decode(torch.arange(fmt.num_codes, dtype=torch.uint8), name, torch.float64)
+    exact = table[torch.isfinite(table)]
+    for b in (0, 2**32 - 1):
+        bits = torch.full(exact.shape, b, dtype=torch.int64)
+        assert torch.equal(encode_with_bits(exact, fmt, bits=bits), encode(exact, name))
+    # 1 + a quarter of the quantum at 1: up for draws below 2**30, down from 2**30 on
+    x = torch.full((4,), 1 + 0.25 * fmt.epsilon, dtype=torch.float64)
+    bits = torch.tensor([0, 2**30 - 1, 2**30, 2**32 - 1])
+    got = decode(encode_with_bits(x, fmt, bits=bits), fmt, torch.float64).tolist()
+    assert got == [1 + fmt.epsilon] * 2 + [1.0] * 2
 
 
 def test_stochastic_rounding_seeds_come_from_the_cpu_generator_on_any_device():
@@ -222,6 +247,8 @@ def test_bad_input_errors():
         encode(torch.ones(2), "e4m3", rounding="up")
     with pytest.raises(CodeRangeError, match=r"code 16 does not fit e2m1, whose 4-bit codes are 0..15"):
         decode(torch.tensor([3, 16], dtype=torch.uint8), "e2m1")
+    with pytest.raises(CodeRangeError, match="code 16 does not fit"):  # a valid lowest code 0
+        decode(torch.tensor([0, 16], dtype=torch.uint8), "e2m1")
     with pytest.raises(CodeRangeError, match="code -1"):
         decode(torch.tensor([-1, 2]), "e4m3")
     with pytest.raises(DTypeError, match="integer codes"):
