@@ -57,3 +57,24 @@ def test_a_directory_is_not_a_file_path(tmp_path):
         with atomic_path(tmp_path):
             pass
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_the_rename_is_flushed_to_disk_with_the_file(tmp_path, monkeypatch):
+    """The file is fsynced before the rename and its folder after it, so that a crash cannot
+    leave the old name pointing at nothing (a checkpoint's `latest`, before old ones go)."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    with atomic_path(tmp_path / "a.txt") as tmp:
+        tmp.write_text("one")
+    assert events == [("fsync", "file"), ("replace", "a.txt"), ("fsync", "dir")]

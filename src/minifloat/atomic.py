@@ -15,7 +15,8 @@ from minifloat.errors import MinifloatError
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success it is fsynced and renamed over `path`.
+    """Yield a temporary path beside `path`; on success it is fsynced and renamed over `path`,
+    and the rename is fsynced too.
 
     Example::
 
@@ -37,8 +38,18 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             os.fchmod(fh.fileno(), mode)
             os.fsync(fh.fileno())
         os.replace(tmp, target)
+        fsync_dir(target.parent)  # the rename itself survives a crash, before anything relies on it
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush `path`'s directory entries to disk: a rename is durable only once its folder is."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove(path: Path) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from minifloat.atomic import atomic_path, make_dir_beside
+from minifloat.atomic import atomic_path, fsync_dir, make_dir_beside
 from minifloat.errors import MinifloatError
 from minifloat.serialization import CorruptFileError, load, save
 
@@ -40,14 +40,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict, config: dict) -> Path:
@@ -78,7 +70,7 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
         if replaced is not None:
             final = _free_name(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
