@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import minifloat
-from minifloat import FORMATS, UnknownFormatError, get_format
+from minifloat import FORMATS, FloatFormat, MinifloatError, NaNEncoding, UnknownFormatError, get_format
 from tests.conftest import FORMAT_NAMES, ML_DTYPES
 
 # emax_elem of each element format, from the OCP MX v1.0 spec, Table 1 (E8M0: 127).
@@ -68,3 +68,40 @@ def test_formats_are_frozen_and_describe_is_json():
 
 def test_public_api_exports():
     assert set(minifloat.__all__) <= set(dir(minifloat))
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_table_figures_match_ml_dtypes_finfo(name):
+    """The `minifloat formats` columns not covered above, against ml_dtypes' finfo."""
+    fmt, info = get_format(name), ml_dtypes.finfo(ML_DTYPES[name])
+    assert fmt.dynamic_range_binades == pytest.approx(np.log2(float(info.max) / float(info.smallest_subnormal)))
+    assert fmt.memory_vs_fp16 == info.bits / 16
+    assert fmt.has_subnormals == (float(info.smallest_subnormal) < float(info.smallest_normal))
+    assert fmt.describe()["dynamic_range_binades"] == fmt.dynamic_range_binades
+
+
+def test_published_dynamic_ranges():
+    # e4m3: 448 / 2**-9; e5m2: 57344 / 2**-16; e2m1: 6 / 0.5 (binades, as the format tables print them)
+    assert [round(FORMATS[n].dynamic_range_binades, 2) for n in ("e4m3", "e5m2", "e2m1")] == [17.81, 31.81, 3.58]
+    assert [FORMATS[n].has_subnormals for n in FORMAT_NAMES] == [True, True, True, True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"exp_bits": 5, "man_bits": 3, "bias": 15, "has_inf": False, "nan": NaNEncoding.NONE}, "9 bits: .* at most 8 bits"),
+        ({"exp_bits": 0, "man_bits": 3, "bias": 1, "has_inf": False, "nan": NaNEncoding.NONE}, "≥ 1 exponent"),
+        ({"exp_bits": 3, "man_bits": -1, "bias": 3, "has_inf": False, "nan": NaNEncoding.NONE}, "≥ 0 mantissa"),
+        ({"exp_bits": 4, "man_bits": 3, "bias": 7, "has_inf": True, "nan": NaNEncoding.ALL_ONES}, "only IEEE-style"),
+        ({"exp_bits": 4, "man_bits": 0, "bias": 7, "has_inf": True, "nan": NaNEncoding.IEEE}, "tell NaN from inf"),
+    ],
+)
+def test_an_impossible_format_is_refused_by_name(fields, message):
+    with pytest.raises(MinifloatError, match=f"FloatFormat 'mine': .*{message}"):
+        FloatFormat("mine", **fields)
+
+
+def test_a_custom_format_encodes_like_the_builtin_it_copies():
+    mine = FloatFormat("mine", exp_bits=2, man_bits=1, bias=1, has_inf=False, nan=NaNEncoding.NONE)
+    x = torch.tensor([0.3, -1.7, 5.2, 100.0])
+    assert torch.equal(minifloat.encode(x, mine), minifloat.encode(x, "e2m1"))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minifloat.errors import UnknownFormatError
+from minifloat.errors import MinifloatError, UnknownFormatError
 
 
 class NaNEncoding(str, enum.Enum):
@@ -66,8 +66,17 @@ class FloatFormat:
     role: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        assert 1 <= self.bits <= 8, f"{self.name}: {self.bits} bits"
-        assert not self.has_inf or self.nan is NaNEncoding.IEEE, "inf only with IEEE NaNs"
+        bad = None
+        if self.exp_bits < 1 or self.man_bits < 0:
+            bad = f"exp_bits={self.exp_bits}, man_bits={self.man_bits}: a format has ≥ 1 exponent and ≥ 0 mantissa bits"
+        elif self.bits > 8:
+            bad = f"{self.bits} bits: minifloat's codes and packing hold formats of at most 8 bits"
+        elif self.has_inf and self.nan is not NaNEncoding.IEEE:
+            bad = "has_inf=True: only IEEE-style formats (nan=NaNEncoding.IEEE) encode infinities"
+        elif self.nan is NaNEncoding.IEEE and self.man_bits == 0:
+            bad = "nan=NaNEncoding.IEEE needs ≥ 1 mantissa bit to tell NaN from inf; use ALL_ONES or NONE"
+        if bad:
+            raise MinifloatError(f"FloatFormat {self.name!r}: {bad}")
 
     # --- bit layout -------------------------------------------------------------------
     @property
