@@ -86,6 +86,24 @@ def test_run_metrics_from_a_log():
     assert _diverged(run_metrics(rising, _base()))
 
 
+def test_run_metrics_take_the_worst_telemetry_and_count_the_bad_steps():
+    recs = [{"step": i + 1, "loss": 3.0, "step_time_s": 1.0, "skipped_steps": 0} for i in range(10)]
+    assert run_metrics(recs, _base())["max_saturated"] is None  # no telemetry: None, not 0
+    recs[2]["telemetry"] = {"max_saturated": 0.25, "max_flushed": 0.001}
+    recs[5]["telemetry"] = {"max_saturated": 0.5, "max_flushed": 0.0,
+                            "first_nonfinite": {"step": 6, "layer": "blocks.0.mlp.fc1", "where": "output"}}
+    recs[7]["telemetry"] = {"first_nonfinite": {"step": 8, "layer": "head", "where": "output"}}
+    recs[6]["nonfinite"], recs[7]["loss"] = True, float("inf")
+    recs[-1]["skipped_steps"], recs[-1]["val_loss"] = 2, 3.0
+    assert not _diverged(run_metrics([dict(r, nonfinite=False, loss=3.0) for r in recs], _base()))
+    m = run_metrics(recs, _base())
+    assert (m["max_saturated"], m["max_flushed"]) == (0.5, 0.001)
+    assert m["first_nonfinite"]["layer"] == "blocks.0.mlp.fc1"  # the first one, not the last
+    assert m["nonfinite_steps"] == 2 and m["skipped_steps"] == 2 and m["steps_completed"] == 10
+    assert _diverged(m)  # finite final losses, but non-finite steps on the way
+    assert run_metrics([], _base()) == {"steps_completed": 0}
+
+
 def test_compare_writes_metrics_report_and_plots(tmp_path):
     metrics = compare(["fp32", "fp8", "nvfp4"], _base(), tmp_path, echo=lambda line: None)
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
