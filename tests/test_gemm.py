@@ -79,6 +79,59 @@ def test_backend_choice_and_errors():
         scaled_mm(torch.randn(8, 64), qb)
 
 
+# Which GPUs run each family natively, transcribed from the module's table (PyTorch's and
+# cuBLAS' documented requirements): H100 is 9.0, B200 10.0, RTX 5090 12.0, L4 8.9, A100 8.0.
+NATIVE_ON = {
+    "fp8": {(8, 9), (9, 0), (10, 0), (12, 0)},
+    "fp8_rowwise": {(9, 0), (10, 0), (12, 0)},
+    "fp8_block128": {(9, 0)},
+    "fp8_block128x128": {(9, 0)},
+    "mxfp8": {(10, 0), (12, 0)},
+    "mxfp4": {(10, 0), (12, 0)},
+    "nvfp4": {(10, 0), (12, 0)},
+    "nvfp4_2d": {(10, 0), (12, 0)},
+    "mxfp6_e3m2": set(),
+}
+
+
+@pytest.mark.parametrize("name", NATIVE_ON)
+def test_native_support_follows_the_compute_capability_table(name, monkeypatch):
+    import minifloat.gemm as gemm
+
+    scheme = minifloat.get_scheme(name)
+    for cap in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]:
+        monkeypatch.setattr(gemm, "device_capability", lambda device, cap=cap: cap)
+        why = native_support(scheme, "cuda")
+        assert (why is None) == (cap in NATIVE_ON[name]), (cap, why)
+        assert choose_backend([scheme], "cuda") == ("native" if cap in NATIVE_ON[name] else "emulated")
+        if why is not None and native_kind(scheme) is not None:
+            low = "%d.%d" % min(NATIVE_ON[name])
+            need = f"exactly {low}" if name.startswith("fp8_block") else f"≥ {low}"
+            assert why.endswith(f"GEMMs need compute capability {need}, this GPU is {cap[0]}.{cap[1]}"), why
+        # backend="native" is refused exactly where "auto" would not choose it
+        if cap in NATIVE_ON[name]:
+            assert choose_backend([scheme], "cuda", "native") == "native"
+        else:
+            with pytest.raises(minifloat.MinifloatError, match=f"backend='native' cannot run {name} on cuda"):
+                choose_backend([scheme], "cuda", "native")
+
+
+def test_block_scaled_native_gemms_need_torch_functional_scaled_mm(monkeypatch):
+    import minifloat.gemm as gemm
+
+    monkeypatch.setattr(gemm, "device_capability", lambda device: (10, 0))
+    monkeypatch.delattr(F, "scaled_mm")
+    assert "need torch.nn.functional.scaled_mm (torch ≥ 2.10)" in native_support(minifloat.get_scheme("mxfp8"), "cuda")
+    assert native_support(minifloat.get_scheme("fp8"), "cuda") is None  # torch._scaled_mm, in every torch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_no_capability_without_cuda():
+    from minifloat.gemm import device_capability
+
+    assert device_capability("cuda") is None and device_capability("cpu") is None
+
+
 # ---- native arguments, read back by the layouts' documented meaning --------------------------
 def _cublas_offset(r: int, c: int, cols: int) -> int:
     """cuBLAS' block-scaling layout: 128-row × 4-column tiles of 512 bytes in row-major tile
@@ -97,6 +150,11 @@ def test_swizzled_scales_sit_at_cublas_offsets(rows, cols):
             assert flat[_cublas_offset(r, c, cols)] == grid[r, c]
             seen[_cublas_offset(r, c, cols)] = True
     assert (flat[~seen] == 0).all()  # padding
+
+
+def _up(n: int, m: int) -> int:
+    """`n` rounded up to a multiple of `m`."""
+    return -(-n // m) * m
 
 
 def _element_values(mat: torch.Tensor) -> torch.Tensor:
@@ -120,7 +178,8 @@ def _scale_values(scale, recipe, swizzle, rows: int, k: int) -> torch.Tensor:
         assert scale.shape == (rows, k // 128) and scale.stride(0) == 1  # outer-dim-major
         return scale.double().repeat_interleave(128, dim=1)
     if recipe == S.BlockWise128x128:
-        grid = scale.t()[:, : k // 128]  # passed as (K blocks padded to 4, row blocks)
+        assert scale.shape == (_up(k // 128, 4), _up(rows, 128) // 128)  # (K blocks padded to 4, row blocks)
+        grid = scale.t()[:, : k // 128]
         return grid.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows]
     block = 32 if recipe == S.BlockWise1x32 else 16
     assert swizzle == F.SwizzleType.SWIZZLE_32_4_4
@@ -154,7 +213,7 @@ NATIVE_PAIRS = [  # (a scheme, b scheme, b passed transposed)
 
 
 @pytest.mark.parametrize("sa,sb,b_t", NATIVE_PAIRS, ids=lambda v: str(v))
-@pytest.mark.parametrize("m,n,k", [(40, 24, 208), (160, 144, 256)])
+@pytest.mark.parametrize("m,n,k", [(40, 24, 208), (160, 144, 256), (3, 5, 40)])
 def test_native_arguments_hold_exactly_the_emulated_operands(sa, sb, b_t, m, n, k):
     """What torch._scaled_mm would read — codes, swizzled / strided scales, padding — read back
     by the layouts' documented meaning, equals the dequantized operands value for value."""
@@ -165,13 +224,26 @@ def test_native_arguments_hold_exactly_the_emulated_operands(sa, sb, b_t, m, n, 
     args, (M, N) = native_args(qa, qb, b_transposed=b_t)
     assert (M, N) == (m, n)
     va, vb = _operand(args, "a"), _operand(args, "b")
-    assert va.shape[0] % 16 == 0 and vb.shape[0] % 16 == 0 and va.shape[1] == vb.shape[1] >= k
+    # padded no further than the kernels need: rows to 16, K to 16 elements (32 for FP4)
+    # after the scheme's own padding to whole blocks
+    k_blocks = max(_up(k, minifloat.get_scheme(s).block[1]) if minifloat.get_scheme(s).block else k for s in (sa, sb))
+    k_to = _up(k_blocks, 32 if "fp4" in sa else 16)
+    assert va.shape == (_up(m, 16), k_to) and vb.shape == (_up(n, 16), k_to)
     expect_a = operand_values(qa).double()
     expect_b = operand_values(qb, b_t).double()
     # equal up to the float32 roundings of code × FP32 scale (× NVFP4's tensor scale)
     assert torch.allclose(va[:m, :k], expect_a, rtol=2**-22, atol=0)
     assert torch.allclose(vb[:n, :k], expect_b, rtol=2**-22, atol=0)
     assert not va[m:].any() and not va[:, k:].any() and not vb[n:].any() and not vb[:, k:].any()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8_rowwise"])
+def test_native_gemm_of_an_empty_operand_is_an_empty_or_zero_result(scheme):
+    empty, full = minifloat.quantize(torch.randn(0, 64), scheme), minifloat.quantize(torch.randn(8, 64), scheme)
+    assert scaled_mm(empty, full, backend="native").shape == (0, 8)
+    assert scaled_mm(full, empty, backend="native", out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    no_k = minifloat.quantize(torch.randn(8, 0), "fp8")  # K = 0: a sum of nothing
+    assert torch.equal(scaled_mm(no_k, no_k, backend="native"), torch.zeros(8, 8))
 
 
 def test_native_arguments_refuse_what_no_kernel_runs():
@@ -181,8 +253,12 @@ def test_native_arguments_refuse_what_no_kernel_runs():
     cuda_like = type("OnCuda", (), {"device": torch.device("cuda"), "__getattr__": lambda self, n: getattr(e5, n)})()
     with pytest.raises(minifloat.MinifloatError, match="no E5M2 × E5M2"):
         native_args(cuda_like, e5)
-    with pytest.raises(minifloat.MinifloatError, match="cannot be passed transposed"):
+    with pytest.raises(minifloat.MinifloatError, match="the fp8_rowwise operand cannot be passed transposed"):
         native_args(row, row, b_transposed=True)
+    with pytest.raises(minifloat.MinifloatError, match="the mxfp8 operand cannot be passed transposed"):
+        native_args(mx, mx, a_transposed=True)  # 1×32 blocks follow the rows too
+    with pytest.raises(minifloat.MinifloatError, match="operands of different K: 64 and 96"):
+        native_args(mx, minifloat.quantize(torch.randn(32, 96), "mxfp8"))
     with pytest.raises(minifloat.MinifloatError, match="no native GEMM of mxfp8 with mxfp4"):
         native_args(mx, mx4)
     with pytest.raises(minifloat.MinifloatError, match="no native GEMM of mxfp6_e3m2"):

@@ -207,7 +207,7 @@ def native_args(a, b, *, a_transposed: bool = False, b_transposed: bool = False)
         raise MinifloatError(f"no native GEMM of {a.scheme.name} with {b.scheme.name}; use backend='emulated'")
     for q, t in ((a, a_transposed), (b, b_transposed)):
         if t and not (q.scheme.granularity == "tensor" or q.scheme.block and q.scheme.block[0] == q.scheme.block[1]):
-            raise MinifloatError(f"a {q.scheme.name} operand cannot be passed transposed: its scales follow its rows")
+            raise MinifloatError(f"the {q.scheme.name} operand cannot be passed transposed: its scales follow its rows")
     if a.scheme.element == b.scheme.element == "e5m2" and a.device.type == "cuda":
         raise MinifloatError("cuBLAS has no E5M2 × E5M2 GEMM; quantize one operand as E4M3 or use backend='emulated'")
 
