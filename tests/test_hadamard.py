@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from minifloat import MinifloatError
 from minifloat.hadamard import hadamard_matrix, hadamard_signs, rht, rht_reference
 
 
@@ -55,3 +56,20 @@ def test_kernel_equals_reference_bit_for_bit(seed, monkeypatch):
     bits = lambda t: torch.where(torch.isnan(t), 0.0, t).view(torch.int32)  # noqa: E731 (NaN payloads aside)
     assert torch.equal(bits(fast), bits(ref))
     assert torch.isnan(ref[50, :16]).any() and torch.isinf(ref[9, 16:32]).all()  # overflow; an inf spreads
+
+
+@pytest.mark.parametrize("n", [0, -4, 12, 24])
+def test_sizes_that_are_not_powers_of_two_are_refused(n):
+    with pytest.raises(MinifloatError, match=f"must be a power of two, got {n}"):
+        rht(torch.randn(2, 48), n=n)
+    with pytest.raises(MinifloatError, match=f"got {n}"):
+        hadamard_matrix(n)
+
+
+def test_the_defaults_are_nvidias_16_point_transform():
+    # arXiv 2509.25149 §4.2: groups of 16 along the reduction dimension
+    assert hadamard_matrix().shape == (16, 16) and torch.equal(hadamard_matrix(), hadamard_matrix(16, 0))
+    assert torch.equal(hadamard_signs(), hadamard_signs(16, 0))
+    x = torch.randn(3, 40)
+    assert torch.equal(rht(x), rht(x, seed=0, n=16)) and rht(x).shape == (3, 48)
+    assert [hadamard_matrix(n).shape[0] for n in (1, 2, 4, 32)] == [1, 2, 4, 32]
