@@ -105,7 +105,7 @@ def test_native_support_follows_the_compute_capability_table(name, monkeypatch):
         assert (why is None) == (cap in NATIVE_ON[name]), (cap, why)
         assert choose_backend([scheme], "cuda") == ("native" if cap in NATIVE_ON[name] else "emulated")
         if why is not None and native_kind(scheme) is not None:
-            low = "%d.%d" % min(NATIVE_ON[name])
+            low = ".".join(map(str, min(NATIVE_ON[name])))
             need = f"exactly {low}" if name.startswith("fp8_block") else f"≥ {low}"
             assert why.endswith(f"GEMMs need compute capability {need}, this GPU is {cap[0]}.{cap[1]}"), why
         # backend="native" is refused exactly where "auto" would not choose it
