@@ -92,3 +92,42 @@ def test_error_cli_nan_input_and_file_choice(tmp_path, capsys):
     assert main(["error", "--input", str(tmp_path / "m.safetensors:w"), "--schemes", "fp8", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["results"][0]  # strict JSON: nan as a string
     assert row["sqnr_db"] == "nan" and row["frac_nan"] == 1.0
+
+
+def test_saturated_and_underflow_fractions_count_the_right_elements():
+    # MX floor rule (OCP MX v1.0 §6.3): a block of amax 1.9 gets 2**(floor(log2 1.9) - 8), so
+    # it holds at most 448 * 2**-8 = 1.75; 1.9 and 1.8 clip, 1.75 and below do not.
+    x = torch.full((2, 32), 0.5)
+    x[0, :3] = torch.tensor([1.9, -1.8, 1.75])
+    r = error_report(x, "mxfp8")
+    assert r["frac_saturated"] == 2 / 64
+    # fp8 per tensor, amax 448: scale 1, so |x| below half of E4M3's 2**-9 flushes to zero
+    y = torch.tensor([448.0, 1.0, 2.0**-11, -(2.0**-11), 2.0**-9, 0.0, 3e-4, 5.0])
+    r = error_report(y, "fp8")
+    assert r["frac_underflow"] == 3 / 8 and r["frac_saturated"] == 0.0  # zero is not flushed
+    d = fake_quantize(y, "fp8").double()
+    assert r["rel_l2"] == pytest.approx(((y.double() - d).norm() / y.double().norm()).item(), rel=1e-12)
+    zeros = error_report(torch.zeros(4, 32), "mxfp4")
+    assert zeros["rel_l2"] == 0.0 and zeros["sqnr_db"] == math.inf and zeros["frac_underflow"] == 0.0
+
+
+def test_sqnr_of_a_zero_reference_with_noise_is_minus_infinity():
+    assert sqnr_db(torch.zeros(3), torch.ones(3)) == -math.inf
+
+
+def test_synthetic_inputs_have_their_documented_distributions():
+    t = synthetic("heavy", 1000, 1000).double()
+    # Student-t with 3 degrees of freedom: P(|T| > 3) = 2 (1 - F(3)), with its closed-form CDF
+    # F(t) = 1/2 + (u / (1 + u²) + atan u) / π, u = t / √3
+    u = 3 / math.sqrt(3)
+    tail = 2 * (1 - (0.5 + (u / (1 + u * u) + math.atan(u)) / math.pi))
+    assert (t.abs() > 3).double().mean().item() == pytest.approx(tail, rel=0.03)  # 0.0577
+    assert t.median().abs().item() < 0.01
+    g = synthetic("gaussian", 1000, 1000).double()
+    assert g.mean().abs().item() < 0.005 and g.std().item() == pytest.approx(1.0, rel=0.01)
+    o = synthetic("outliers", 300, 512)
+    big = o.abs().amax(dim=1) > 20  # a Gaussian row of 512 stays far below 20; ×100 far above
+    assert int(big.sum()) == 3  # 1 % of the rows
+    assert o[big].std().item() == pytest.approx(100, rel=0.1) and o[~big].std().item() == pytest.approx(1, rel=0.05)
+    assert int((synthetic("outliers", 50, 64).abs().amax(dim=1) > 20).sum()) == 1  # at least one row
+    assert torch.equal(synthetic("heavy", 4, 8, seed=3), synthetic("heavy", 4, 8, seed=3))
