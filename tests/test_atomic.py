@@ -78,3 +78,42 @@ def test_the_rename_is_flushed_to_disk_with_the_file(tmp_path, monkeypatch):
     with atomic_path(tmp_path / "a.txt") as tmp:
         tmp.write_text("one")
     assert events == [("fsync", "file"), ("replace", "a.txt"), ("fsync", "dir")]
+
+
+def test_a_missing_parent_folder_is_created(tmp_path):
+    with atomic_path(tmp_path / "a" / "b" / "c.txt") as tmp:
+        tmp.write_text("x")
+    assert (tmp_path / "a" / "b" / "c.txt").read_text() == "x"
+
+
+def test_remove_deletes_a_tree_or_a_file_and_only_the_link_of_a_linked_folder(tmp_path):
+    from minifloat.atomic import remove
+
+    (tmp_path / "tree" / "sub").mkdir(parents=True)
+    (tmp_path / "tree" / "sub" / "f").write_text("x")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "g").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "kept", target_is_directory=True)
+    for name in ("tree", "file", "link", "missing"):
+        remove(tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and (tmp_path / "kept" / "g").exists()
+
+
+def test_temporary_names_retry_on_a_collision_and_give_up_with_an_error(tmp_path, monkeypatch):
+    import secrets
+
+    from minifloat.atomic import make_dir_beside
+
+    tags = iter(["aaaa", "bbbb"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(tags))
+    (tmp_path / ".ckpt-aaaa").mkdir()
+    old = os.umask(0o022)
+    try:
+        made = make_dir_beside(tmp_path / "ckpt-1", "ckpt-")
+    finally:
+        os.umask(old)
+    assert made == tmp_path / ".ckpt-bbbb" and _mode(made) == 0o755  # as mkdir makes it, not mkdtemp's 0700
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "aaaa")
+    with pytest.raises(MinifloatError, match="could not create a temporary file or folder beside"):
+        make_dir_beside(tmp_path / "ckpt-1", "ckpt-")

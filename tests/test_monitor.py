@@ -132,3 +132,42 @@ def test_refuses_what_it_could_not_watch():
     minifloat.monitor(model).close()  # free again once the first is closed
     with pytest.warns(UserWarning, match="no minifloat Linear layers, so nothing will be recorded; convert it first"):
         minifloat.monitor(torch.nn.Sequential(torch.nn.Linear(32, 32))).close()
+
+
+def test_edge_cases_of_counting_and_recording():
+    layer = minifloat.nn.Linear(32, 16, recipe="fp8", bias=False)
+    model = torch.nn.Sequential(layer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with minifloat.monitor(model) as mon:
+        opt.step()  # an optimizer step before any forward is not a step of the model
+        assert mon.step == 0
+        layer(torch.zeros(0, 32))  # an empty batch: amax 0, nothing saturated or flushed
+        empty = next(r for r in mon.records if r["operand"] == "input")
+        assert (empty["amax"], empty["saturated"], empty["flushed"]) == (0.0, 0.0, 0.0)
+    layer(torch.ones(2, 32)).sum().backward()
+    opt.step()  # delayed scaling: history amax 1 → scale 448 (TE's encode multiplier)
+    x = torch.ones(2, 32)
+    x[1, :4] = 0.0  # zeros are not "flushed"
+    with minifloat.monitor(model, max_records=1) as mon:  # 1 is allowed: the newest record only
+        layer(torch.ones(2, 32))
+        layer(x)
+    assert len(mon.records) == 1 and mon.records[0]["operand"] == "weight"
+    with minifloat.monitor(model) as mon:
+        layer(x)
+    inp = mon.records[0]
+    assert inp["operand"] == "input" and inp["scale"] == pytest.approx(448.0, rel=1e-6) and inp["flushed"] == 0.0
+
+
+def test_the_no_layers_warning_points_at_the_caller():
+    with pytest.warns(UserWarning, match="no minifloat Linear layers") as caught:
+        minifloat.monitor(torch.nn.Sequential(torch.nn.Linear(4, 4))).close()
+    assert caught[0].filename == __file__
+
+
+def test_pending_checks_stay_bounded_without_optimizer_steps():
+    # Inference: no optimizer step ever reads the flags, so they are read every 4096 checks.
+    layer = minifloat.nn.Linear(8, 8, recipe="mxfp8", bias=False)
+    with minifloat.monitor(torch.nn.Sequential(layer)) as mon:
+        for _ in range(4100):  # what 4100 forwards check (one output each), without running them
+            mon.check(layer, "output", torch.ones(1))
+        assert 0 < len(mon._pending) < 4096 and mon.first_nonfinite is None
