@@ -86,6 +86,36 @@ def test_a_folder_is_read_only_up_to_max_bytes(tmp_path):
         load_corpus(tmp_path / "cut.txt", max_bytes=10_000)
 
 
+def test_stdlib_corpus_reads_sorted_sources_without_tests_or_site_packages(tmp_path, monkeypatch):
+    import sysconfig
+
+    lib = tmp_path / "lib"
+    for rel, text in [("b.py", "b" * 6000), ("a.py", "a" * 6000), ("pkg/c.py", "c" * 6000),
+                      ("test/t.py", "T"), ("pkg/tests/t.py", "T"), ("site-packages/s.py", "S"),
+                      ("idlelib/i.py", "I"), ("notes.txt", "N"), ("dir.py/x.txt", "X")]:  # fmt: skip
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text(text)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    data = stdlib_corpus(max_bytes=15_000)  # stops reading at the third file
+    assert bytes(torch.cat([data.train, data.val]).tolist()) == b"a" * 6000 + b"b" * 6000 + b"c" * 3000
+    assert (len(data.train), len(data.val)) == (13_500, 1_500)  # the last 10 % is validation
+    (lib / "pkg" / "c.py").write_text("c" * 100)
+    assert len(stdlib_corpus(max_bytes=15_000).train) == 10_890  # all 12,100 bytes there are
+    (lib / "b.py").unlink()  # 6,100 bytes: under the 10,000 a corpus needs
+    with pytest.raises(minifloat.MinifloatError, match="too little source for a corpus; use --data PATH"):
+        stdlib_corpus()
+
+
+def test_a_folder_corpus_reads_text_files_only(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"\x89PNG\x00" * 100)  # sorted first, skipped by its suffix
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.MD").write_text("# b\n" * 1000)
+    (tmp_path / "c.py").write_text("c = 1\n" * 500)
+    data = load_corpus(tmp_path)
+    assert bytes(torch.cat([data.train, data.val]).tolist()) == b"c = 1\n" * 500 + b"# b\n" * 1000
+    assert len(data.val) == (3000 + 4000) // 10
+
+
 def test_gpt_sizes_and_tied_embeddings():
     assert 2.5e6 < GPT(GPT_SIZES["small"]).num_params() < 3.5e6
     model = build_model(_cfg(precision="mxfp8"))
