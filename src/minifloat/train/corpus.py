@@ -98,7 +98,10 @@ def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
 def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
     """Random windows of `data`: inputs (B, T) and next-byte targets (B, T), int64."""
     if len(data) <= seq_len + 1:
-        raise MinifloatError(f"the corpus split has {len(data)} bytes, fewer than --seq-len {seq_len} + 1")
+        raise MinifloatError(
+            f"the corpus split has {len(data)} bytes; --seq-len {seq_len} needs at least {seq_len + 2} "
+            "(a window and the byte after it); give more text or a smaller --seq-len"
+        )
     starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=generator)
     idx = starts[:, None] + torch.arange(seq_len + 1)
     window = data[idx].long()  # (B, T+1)
