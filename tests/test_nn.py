@@ -259,6 +259,29 @@ def test_convert_swaps_eligible_layers_and_shares_parameters(caplog):
     assert w0.grad is not None and not torch.equal(model[0].weight, before)
 
 
+@pytest.mark.parametrize(
+    ("recipe", "shape", "why"),
+    [
+        ("fp8", (16, 32), None),  # 16 is enough, for per-tensor scales too
+        ("fp8", (8, 32), "in_features=8 is below 16"),
+        ("fp8", (24, 32), "in_features=24 is not a multiple of 16"),
+        ("mxfp8", (64, 96), None),
+        ("mxfp8", (48, 64), "in_features=48 is not a multiple of 32"),
+        ("nvfp4", (32, 16), None),
+        ("fp8-block", (128, 256), None),
+        ("fp8-block", (256, 64), "out_features=64 is not a multiple of 128"),
+    ],
+)
+def test_convert_rule_multiples_of_the_largest_block_and_of_16(recipe, shape, why, caplog):
+    in_f, out_f = shape
+    model = torch.nn.Sequential(torch.nn.Linear(in_f, out_f))
+    with caplog.at_level(logging.INFO, logger="minifloat"):
+        minifloat.convert(model, recipe)
+    assert isinstance(model[0], minifloat.nn.Linear) == (why is None)
+    if why is not None:
+        assert f"keeping 0 ({out_f}, {in_f}) in high precision ({why})" in caplog.text
+
+
 def test_convert_leaves_multihead_attention_out_proj_whose_forward_never_runs(caplog):
     layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
     with caplog.at_level(logging.INFO, logger="minifloat"):

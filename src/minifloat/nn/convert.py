@@ -1,8 +1,8 @@
 """`minifloat.convert`: swap a model's `torch.nn.Linear` layers for minifloat Linears in place.
 
 By default a layer is converted when both its dimensions are multiples of the recipe's
-largest block (1 for per-tensor FP8 … 128 for DeepSeek blocks) and at least 16 (the
-alignment of native FP8 GEMMs); the others stay in high precision, with a log line each.
+largest block (1 for per-tensor FP8 … 128 for DeepSeek blocks) and of 16 (the alignment of
+native FP8 GEMMs); the others stay in high precision, with a log line each.
 ``filter(fqn, module) -> bool`` replaces that rule (e.g. to keep the LM head, or the last
 blocks, in high precision as the NVFP4 recipe advises). ``nn.MultiheadAttention``'s
 ``out_proj`` is never converted: the attention calls ``F.linear`` on its weights itself.
@@ -31,7 +31,7 @@ MIN_FEATURES = 16
 
 
 def _why_not(module: torch.nn.Linear, recipe: Recipe) -> str | None:
-    multiple = max(recipe.block_multiple, MIN_FEATURES) if recipe.block_multiple > 1 else MIN_FEATURES
+    multiple = max(recipe.block_multiple, MIN_FEATURES)
     for name in ("in_features", "out_features"):
         n = getattr(module, name)
         if n < MIN_FEATURES:
