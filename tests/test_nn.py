@@ -123,6 +123,21 @@ def test_delayed_history_rolls_once_per_step_and_reduces_by_max():
     assert layer.scale[2].item() == pytest.approx(57344.0 / max(g_amax, layer.amax_history[2, 1].item()))
 
 
+def test_delayed_history_ignores_evaluation_forwards():
+    # A validation pass (eval() or no_grad) must not put its amaxes into the training history.
+    layer = minifloat.nn.Linear(32, 16, recipe="fp8")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    _delayed_step(layer, opt, 2.0)
+    layer.eval()
+    layer(torch.full((4, 32), 100.0))
+    layer.train()
+    with torch.no_grad():
+        layer(torch.full((4, 32), 100.0))
+    _delayed_step(layer, opt, 3.0)
+    assert int(layer.amax_steps) == 2 and layer.amax_history[0, :3].tolist() == [3.0, 2.0, 0.0]
+    assert layer.scale[0].item() == pytest.approx(448.0 / 3.0)
+
+
 def test_delayed_history_rolls_in_a_deepcopy():
     # a copy is made without __init__: it must still be tracked, or its scales never update
     layer = copy.deepcopy(minifloat.nn.Linear(32, 16, recipe="fp8"))
