@@ -97,10 +97,14 @@ def test_error_cli_nan_input_and_file_choice(tmp_path, capsys):
 def test_saturated_and_underflow_fractions_count_the_right_elements():
     # MX floor rule (OCP MX v1.0 §6.3): a block of amax 1.9 gets 2**(floor(log2 1.9) - 8), so
     # it holds at most 448 * 2**-8 = 1.75; 1.9 and 1.8 clip, 1.75 and below do not.
-    x = torch.full((2, 32), 0.5)
+    x = torch.full((2, 32), 0.51)  # rounds down to 0.5 inside the range: not saturated
     x[0, :3] = torch.tensor([1.9, -1.8, 1.75])
     r = error_report(x, "mxfp8")
     assert r["frac_saturated"] == 2 / 64
+    small = error_report(x * 2**-7, "mxfp8")  # a power-of-two smaller, norm below 1: the same fractions
+    d = fake_quantize(x * 2**-7, "mxfp8").double()
+    assert small["rel_l2"] == pytest.approx(((x * 2**-7).double() - d).norm().item() / (x * 2**-7).double().norm().item())
+    assert small["frac_saturated"] == 2 / 64 and math.isfinite(small["sqnr_db"])
     # fp8 per tensor, amax 448: scale 1, so |x| below half of E4M3's 2**-9 flushes to zero
     y = torch.tensor([448.0, 1.0, 2.0**-11, -(2.0**-11), 2.0**-9, 0.0, 3e-4, 5.0])
     r = error_report(y, "fp8")
@@ -113,6 +117,7 @@ def test_saturated_and_underflow_fractions_count_the_right_elements():
 
 def test_sqnr_of_a_zero_reference_with_noise_is_minus_infinity():
     assert sqnr_db(torch.zeros(3), torch.ones(3)) == -math.inf
+    assert sqnr_db(torch.tensor([0.3]), torch.tensor([0.2])) == pytest.approx(10 * math.log10(0.09 / 0.01))
 
 
 def test_synthetic_inputs_have_their_documented_distributions():
