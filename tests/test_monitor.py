@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -171,3 +173,12 @@ def test_pending_checks_stay_bounded_without_optimizer_steps():
         for _ in range(4100):  # what 4100 forwards check (one output each), without running them
             mon.check(layer, "output", torch.ones(1))
         assert 0 < len(mon._pending) < 4096 and mon.first_nonfinite is None
+
+
+def test_an_all_zero_nvfp4_input_has_no_scale():
+    # NVFP4's decode scales of an all-zero tensor are 0: no encode multiplier exists (NaN, not inf)
+    layer = minifloat.nn.Linear(32, 16, recipe="nvfp4", bias=False)
+    with minifloat.monitor(torch.nn.Sequential(layer)) as mon:
+        layer(torch.zeros(2, 32))
+    inp = next(r for r in mon.records if r["operand"] == "input")
+    assert math.isnan(inp["scale"]) and (inp["amax"], inp["saturated"], inp["flushed"]) == (0.0, 0.0, 0.0)
