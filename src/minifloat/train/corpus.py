@@ -99,8 +99,8 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
     """Random windows of `data`: inputs (B, T) and next-byte targets (B, T), int64."""
     if len(data) <= seq_len + 1:
         raise MinifloatError(
-            f"the corpus split has {len(data)} bytes; --seq-len {seq_len} needs at least {seq_len + 2} "
-            "(a window and the byte after it); give more text or a smaller --seq-len"
+            f"the corpus split has {len(data)} bytes; --seq-len {seq_len} needs at least {seq_len + 2}: "
+            "give more text or a smaller --seq-len"
         )
     starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=generator)
     idx = starts[:, None] + torch.arange(seq_len + 1)
