@@ -139,3 +139,19 @@ def test_train_and_compare_flags_reach_the_config():
                                           "--lr", "2e-3", "--eval-batches", "3", "--telemetry-every", "5"])  # fmt: skip
         c = config_from_args(args, precision="nvfp4")
         assert (c.high_precision_last, c.lr, c.eval_batches, c.telemetry_every) == (1, 2e-3, 3, 5)
+
+
+def test_train_and_compare_defaults_are_the_libraries():
+    """A flag left out means what `TrainConfig` means; `minifloat compare` only changes the
+    precision to its reference's."""
+    import dataclasses
+
+    from minifloat.cli import build_parser
+    from minifloat.cli.train import config_from_args
+    from minifloat.compare import DEFAULT_PRECISIONS
+    from minifloat.train.trainer import TrainConfig
+
+    assert config_from_args(build_parser().parse_args(["train"])) == TrainConfig()
+    compare_args = build_parser().parse_args(["compare"])
+    first = DEFAULT_PRECISIONS[0]
+    assert config_from_args(compare_args, precision=first) == dataclasses.replace(TrainConfig(), precision=first)

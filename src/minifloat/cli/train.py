@@ -6,32 +6,34 @@ import argparse
 import os
 
 from minifloat import jsonio
+from minifloat.train.model import GPT_SIZES
 from minifloat.train.trainer import PRECISIONS, TrainConfig
 
 
+def _default(name: str):
+    """The library's default for a TrainConfig field: the flags take theirs from it."""
+    return TrainConfig.__dataclass_fields__[name].default
+
+
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    """The options `train` and `compare` share: model, schedule, data."""
-    p.add_argument("--model", default="small", choices=["tiny", "small", "base"])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=16)
+    """The options `train` and `compare` share: model, schedule, data (defaults: `TrainConfig`'s)."""
+    p.add_argument("--model", default=_default("model"), choices=list(GPT_SIZES))
+    for name in ("steps", "batch_size", "warmup", "grad_accum", "seed", "eval_every"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=_default(name))
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128, or the model's block size if smaller)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    p.add_argument("--lr", type=float, default=_default("lr"), help=f"peak AdamW learning rate (default {_default('lr'):g})")
+    p.add_argument("--grad-clip", type=float, default=_default("grad_clip"))
+    p.add_argument("--eval-batches", type=int, default=_default("eval_batches"), help="held-out batches per evaluation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument(
-        "--telemetry-every", type=int, default=10, help="steps between amax/scale records (0: off)"
+        "--telemetry-every", type=int, default=_default("telemetry_every"), help="steps between amax/scale records (0: off)"
     )
     p.add_argument(
         "--quantize-head", action="store_true", help="quantize the LM head too (default: high precision)"
     )
     p.add_argument(
-        "--high-precision-last", type=int, default=0, metavar="N",
+        "--high-precision-last", type=int, default=_default("high_precision_last"), metavar="N",
         help="keep the last N transformer blocks in high precision (the NVFP4 recipe's advice)",
     )  # fmt: skip
     p.add_argument(
@@ -42,11 +44,11 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the built-in GPT in one precision")
     p.add_argument(
-        "--precision", default="fp32", choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}"
+        "--precision", default=_default("precision"), choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}"
     )
     add_training_arguments(p)
     p.add_argument(
-        "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
+        "--checkpoint-every", type=int, default=_default("checkpoint_every"), help="steps between checkpoints (0: at the end)"
     )
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
     p.add_argument("--config", default=None, metavar="JSON",
