@@ -12,7 +12,7 @@ import minifloat
 from minifloat.train import checkpoint
 from minifloat.train.corpus import get_batch, load_corpus, stdlib_corpus
 from minifloat.train.model import GPT, GPT_SIZES
-from minifloat.train.trainer import TrainConfig, build_model, lr_at, read_log, train
+from minifloat.train.trainer import RoundedLinear, TrainConfig, build_model, lr_at, read_log, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -370,3 +370,76 @@ def test_config_rejects_bad_optimizer_settings(field, value, message):
     """Caught when the config is made, not as a torch.optim traceback in every run."""
     with pytest.raises(minifloat.MinifloatError, match=message):
         _cfg(**{field: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounded_linear_is_a_low_precision_gemm_with_fp32_accumulation(dtype):
+    """bf16/fp16 emulation: operands rounded to `dtype`, products summed in FP32, the output
+    (and the input's gradient) rounded to `dtype`; the weight's gradient stays FP32. Operands
+    have 8 significant bits (exact in both dtypes) plus a quarter-ulp nudge that rounding must
+    remove; their products and sums fit FP32 exactly, so a float64 GEMM of the rounded operands
+    is an exact oracle."""
+    gen = torch.Generator().manual_seed(0)
+
+    def nudged(*shape):  # ±k/256, 128 ≤ k < 256, plus a quarter ulp (the ulp in [0.5, 1) is eps/2)
+        k = torch.randint(128, 256, shape, generator=gen) * (torch.randint(0, 2, shape, generator=gen) * 2 - 1)
+        return k / 256 + torch.finfo(dtype).eps / 8, (k / 256).double()
+
+    x, x_r = nudged(2, 3, 16)
+    w, w_r = nudged(8, 16)
+    g, g_r = nudged(2, 3, 8)
+    bias = torch.arange(8) / 64
+    x.requires_grad_(True)
+    lin = RoundedLinear(16, 8)
+    lin.weight, lin.bias, lin.rounding_dtype = torch.nn.Parameter(w), torch.nn.Parameter(bias), dtype
+    out = lin(x)
+    out.backward(g)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, (x_r @ w_r.T + bias.double()).to(dtype).float())
+    assert torch.equal(x.grad, (g_r @ w_r).to(dtype).float())
+    assert torch.equal(lin.weight.grad, (g_r.reshape(-1, 8).T @ x_r.reshape(-1, 16)).float())
+    assert torch.equal(lin.bias.grad, g_r.sum((0, 1)).float())
+
+
+def test_progress_without_tqdm_prints_every_tenth_step_and_the_last(tmp_path, monkeypatch, capsys):
+    """The plain progress lines `minifloat compare` echoes from its child runs."""
+    monkeypatch.setenv("MINIFLOAT_NO_TQDM", "1")
+    train(_cfg(steps=12, eval_every=0), tmp_path / "run")
+    lines = capsys.readouterr().out.splitlines()
+    records = read_log(tmp_path / "run" / "log.jsonl")
+    assert [line.split()[:2] for line in lines] == [["step", "10/12"], ["step", "12/12"]]
+    for line, rec in zip(lines, (records[9], records[11]), strict=True):
+        assert line == f"step {rec['step']}/12 loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s"
+    train(_cfg(steps=12, eval_every=0), tmp_path / "quiet", progress=False)
+    assert capsys.readouterr().out == ""
+
+
+def test_gpt_is_causal_and_initialised_as_gpt2():
+    """A token's logits depend on it and the tokens before it only; weights start at
+    N(0, 0.02) with the residual projections at 0.02 / sqrt(2 · n_layer), biases at zero."""
+    from minifloat.train.model import GPTConfig
+
+    torch.manual_seed(0)
+    c = GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=32)
+    model = GPT(c)
+    idx = torch.randint(0, 256, (2, 16))
+    later = idx.clone()
+    later[:, 9:] = (later[:, 9:] + 1) % 256
+    with torch.no_grad():
+        a, b = model(idx), model(later)
+    assert a.shape == (2, 16, 256)
+    assert torch.equal(a[:, :9], b[:, :9]) and not torch.allclose(a[:, 9], b[:, 9])
+    big = GPT(GPT_SIZES["small"])
+    for name, p in big.named_parameters():
+        if name.endswith("bias"):
+            assert not p.any(), name
+        elif name.endswith(("qkv.weight", "fc.weight", "wte.weight", "wpe.weight")):
+            assert p.std().item() == pytest.approx(0.02, rel=0.02), name
+        elif name.endswith("proj.weight"):
+            assert p.std().item() == pytest.approx(0.02 / (2 * 4) ** 0.5, rel=0.02), name
+    L, C, V, T = 4, 256, 256, 128  # blocks 12·L·C² + 13·L·C, embeddings (V + T)·C, final norm 2C; head tied
+    assert big.num_params() == 12 * L * C**2 + 13 * L * C + (V + T) * C + 2 * C == 3_257_856
+    with pytest.raises(minifloat.MinifloatError, match="sequence of 17 tokens exceeds the model's block_size 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(minifloat.MinifloatError, match="n_embd=30 must be a multiple of n_head=4"):
+        GPTConfig(n_embd=30, n_head=4)
