@@ -196,3 +196,25 @@ def test_loss_smoothing_is_centred():
 
     assert _smooth([1.0, 2.0, 3.0, 4.0, 5.0], 1) == [1.5, 2.0, 3.0, 4.0, 4.5]
     assert _smooth([1.0, float("nan"), 3.0], 1)[0] == 1.0  # non-finite: left as is
+    assert _smooth([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [2.0, 2.5, 3.0, 3.5, 4.0]  # shorter windows at the ends
+    assert _smooth([1.0, 5.0, 2.0], 0) == [1.0, 5.0, 2.0]
+
+
+def test_summary_table_formats_each_figure_and_marks_missing_ones():
+    from minifloat.report.compare import summary_table
+
+    ok = {"precision": "bf16", "status": "ok", "final_train_loss": 2.71828, "final_val_loss": 2.5,
+          "val_loss_delta_pct": 0.0, "step_time_s": 0.1234, "step_time_ratio": 1.0, "tokens_per_s": 16597.3,
+          "weight_bytes": 3 * 2**20 + 2**19, "peak_rss_bytes": 2**30, "skipped_steps": 0, "nonfinite_steps": 0}  # fmt: skip
+    worse = dict(ok, precision="nvfp4", status="diverged", final_val_loss=float("nan"), val_loss_delta_pct=-1.234,
+                 step_time_ratio=1.456, weight_bytes=2**20 // 4, skipped_steps=3, nonfinite_steps=2)  # fmt: skip
+    failed = {"precision": "mxfp4", "status": "failed", "steps_completed": 0}
+    table = summary_table({"runs": [ok, worse, failed]}).splitlines()
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    assert rows[0] == ["precision", "status", "final train", "final val", "Δ val vs bf16", "step s", "× step time",
+                       "tokens/s", "weights MiB", "peak RSS MiB", "skipped", "non-finite"]  # fmt: skip
+    assert all(set(cell) == {"-"} for cell in rows[1])
+    assert rows[2] == ["bf16", "ok", "2.7183", "2.5000", "+0.00 %", "0.123", "1.00", "16,597", "3.50", "1024.00", "0", "0"]
+    assert rows[3] == ["nvfp4", "diverged", "2.7183", "nan", "-1.23 %", "0.123", "1.46", "16,597", "0.25", "1024.00", "3", "2"]
+    assert rows[4] == ["mxfp4", "failed", *["—"] * 10]
+    assert len({len(line) for line in table}) == 1  # columns aligned
