@@ -364,12 +364,22 @@ def test_high_precision_last_blocks_and_head_stay_unquantized():
     ("field", "value", "message"),
     [("lr", -1.0, "--lr must be a positive number, got -1.0"), ("lr", float("nan"), "--lr must be a positive number"),
      ("grad_clip", -1.0, "--grad-clip must be a number ≥ 0"), ("weight_decay", float("inf"), "--weight-decay must be"),
-     ("min_lr_ratio", 1.5, "min_lr_ratio must be in"), ("warmup", -3, "--warmup must be ≥ 0")],
+     ("min_lr_ratio", 1.5, "min_lr_ratio must be in"), ("min_lr_ratio", -0.1, "min_lr_ratio must be in"),
+     ("warmup", -3, "--warmup must be ≥ 0"), ("lr", 0.0, "--lr must be a positive number, got 0.0"),
+     ("high_precision_last", -1, "--high-precision-last -1: the tiny model has 2 blocks")],
 )
 def test_config_rejects_bad_optimizer_settings(field, value, message):
     """Caught when the config is made, not as a torch.optim traceback in every run."""
     with pytest.raises(minifloat.MinifloatError, match=message):
         _cfg(**{field: value})
+
+
+def test_config_accepts_the_ends_of_each_range():
+    ends = dict(high_precision_last=2, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=0.0, warmup=0, eval_every=0,
+                checkpoint_every=0, telemetry_every=0, seq_len=64, steps=1, batch_size=1, grad_accum=1, eval_batches=1)  # fmt: skip
+    for field, value in ends.items():
+        assert getattr(_cfg(**{field: value}), field) == value
+    assert _cfg(min_lr_ratio=0.0, high_precision_last=0).min_lr_ratio == 0.0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
