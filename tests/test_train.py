@@ -118,16 +118,16 @@ def test_a_folder_corpus_reads_text_files_only(tmp_path):
 
 def test_batches_are_windows_of_the_data_and_their_next_bytes(tmp_path):
     data = torch.arange(40, dtype=torch.uint8)
-    x, y = get_batch(data, 64, 8, torch.Generator().manual_seed(1))
-    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (64, 8)
+    x, y = get_batch(data, 2000, 8, torch.Generator().manual_seed(1))
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (2000, 8)
     starts = x[:, 0]
     assert torch.equal(x, starts[:, None] + torch.arange(8)) and torch.equal(y, x + 1)
-    assert int(starts.min()) >= 0 and int(starts.max()) + 8 < 40  # every target inside the data
-    assert len(set(starts.tolist())) > 20  # windows start all over
-    only = get_batch(data[:10], 4, 8, torch.Generator())[0]  # 10 bytes, 8 + 1 per window: start 0
-    assert torch.equal(only, torch.arange(8).expand(4, 8))
-    with pytest.raises(minifloat.MinifloatError, match="has 9 bytes; --seq-len 8 needs at least 10"):
-        get_batch(data[:9], 4, 8, torch.Generator())
+    # Every window of 9 bytes is drawn, the last one ending on the last byte (a target too).
+    assert sorted(set(starts.tolist())) == list(range(40 - 8))
+    only = get_batch(data[:9], 4, 8, torch.Generator())  # 9 bytes: one window
+    assert torch.equal(only[0], torch.arange(8).expand(4, 8)) and torch.equal(only[1], only[0] + 1)
+    with pytest.raises(minifloat.MinifloatError, match="has 8 bytes; --seq-len 8 needs at least 9: give more"):
+        get_batch(data[:8], 4, 8, torch.Generator())
     (tmp_path / "2k.txt").write_text("x" * 2048)  # the smallest corpus file accepted
     assert len(load_corpus(tmp_path / "2k.txt").val) == 204
     (tmp_path / "2k.txt").write_text("x" * 2047)

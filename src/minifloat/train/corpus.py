@@ -97,12 +97,13 @@ def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
 
 def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
     """Random windows of `data`: inputs (B, T) and next-byte targets (B, T), int64."""
-    if len(data) <= seq_len + 1:
+    if len(data) < seq_len + 1:
         raise MinifloatError(
-            f"the corpus split has {len(data)} bytes; --seq-len {seq_len} needs at least {seq_len + 2}: "
+            f"the corpus split has {len(data)} bytes; --seq-len {seq_len} needs at least {seq_len + 1}: "
             "give more text or a smaller --seq-len"
         )
-    starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=generator)
+    # Every window of seq_len + 1 bytes, the last one ending on the split's last byte.
+    starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=generator)
     idx = starts[:, None] + torch.arange(seq_len + 1)
     window = data[idx].long()  # (B, T+1)
     return window[:, :-1], window[:, 1:]
