@@ -366,7 +366,9 @@ def test_high_precision_last_blocks_and_head_stay_unquantized():
      ("grad_clip", -1.0, "--grad-clip must be a number ≥ 0"), ("weight_decay", float("inf"), "--weight-decay must be"),
      ("min_lr_ratio", 1.5, "min_lr_ratio must be in"), ("min_lr_ratio", -0.1, "min_lr_ratio must be in"),
      ("warmup", -3, "--warmup must be ≥ 0"), ("lr", 0.0, "--lr must be a positive number, got 0.0"),
-     ("high_precision_last", -1, "--high-precision-last -1: the tiny model has 2 blocks")],
+     ("high_precision_last", -1, "--high-precision-last -1: the tiny model has 2 blocks"),
+     ("max_bytes", 0, "max_bytes ≥ 1, got 2 and 0"), ("telemetry_every", -1, "and --telemetry-every must be ≥ 0"),
+     ("checkpoint_every", -1, "--checkpoint-every and"), ("eval_every", -1, "--eval-every, ")],
 )
 def test_config_rejects_bad_optimizer_settings(field, value, message):
     """Caught when the config is made, not as a torch.optim traceback in every run."""
@@ -376,7 +378,7 @@ def test_config_rejects_bad_optimizer_settings(field, value, message):
 
 def test_config_accepts_the_ends_of_each_range():
     ends = dict(high_precision_last=2, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=0.0, warmup=0, eval_every=0,
-                checkpoint_every=0, telemetry_every=0, seq_len=64, steps=1, batch_size=1, grad_accum=1, eval_batches=1)  # fmt: skip
+                checkpoint_every=0, telemetry_every=0, seq_len=64, max_bytes=1, steps=1, batch_size=1, grad_accum=1, eval_batches=1)  # fmt: skip
     for field, value in ends.items():
         assert getattr(_cfg(**{field: value}), field) == value
     assert _cfg(min_lr_ratio=0.0, high_precision_last=0).min_lr_ratio == 0.0
@@ -453,3 +455,22 @@ def test_gpt_is_causal_and_initialised_as_gpt2():
         model(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(minifloat.MinifloatError, match="n_embd=30 must be a multiple of n_head=4"):
         GPTConfig(n_embd=30, n_head=4)
+
+
+def test_adamw_decays_matrices_only_and_only_fp16_scales_the_loss(tmp_path):
+    """GPT-style AdamW (betas 0.9/0.95): weight decay on the ≥2-D weights, none on biases and
+    norms; a dynamic loss scale for fp16 alone (every other precision trains at scale 1)."""
+    names = {n: p.dim() for n, p in build_model(_cfg()).named_parameters()}
+    for precision in ("fp32", "fp16", "fp8"):
+        out = tmp_path / "nested" / precision  # --out's parents are created
+        train(_cfg(precision=precision, steps=2, eval_every=0), out, progress=False)
+        _, _, state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(out / "checkpoints"))
+        decay, no_decay = state["optimizer"]["param_groups"]
+        assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+        assert sorted(decay["params"]) == sorted(n for n, d in names.items() if d >= 2)
+        assert sorted(no_decay["params"]) == sorted(n for n, d in names.items() if d < 2)
+        assert decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-8
+        if precision == "fp16":
+            assert state["scaler"]["scale"] > 1.0
+        else:
+            assert state["scaler"]["scale"] == 1.0
