@@ -416,9 +416,10 @@ def test_rounded_linear_is_a_low_precision_gemm_with_fp32_accumulation(dtype):
 def test_progress_without_tqdm_prints_every_tenth_step_and_the_last(tmp_path, monkeypatch, capsys):
     """The plain progress lines `minifloat compare` echoes from its child runs."""
     monkeypatch.setenv("MINIFLOAT_NO_TQDM", "1")
-    train(_cfg(steps=12, eval_every=0), tmp_path / "run")
+    train(_cfg(steps=12, eval_every=0, grad_accum=2), tmp_path / "run")
     lines = capsys.readouterr().out.splitlines()
     records = read_log(tmp_path / "run" / "log.jsonl")
+    assert all(r["tokens_per_s"] == pytest.approx(4 * 32 * 2 / r["step_time_s"], rel=1e-12) for r in records)
     assert [line.split()[:2] for line in lines] == [["step", "10/12"], ["step", "12/12"]]
     for line, rec in zip(lines, (records[9], records[11]), strict=True):
         assert line == f"step {rec['step']}/12 loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s"
@@ -474,3 +475,61 @@ def test_adamw_decays_matrices_only_and_only_fp16_scales_the_loss(tmp_path):
             assert state["scaler"]["scale"] > 1.0
         else:
             assert state["scaler"]["scale"] == 1.0
+
+
+def test_activation_checkpointing_recomputes_each_block_and_changes_no_number():
+    """Each block's forward runs again in backward; the gradients and a delayed-scaling
+    layer's pending amaxes (max-folded, so a recompute records nothing new) are unchanged."""
+    from minifloat.train.trainer import _enable_activation_checkpointing
+
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    results = []
+    for on in (False, True):
+        model = build_model(_cfg(precision="fp8"))
+        calls = []
+        for i, block in enumerate(model.blocks):
+            block.ln1.register_forward_hook(lambda m, a, o, i=i, calls=calls: calls.append(i))
+        if on:
+            _enable_activation_checkpointing(model)
+        model(x).logsumexp(-1).mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results.append((calls, grads, model.blocks[0].mlp.fc.amax_pending.clone()))
+    (calls_off, grads_off, amax_off), (calls_on, grads_on, amax_on) = results
+    assert calls_off == [0, 1] and sorted(calls_on) == [0, 0, 1, 1]
+    assert grads_on.keys() == grads_off.keys() and all(torch.equal(grads_on[n], grads_off[n]) for n in grads_on)
+    assert torch.equal(amax_on, amax_off) and bool((amax_on > 0).all())
+
+
+def test_compiled_and_checkpointed_training_equals_eager(tmp_path, monkeypatch):
+    """--compile and --activation-checkpointing change how the step runs, not what it computes;
+    the checkpoint holds the plain model's names (no torch.compile wrapper prefix)."""
+    import minifloat.train.trainer as trainer
+
+    enabled = []
+    real = trainer._enable_activation_checkpointing
+    monkeypatch.setattr(trainer, "_enable_activation_checkpointing", lambda m: enabled.append(m) or real(m))
+    eager = train(_cfg(precision="fp8", steps=3), tmp_path / "eager", progress=False)
+    assert enabled == []
+    both = train(_cfg(precision="fp8", steps=3, compile=True, activation_checkpointing=True), tmp_path / "both", progress=False)
+    assert len(enabled) == 1 and hasattr(enabled[0], "_orig_mod")  # the compiled model's blocks
+    untimed = [{k: v for k, v in r["final"].items() if k not in ("step_time_s", "tokens_per_s")} for r in (both, eager)]
+    assert _losses(tmp_path / "both") == _losses(tmp_path / "eager") and untimed[0] == untimed[1]
+    _, weights, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "both" / "checkpoints"))
+    _, eager_weights, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "eager" / "checkpoints"))
+    assert weights.keys() == eager_weights.keys() and all(torch.equal(weights[k], eager_weights[k]) for k in weights)
+
+
+def test_the_logged_loss_is_the_mean_cross_entropy_of_the_steps_micro_batches(tmp_path):
+    """Step 1's loss from first principles: the seed's initial weights on the first two
+    windows the seed's data generator draws (grad_accum 2)."""
+    from minifloat.train.trainer import load_data
+
+    c = _cfg(steps=1, grad_accum=2, eval_every=0)
+    train(c, tmp_path / "run", progress=False)
+    model, data, gen = build_model(c), load_data(c), torch.Generator().manual_seed(c.seed)
+    expected = 0.0
+    with torch.no_grad():
+        for _ in range(2):
+            x, y = get_batch(data.train, c.batch_size, c.seq_len, gen)
+            expected += torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).item() / 2
+    assert read_log(tmp_path / "run" / "log.jsonl")[0]["loss"] == expected
