@@ -533,3 +533,25 @@ def test_the_logged_loss_is_the_mean_cross_entropy_of_the_steps_micro_batches(tm
             x, y = get_batch(data.train, c.batch_size, c.seq_len, gen)
             expected += torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).item() / 2
     assert read_log(tmp_path / "run" / "log.jsonl")[0]["loss"] == expected
+
+
+def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeypatch):
+    """Without BF16 units the GEMMs are emulated (RoundedLinear); with them, torch's CPU
+    autocast runs plain Linears in BF16. Both compute a BF16 GEMM, so the losses agree closely."""
+    import minifloat.train.trainer as trainer
+    from minifloat.compare import recipe_description
+
+    emulated = build_model(_cfg(precision="bf16"))
+    assert isinstance(emulated.blocks[0].mlp.fc, RoundedLinear) and type(emulated.lm_head) is torch.nn.Linear
+    assert "operands rounded to the dtype" in recipe_description("bf16")["gemm"]
+    train(_cfg(precision="bf16", steps=3), tmp_path / "emulated", progress=False)
+    monkeypatch.setattr(trainer, "native_bf16_cpu", lambda: True)
+    monkeypatch.setattr(minifloat.devices, "native_bf16_cpu", lambda: True)
+    native = build_model(_cfg(precision="bf16"))
+    assert not any(isinstance(m, RoundedLinear) for m in native.modules())
+    assert "torch.autocast" in recipe_description("bf16")["gemm"]
+    train(_cfg(precision="bf16", steps=3), tmp_path / "native", progress=False)
+    assert _losses(tmp_path / "native") == pytest.approx(_losses(tmp_path / "emulated"), abs=0.02)
+    assert _losses(tmp_path / "native") != _losses(tmp_path / "emulated")
+    train(_cfg(precision="fp32", steps=3), tmp_path / "fp32", progress=False)
+    assert _losses(tmp_path / "native") != _losses(tmp_path / "fp32")  # autocast did run in BF16

@@ -166,8 +166,8 @@ def environment() -> dict:
 
 def recipe_description(precision: str) -> dict:
     """The exact recipe of `precision` (its dataclass fields), or how a high precision runs."""
+    from minifloat.devices import native_bf16_cpu
     from minifloat.recipes import RECIPES
-    from minifloat.train.trainer import native_bf16_cpu
 
     if precision in RECIPES:
         return RECIPES[precision].to_dict()

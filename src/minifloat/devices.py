@@ -16,17 +16,26 @@ import torch
 from minifloat.gemm import choose_backend, native_support
 from minifloat.recipes import RECIPES, ROLES
 
+CPUINFO = "/proc/cpuinfo"
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16")  # the ones we report
 
-def _cpu_flags() -> list[str]:
+
+def cpu_flags() -> list[str]:
+    """Which of `ISA_FLAGS` this CPU has (Linux ``/proc/cpuinfo``; elsewhere none known)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(CPUINFO) as f:
             for line in f:
                 if line.startswith("flags"):
                     have = set(line.split(":", 1)[1].split())
-                    return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16") if f in have]
+                    return [f for f in ISA_FLAGS if f in have]
     except OSError:
         pass
     return []
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU has BF16 matrix units (else BF16 GEMMs are emulated in FP32)."""
+    return any(f in cpu_flags() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def _recipes(device: torch.device) -> list[dict]:
@@ -48,7 +57,7 @@ def describe() -> dict:
     devices = [{
         "device": "cpu",
         "name": platform.processor() or platform.machine(),
-        "detail": f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, ISA: {' '.join(_cpu_flags()) or 'unknown'}",
+        "detail": f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, ISA: {' '.join(cpu_flags()) or 'unknown'}",
         "capability": None,
         "fast_kernels": "yes (compiled C/OpenMP)" if cpu.runs_on(cpu_dev) else "no (reference PyTorch path)",
         "recipes": _recipes(cpu_dev),

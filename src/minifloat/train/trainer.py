@@ -29,6 +29,7 @@ import torch
 
 from minifloat import jsonio
 from minifloat.atomic import atomic_path, remove
+from minifloat.devices import native_bf16_cpu
 from minifloat.errors import MinifloatError
 from minifloat.loss_scaling import LossScaler
 from minifloat.recipes import RECIPES
@@ -124,15 +125,6 @@ def lr_at(step: int, c: TrainConfig) -> float:
         return c.lr * (step + 1) / c.warmup
     progress = (step - c.warmup) / max(1, c.steps - c.warmup)
     return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
-def native_bf16_cpu() -> bool:
-    """Whether this CPU has BF16 matrix units (else BF16 GEMMs are emulated in FP32)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class _RoundedLinearFunction(torch.autograd.Function):
