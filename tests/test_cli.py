@@ -36,6 +36,23 @@ def test_formats_plot_writes_png(tmp_path, capsys):
     assert [p.name for p in out.parent.iterdir()] == ["formats.png"]  # no temp file left
 
 
+def test_the_plotted_error_envelope_is_each_formats_rounding_error():
+    """Panel (a)'s curve: at most half an ulp relative (2^-(M+1)) and at least half that in
+    every bin of the normal range; 1 where values flush to zero; near 1 far above max."""
+    from minifloat.report.format_plots import ELEMENT_FORMATS, relative_error_envelope
+
+    for fmt in ELEMENT_FORMATS:
+        centers, worst = relative_error_envelope(fmt)  # 140 bins over [1e-8, 1e6]
+        edges = centers.new_tensor([1e-8, 1e6]).log().diff() / 140 / 2  # half a bin, in log space
+        lo, hi = (centers.log() - edges).exp(), (centers.log() + edges).exp()
+        half_ulp = 2.0 ** -(fmt.man_bits + 1)
+        normal = (lo >= fmt.min_normal) & (hi <= fmt.max)
+        assert normal.sum() >= 6, fmt.name  # E2M3's normal range, [1, 7.5], is the narrowest
+        assert bool((worst[normal] <= half_ulp).all() and (worst[normal] >= half_ulp / 2).all()), fmt.name
+        assert bool((worst[hi < fmt.min_subnormal / 2] == 1.0).all()), fmt.name
+        assert bool((worst[lo > 100 * fmt.max] > 0.99).all()), fmt.name
+
+
 def test_plot_to_unwritable_path_is_a_clean_error(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
