@@ -566,3 +566,12 @@ def test_two_micro_batches_of_two_step_as_one_batch_of_four(tmp_path):
     for a, b in zip(one, two, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_grad_clip_zero_means_off_and_the_default_clip_changes_the_step(tmp_path):
+    for name, clip in (("off", 0.0), ("huge", 1e9), ("default", 1.0)):
+        train(_cfg(steps=3, eval_every=0, grad_clip=clip), tmp_path / name, progress=False)
+    off, huge, default = (read_log(f"{tmp_path}/{name}/log.jsonl") for name in ("off", "huge", "default"))
+    assert [r["loss"] for r in off] == [r["loss"] for r in huge]  # 0: no clipping at all
+    assert off[0]["grad_norm"] > 1.0 and off[0]["grad_norm"] == default[0]["grad_norm"]  # logged before clipping
+    assert [r["loss"] for r in default][1:] != [r["loss"] for r in off][1:]

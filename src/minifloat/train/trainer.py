@@ -266,9 +266,9 @@ def _state_options(c: TrainConfig):
     return StateDictOptions(full_state_dict=True, cpu_offload=c.fsdp)
 
 
-def read_log(path: Path) -> list[dict]:
+def read_log(path: str | Path) -> list[dict]:
     """The JSONL records of a run (a torn last line from a killed run ends them)."""
-    return [rec for _, rec in _log_lines(path)]
+    return [rec for _, rec in _log_lines(Path(path))]
 
 
 def _log_lines(path: Path) -> list[tuple[str, dict]]:
