@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -416,9 +417,12 @@ def test_rounded_linear_is_a_low_precision_gemm_with_fp32_accumulation(dtype):
 def test_progress_without_tqdm_prints_every_tenth_step_and_the_last(tmp_path, monkeypatch, capsys):
     """The plain progress lines `minifloat compare` echoes from its child runs."""
     monkeypatch.setenv("MINIFLOAT_NO_TQDM", "1")
+    t0 = time.perf_counter()
     train(_cfg(steps=12, eval_every=0, grad_accum=2), tmp_path / "run")
+    wall = time.perf_counter() - t0
     lines = capsys.readouterr().out.splitlines()
     records = read_log(tmp_path / "run" / "log.jsonl")
+    assert all(r["step_time_s"] > 0 for r in records) and sum(r["step_time_s"] for r in records) < wall
     assert all(r["tokens_per_s"] == pytest.approx(4 * 32 * 2 / r["step_time_s"], rel=1e-12) for r in records)
     assert [line.split()[:2] for line in lines] == [["step", "10/12"], ["step", "12/12"]]
     for line, rec in zip(lines, (records[9], records[11]), strict=True):
