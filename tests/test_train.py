@@ -564,9 +564,12 @@ def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeyp
 def test_two_micro_batches_of_two_step_as_one_batch_of_four(tmp_path):
     """Gradient accumulation averages: the data generator draws the same four windows either
     way, so the loss and the gradient norm of each step match to rounding."""
-    train(_cfg(steps=3, batch_size=4, eval_every=0), tmp_path / "one", progress=False)
+    train(_cfg(steps=3, batch_size=4, eval_every=2), tmp_path / "one", progress=False)
     train(_cfg(steps=3, batch_size=2, grad_accum=2, eval_every=0), tmp_path / "two", progress=False)
     one, two = read_log(tmp_path / "one" / "log.jsonl"), read_log(tmp_path / "two" / "log.jsonl")
+    assert [r["step"] for r in one if "val_loss" in r] == [2, 3]  # every 2 steps and after the last
+    assert not any("val_loss" in r for r in two)  # --eval-every 0: never
+    assert not any(r["nonfinite"] or r["skipped"] for r in one + two) and two[-1]["skipped_steps"] == 0
     for a, b in zip(one, two, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
