@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import signal
 import subprocess
@@ -142,7 +143,8 @@ def test_gpt_sizes_and_tied_embeddings():
     assert model.lm_head.weight is model.wte.weight and type(model.lm_head) is torch.nn.Linear
     assert isinstance(model.blocks[0].mlp.fc, minifloat.nn.Linear)
     c = _cfg(lr=1.0)  # warmup 2, then cosine over 4 steps down to 0.1
-    assert [round(lr_at(s, c), 6) for s in (0, 1, 4, 6)] == [0.5, 1.0, 0.55, 0.1]
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p / 4)) for p in range(5)]
+    assert [lr_at(s, c) for s in range(7)] == pytest.approx([0.5, 1.0, *cosine], rel=1e-12)
 
 
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4", "bf16"])
@@ -175,6 +177,10 @@ def test_resume_rewinds_the_log_to_the_checkpoint(tmp_path):
     assert _losses(part) == _losses(full)
     with pytest.raises(minifloat.MinifloatError, match=r"ckpt-00000004 is at step 4, past --steps 3; pass --steps 4 or more"):
         train(_cfg(steps=3), part, resume=True, progress=False)
+    # A run whose log was deleted resumes too: the new log starts after the checkpoint.
+    (part / "log.jsonl").unlink()
+    train(_cfg(steps=5, checkpoint_every=0), part, resume=True, progress=False)
+    assert [r["step"] for r in read_log(part / "log.jsonl")] == [5]
 
 
 def test_telemetry_samples_the_trainers_steps_when_a_step_is_skipped(tmp_path, monkeypatch):
@@ -547,6 +553,8 @@ def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeyp
 
     emulated = build_model(_cfg(precision="bf16"))
     assert isinstance(emulated.blocks[0].mlp.fc, RoundedLinear) and type(emulated.lm_head) is torch.nn.Linear
+    assert emulated.blocks[0].mlp.fc.rounding_dtype is torch.bfloat16
+    assert build_model(_cfg(precision="fp16")).blocks[1].attn.qkv.rounding_dtype is torch.float16
     assert "operands rounded to the dtype" in recipe_description("bf16")["gemm"]
     train(_cfg(precision="bf16", steps=3), tmp_path / "emulated", progress=False)
     monkeypatch.setattr(trainer, "native_bf16_cpu", lambda: True)
@@ -582,3 +590,30 @@ def test_grad_clip_zero_means_off_and_the_default_clip_changes_the_step(tmp_path
     assert [r["loss"] for r in off] == [r["loss"] for r in huge]  # 0: no clipping at all
     assert off[0]["grad_norm"] > 1.0 and off[0]["grad_norm"] == default[0]["grad_norm"]  # logged before clipping
     assert [r["loss"] for r in default][1:] != [r["loss"] for r in off][1:]
+
+
+def test_validation_loss_is_the_mean_over_fixed_held_out_windows(tmp_path):
+    """`evaluate` from first principles (eval_batches windows of the validation split, drawn
+    from a generator seeded 10 000 + seed whatever the step), and the log's val_loss is it for
+    the trained weights."""
+    from minifloat.train.trainer import evaluate, load_data
+
+    c = _cfg(steps=2, eval_every=2, eval_batches=3, seed=5)
+    train(c, tmp_path / "run", progress=False)
+    _, weights, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    model, data = build_model(c), load_data(c)
+    model.load_state_dict(weights, strict=False)
+    gen, losses = torch.Generator().manual_seed(10_005), []
+    with torch.no_grad():
+        for _ in range(3):
+            x, y = get_batch(data.val, c.batch_size, c.seq_len, gen)
+            losses.append(torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).item())
+    assert evaluate(model, data.val, c) == pytest.approx(sum(losses) / 3, rel=1e-12)
+    assert read_log(tmp_path / "run" / "log.jsonl")[-1]["val_loss"] == pytest.approx(sum(losses) / 3, rel=1e-12)
+    assert model.training  # evaluate puts the model back in training mode
+
+
+def test_fsdp_outside_torchrun_says_how_to_launch_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(minifloat.MinifloatError, match="--fsdp runs under torchrun, e.g.: torchrun --nproc_per_node 2"):
+        train(_cfg(fsdp=True), tmp_path / "run", progress=False)
