@@ -210,6 +210,24 @@ def test_resume_in_another_precision_and_mismatch_errors(tmp_path):
         train(_cfg(precision="fp8", batch_size=8), tmp_path, resume=True, progress=False)
     with pytest.raises(minifloat.MinifloatError, match="no checkpoint under"):
         train(_cfg(), tmp_path / "empty", resume=True, progress=False)
+    # Into delayed scaling from a precision without its amax histories: they start empty.
+    train(_cfg(precision="fp32", steps=3), tmp_path / "fp32", progress=False)
+    assert train(_cfg(precision="fp8"), tmp_path / "fp32", resume=True, progress=False)["final"]["step"] == 6
+
+
+@pytest.mark.parametrize("edit", ["extra", "missing"])
+def test_resume_refuses_weights_of_another_model(tmp_path, edit):
+    train(_cfg(steps=3), tmp_path / "run", progress=False)
+    manifest, weights, state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    if edit == "extra":
+        weights["blocks.2.mlp.fc.weight"] = torch.zeros(256, 64)
+        message = r"missing \[\], unexpected \['blocks.2.mlp.fc.weight'\]"
+    else:
+        del weights["blocks.1.mlp.fc.bias"]
+        message = r"missing \['blocks.1.mlp.fc.bias'\], unexpected \[\]"
+    checkpoint.save_checkpoint(tmp_path / "run" / "checkpoints", 4, weights, state, manifest["config"])
+    with pytest.raises(minifloat.MinifloatError, match="ckpt-00000004: weights do not fit the tiny model \\(" + message):
+        train(_cfg(), tmp_path / "run", resume=True, progress=False)
 
 
 def test_a_fresh_run_refuses_an_earlier_one_unless_told_to_overwrite_it(tmp_path):
