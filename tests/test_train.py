@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import os
@@ -453,6 +454,10 @@ def test_progress_without_tqdm_prints_every_tenth_step_and_the_last(tmp_path, mo
         assert line == f"step {rec['step']}/12 loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s"
     train(_cfg(steps=12, eval_every=0), tmp_path / "quiet", progress=False)
     assert capsys.readouterr().out == ""
+    monkeypatch.delenv("MINIFLOAT_NO_TQDM")  # a terminal user's default: a tqdm bar on stderr
+    train(_cfg(steps=3, eval_every=0), tmp_path / "bar")
+    out, err = capsys.readouterr()
+    assert out == "" and "3/3" in err and "loss=" in err and "tok_s=" in err
 
 
 def test_gpt_is_causal_and_initialised_as_gpt2():
@@ -484,6 +489,8 @@ def test_gpt_is_causal_and_initialised_as_gpt2():
         model(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(minifloat.MinifloatError, match="n_embd=30 must be a multiple of n_head=4"):
         GPTConfig(n_embd=30, n_head=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.n_layer = 5
 
 
 def test_adamw_decays_matrices_only_and_only_fp16_scales_the_loss(tmp_path):
