@@ -483,8 +483,10 @@ def test_gpt_is_causal_and_initialised_as_gpt2():
             assert p.std().item() == pytest.approx(0.02, rel=0.02), name
         elif name.endswith("proj.weight"):
             assert p.std().item() == pytest.approx(0.02 / (2 * 4) ** 0.5, rel=0.02), name
-    L, C, V, T = 4, 256, 256, 128  # blocks 12·L·C² + 13·L·C, embeddings (V + T)·C, final norm 2C; head tied
-    assert big.num_params() == 12 * L * C**2 + 13 * L * C + (V + T) * C + 2 * C == 3_257_856
+    # Blocks 12·L·C² + 13·L·C, embeddings (V + T)·C, the final norm 2C; the head is tied.
+    for size, (L, C, T, n) in {"tiny": (2, 64, 64, 120_576), "small": (4, 256, 128, 3_257_856),
+                               "base": (6, 384, 256, 10_844_160)}.items():  # fmt: skip
+        assert GPT(GPT_SIZES[size]).num_params() == 12 * L * C**2 + 13 * L * C + (256 + T) * C + 2 * C == n, size
     with pytest.raises(minifloat.MinifloatError, match="sequence of 17 tokens exceeds the model's block_size 16"):
         model(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(minifloat.MinifloatError, match="n_embd=30 must be a multiple of n_head=4"):

@@ -36,8 +36,8 @@ class GPTConfig:
 
 GPT_SIZES = {
     "tiny": GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64),  # tests: ~0.1M parameters
-    "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256),  # demo: ~3.2M
-    "base": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),  # ~10.7M
+    "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256),  # demo: ~3.3M
+    "base": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),  # ~10.8M
 }
 
 
