@@ -35,8 +35,11 @@ def test_parse_precisions_checks_names():
     assert parse_precisions("bf16, fp8,nvfp4") == ["bf16", "fp8", "nvfp4"]
     with pytest.raises(minifloat.MinifloatError, match="unknown precision 'fp7'"):
         parse_precisions("bf16,fp7")
-    with pytest.raises(minifloat.MinifloatError, match="distinct"):
+    with pytest.raises(minifloat.MinifloatError, match="needs distinct names, got fp8,fp8"):
         parse_precisions("fp8,fp8")
+    with pytest.raises(minifloat.MinifloatError, match="needs distinct names, got none"):
+        parse_precisions(" , ")
+    assert parse_precisions(("fp32", "mxfp4")) == ["fp32", "mxfp4"]  # a sequence, as compare() takes
 
 
 @pytest.mark.parametrize(
