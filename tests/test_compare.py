@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -223,3 +224,16 @@ def test_summary_table_formats_each_figure_and_marks_missing_ones():
     assert rows[3] == ["nvfp4", "diverged", "2.7183", "nan", "-1.23 %", "0.123", "1.46", "16,597", "0.25", "1024.00", "3", "2"]
     assert rows[4] == ["mxfp4", "failed", *["—"] * 10]
     assert len({len(line) for line in table}) == 1  # columns aligned
+
+
+def test_run_metrics_windows_are_the_last_tenth_and_all_but_the_first_tenth():
+    times = [9.0, 9.0] + [1.0] * 9 + [2.0] * 9  # 20 steps: two warm-up steps, then 1 s and 2 s
+    recs = [{"step": i + 1, "loss": float(i), "step_time_s": t} for i, t in enumerate(times)]
+    c = dataclasses.replace(_base(), grad_accum=3)
+    m = run_metrics(recs, c)
+    assert m["step_time_s"] == 1.5  # the median of steps 3..20; with a warm-up step it would be 2
+    assert m["final_train_loss"] == (18 + 19) / 2 and m["tokens_per_s"] == c.batch_size * c.seq_len * 3 / 1.5
+    short = run_metrics(recs[:5], c)  # fewer than 10 steps: the last one, and the median after the first
+    assert short["final_train_loss"] == 4.0 and short["step_time_s"] == 1.0
+    one = run_metrics(recs[:1], c)
+    assert one["final_train_loss"] == 0.0 and one["step_time_s"] == 9.0 and one["final_val_loss"] is None
