@@ -88,6 +88,10 @@ def test_run_metrics_from_a_log():
     assert _diverged(run_metrics(recs, _base()))
     rising = [dict(r, loss=1.0 + 0.1 * i) for i, r in enumerate(recs)]
     assert _diverged(run_metrics(rising, _base()))
+    falling = {"first_train_loss": 5.0, "final_train_loss": 3.0, "final_val_loss": 3.1, "nonfinite_steps": 0}
+    assert not _diverged(falling)
+    assert _diverged(dict(falling, nonfinite_steps=1))  # one NaN step on the way is enough
+    assert _diverged(dict(falling, final_val_loss=None))  # no validation loss: not a finished run
 
 
 def test_run_metrics_take_the_worst_telemetry_and_count_the_bad_steps():
