@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import math
+import resource
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,15 @@ def test_run_metrics_take_the_worst_telemetry_and_count_the_bad_steps():
 
 
 def test_compare_writes_metrics_report_and_plots(tmp_path):
-    metrics = compare(["fp32", "fp8", "nvfp4"], _base(), tmp_path, echo=lambda line: None)
+    echoed = []
+    metrics = compare(["fp32", "fp8", "nvfp4"], _base(), tmp_path, echo=echoed.append)
+    # The parent echoes each child's progress lines, tagged, but not the child's JSON summary.
+    assert echoed[0] == "[1/3] fp32: tiny model, 6 steps" and "  [nvfp4] step 6/6 loss" in "\n".join(echoed)
+    assert not any('"final"' in line for line in echoed)
+    # Peak RSS from wait4 is in KiB on Linux: no run's peak is above what getrusage reports for
+    # the largest child this process has waited for.
+    children_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    assert max(run["peak_rss_bytes"] for run in metrics["runs"]) <= children_peak
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
     assert on_disk == json.loads(json.dumps(metrics))
     assert [r["precision"] for r in on_disk["runs"]] == ["fp32", "fp8", "nvfp4"]
