@@ -250,3 +250,12 @@ def test_run_metrics_windows_are_the_last_tenth_and_all_but_the_first_tenth():
     assert short["final_train_loss"] == 4.0 and short["step_time_s"] == 1.0
     one = run_metrics(recs[:1], c)
     assert one["final_train_loss"] == 0.0 and one["step_time_s"] == 9.0 and one["final_val_loss"] is None
+
+
+def test_recipe_description_says_how_each_precision_computes():
+    from minifloat.compare import recipe_description
+    from minifloat.recipes import RECIPES
+
+    assert recipe_description("fp32") == {"recipe": "fp32", "gemm": "FP32 operands, FP32 accumulation"}
+    assert recipe_description("fp16")["gemm"].startswith("FP16 operands (operands rounded to the dtype, FP32 accumulation)")
+    assert recipe_description("mxfp4") == RECIPES["mxfp4"].to_dict()
