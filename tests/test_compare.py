@@ -8,7 +8,7 @@ import pytest
 
 import minifloat
 from minifloat.cli import main
-from minifloat.compare import _diverged, compare, parse_precisions, run_metrics, weight_bytes
+from minifloat.compare import _diverged, compare, parse_precisions, read_log, run_metrics, weight_bytes
 from minifloat.train.model import GPT_SIZES
 from minifloat.train.trainer import TrainConfig
 
@@ -259,3 +259,15 @@ def test_recipe_description_says_how_each_precision_computes():
     assert recipe_description("fp32") == {"recipe": "fp32", "gemm": "FP32 operands, FP32 accumulation"}
     assert recipe_description("fp16")["gemm"].startswith("FP16 operands (operands rounded to the dtype, FP32 accumulation)")
     assert recipe_description("mxfp4") == RECIPES["mxfp4"].to_dict()
+
+
+def test_compare_evaluates_at_the_end_when_told_never_to_and_keeps_earlier_results_by_default(tmp_path):
+    """A comparison needs a final validation loss, so --eval-every 0 becomes one evaluation
+    after the last step; and compare() refuses an --out holding a report unless asked."""
+    metrics = compare(["fp32"], _base(steps=2, eval_every=0), tmp_path / "run", echo=lambda s: None, plots=False)
+    run = metrics["runs"][0]
+    assert metrics["config"]["eval_every"] == 2 and run["status"] != "failed"
+    assert [r.get("val_loss") for r in read_log(Path(run["log"]))] == [None, run["final_val_loss"]]
+    assert math.isfinite(run["final_val_loss"])
+    with pytest.raises(minifloat.MinifloatError, match="already holds a comparison"):
+        compare(["fp32"], _base(steps=2), tmp_path / "run", echo=lambda s: None, plots=False)

@@ -589,6 +589,7 @@ def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeyp
     native = build_model(_cfg(precision="bf16"))
     assert not any(isinstance(m, RoundedLinear) for m in native.modules())
     assert "torch.autocast" in recipe_description("bf16")["gemm"]
+    assert "operands rounded to the dtype" in recipe_description("fp16")["gemm"]  # no FP16 autocast on CPU
     train(_cfg(precision="bf16", steps=3), tmp_path / "native", progress=False)
     assert _losses(tmp_path / "native") == pytest.approx(_losses(tmp_path / "emulated"), abs=0.02)
     assert _losses(tmp_path / "native") != _losses(tmp_path / "emulated")
