@@ -133,6 +133,7 @@ def test_compare_writes_metrics_report_and_plots(tmp_path):
         log = [json.loads(line) for line in Path(run["log"]).read_text().splitlines()]
         assert run["final_val_loss"] == log[-1]["val_loss"]
         assert run["peak_rss_bytes"] > 50 * 2**20
+        assert run["wall_time_s"] > sum(r["step_time_s"] for r in log)  # the child's start-up too
     ref, fp8, nvfp4 = on_disk["runs"]
     assert ref["val_loss_delta_pct"] == 0.0 and ref["step_time_ratio"] == 1.0
     expected = 100 * (fp8["final_val_loss"] - ref["final_val_loss"]) / ref["final_val_loss"]
@@ -271,3 +272,11 @@ def test_compare_evaluates_at_the_end_when_told_never_to_and_keeps_earlier_resul
     assert math.isfinite(run["final_val_loss"])
     with pytest.raises(minifloat.MinifloatError, match="already holds a comparison"):
         compare(["fp32"], _base(steps=2), tmp_path / "run", echo=lambda s: None, plots=False)
+
+
+def test_a_child_that_exits_cleanly_before_its_last_step_failed(tmp_path, monkeypatch):
+    import minifloat.compare as cmp
+
+    monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (0, 0, ["killed by the scheduler"]))
+    run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False)["runs"][0]
+    assert run["status"] == "failed" and run["error"] == "killed by the scheduler" and run["steps_completed"] == 0
