@@ -280,3 +280,10 @@ def test_a_child_that_exits_cleanly_before_its_last_step_failed(tmp_path, monkey
     monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (0, 0, ["killed by the scheduler"]))
     run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False)["runs"][0]
     assert run["status"] == "failed" and run["error"] == "killed by the scheduler" and run["steps_completed"] == 0
+    lines = [f"line {i}" for i in range(12)]  # the error keeps the last 8 lines of the child's output
+    monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (1, 0, lines))
+    run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False, overwrite=True)["runs"][0]
+    assert run["error"] == "\n".join(lines[4:])
+    monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (-9, 0, []))  # silent: the exit code
+    run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False, overwrite=True)["runs"][0]
+    assert run["error"] == "exit code -9"
