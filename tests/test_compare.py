@@ -287,3 +287,16 @@ def test_a_child_that_exits_cleanly_before_its_last_step_failed(tmp_path, monkey
     monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (-9, 0, []))  # silent: the exit code
     run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False, overwrite=True)["runs"][0]
     assert run["error"] == "exit code -9"
+
+
+def test_relative_figures_are_left_out_where_the_reference_has_none():
+    from minifloat.compare import _relative_to_first
+
+    ref = {"final_val_loss": 2.0, "final_train_loss": float("nan"), "step_time_s": 0.0, "weight_bytes": 400}
+    other = {"final_val_loss": 2.5, "final_train_loss": 2.0, "step_time_s": 1.0, "weight_bytes": None}
+    diverged = {"final_val_loss": float("inf"), "final_train_loss": 2.0, "step_time_s": 1.0, "weight_bytes": 100}
+    _relative_to_first(runs := [ref, other, diverged])
+    assert [r["val_loss_delta_pct"] for r in runs] == [0.0, 25.0, None]  # inf: no figure
+    assert [r["train_loss_delta_pct"] for r in runs] == [None, None, None]  # the reference's is NaN
+    assert [r["step_time_ratio"] for r in runs] == [None, None, None]  # the reference's is 0
+    assert [r["weight_bytes_ratio"] for r in runs] == [1.0, None, 0.25]
