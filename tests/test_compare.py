@@ -300,3 +300,5 @@ def test_relative_figures_are_left_out_where_the_reference_has_none():
     assert [r["train_loss_delta_pct"] for r in runs] == [None, None, None]  # the reference's is NaN
     assert [r["step_time_ratio"] for r in runs] == [None, None, None]  # the reference's is 0
     assert [r["weight_bytes_ratio"] for r in runs] == [1.0, None, 0.25]
+    _relative_to_first(runs := [dict(ref, final_train_loss=2.0), dict(other, final_train_loss=3.0)])
+    assert [r["train_loss_delta_pct"] for r in runs] == [0.0, 50.0]
