@@ -15,7 +15,16 @@ import minifloat
 from minifloat.train import checkpoint
 from minifloat.train.corpus import get_batch, load_corpus, stdlib_corpus
 from minifloat.train.model import GPT, GPT_SIZES
-from minifloat.train.trainer import RoundedLinear, TrainConfig, build_model, lr_at, read_log, train
+from minifloat.train.trainer import (
+    RoundedLinear,
+    TrainConfig,
+    build_model,
+    evaluate,
+    load_data,
+    lr_at,
+    read_log,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -559,17 +568,17 @@ def test_compiled_and_checkpointed_training_equals_eager(tmp_path, monkeypatch):
 def test_the_logged_loss_is_the_mean_cross_entropy_of_the_steps_micro_batches(tmp_path):
     """Step 1's loss from first principles: the seed's initial weights on the first two
     windows the seed's data generator draws (grad_accum 2)."""
-    from minifloat.train.trainer import load_data
-
     c = _cfg(steps=1, grad_accum=2, eval_every=0)
     train(c, tmp_path / "run", progress=False)
-    model, data, gen = build_model(c), load_data(c), torch.Generator().manual_seed(c.seed)
-    expected = 0.0
+    losses = _window_losses(build_model(c), load_data(c).train, c, torch.Generator().manual_seed(c.seed), 2)
+    assert read_log(tmp_path / "run" / "log.jsonl")[0]["loss"] == sum(loss / 2 for loss in losses)
+
+
+def _window_losses(model, split, c, gen, n):
+    """Cross entropy of `model` on each of the next `n` windows `gen` draws from `split`."""
     with torch.no_grad():
-        for _ in range(2):
-            x, y = get_batch(data.train, c.batch_size, c.seq_len, gen)
-            expected += torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).item() / 2
-    assert read_log(tmp_path / "run" / "log.jsonl")[0]["loss"] == expected
+        batches = [get_batch(split, c.batch_size, c.seq_len, gen) for _ in range(n)]
+        return [torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).item() for x, y in batches]
 
 
 def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeypatch):
@@ -624,18 +633,12 @@ def test_validation_loss_is_the_mean_over_fixed_held_out_windows(tmp_path):
     """`evaluate` from first principles (eval_batches windows of the validation split, drawn
     from a generator seeded 10 000 + seed whatever the step), and the log's val_loss is it for
     the trained weights."""
-    from minifloat.train.trainer import evaluate, load_data
-
     c = _cfg(steps=2, eval_every=2, eval_batches=3, seed=5)
     train(c, tmp_path / "run", progress=False)
     _, weights, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints"))
     model, data = build_model(c), load_data(c)
     model.load_state_dict(weights, strict=False)
-    gen, losses = torch.Generator().manual_seed(10_005), []
-    with torch.no_grad():
-        for _ in range(3):
-            x, y = get_batch(data.val, c.batch_size, c.seq_len, gen)
-            losses.append(torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).item())
+    losses = _window_losses(model, data.val, c, torch.Generator().manual_seed(10_005), 3)
     assert evaluate(model, data.val, c) == pytest.approx(sum(losses) / 3, rel=1e-12)
     assert read_log(tmp_path / "run" / "log.jsonl")[-1]["val_loss"] == pytest.approx(sum(losses) / 3, rel=1e-12)
     assert model.training  # evaluate puts the model back in training mode
