@@ -202,7 +202,7 @@ def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys, monkeypatch)
     # So is every line of the run's log.jsonl; read_log gives the floats back.
     lines = Path(run["log"]).read_text().splitlines()
     assert any(json.loads(line, parse_constant=_refuse)["loss"] == "nan" for line in lines)
-    records = cmp.read_log(Path(run["log"]))
+    records = read_log(Path(run["log"]))
     assert any(math.isnan(r["loss"]) for r in records)
     assert [r["nonfinite"] for r in records] == [not math.isfinite(r["loss"]) for r in records]
 

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
@@ -22,15 +23,20 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16")  #
 
 def cpu_flags() -> list[str]:
     """Which of `ISA_FLAGS` this CPU has (Linux ``/proc/cpuinfo``; elsewhere none known)."""
+    return list(_flags_in(CPUINFO))
+
+
+@functools.cache  # read once: the trainer asks for every micro-batch of a bf16 run
+def _flags_in(cpuinfo: str) -> tuple[str, ...]:
     try:
-        with open(CPUINFO) as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
                     have = set(line.split(":", 1)[1].split())
-                    return [f for f in ISA_FLAGS if f in have]
+                    return tuple(f for f in ISA_FLAGS if f in have)
     except OSError:
         pass
-    return []
+    return ()
 
 
 def native_bf16_cpu() -> bool:
