@@ -172,3 +172,43 @@ def test_train_and_compare_defaults_are_the_libraries():
     compare_args = build_parser().parse_args(["compare"])
     first = DEFAULT_PRECISIONS[0]
     assert config_from_args(compare_args, precision=first) == dataclasses.replace(TrainConfig(), precision=first)
+
+
+def _help_entries(command) -> dict[str, str]:
+    """`command --help`'s option entries, unwrapped, by each entry's last option string."""
+    entries, current = {}, None
+    for line in command.format_help().splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current and line.startswith("    "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return {" ".join(k.split()): " ".join(v.split()) for k, v in entries.items()}
+
+
+def test_help_states_each_options_default_once():
+    """Every option whose default is a value (not None or an off switch) says it in --help,
+    once: printed by the formatter, or in the option's own words where they explain it."""
+    import argparse
+
+    from minifloat.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    checked = 0
+    for name, command in sub.choices.items():
+        entries = _help_entries(command)
+        for action in command._actions:
+            entry = next((v for k, v in entries.items() if k in action.option_strings), None)
+            if entry is None or action.default in (None, argparse.SUPPRESS) or action.default is False:
+                continue
+            assert entry.count("default") == 1, (name, entry)
+            if isinstance(action.default, int | float | str):
+                assert f"default: {action.default})" in entry or f"default {action.default}" in entry, (name, entry)
+            checked += 1
+    assert checked >= 25
+    train = _help_entries(sub.choices["train"])
+    assert train["--steps"].endswith("optimizer steps (default: 200)")
+    assert "0 for none (default: 50)" in train["--eval-every"]
+    assert "0 for only the one at the end" in _help_entries(sub.choices["compare"])["--eval-every"]

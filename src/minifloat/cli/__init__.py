@@ -16,6 +16,18 @@ from minifloat.kernels.allocator import keep_freed_memory
 SUBCOMMANDS = (formats, error, bench, info, train, compare)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the option has none (None, a switch
+    that is off) or its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        off = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if off or not action.option_strings or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minifloat",
@@ -25,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in SUBCOMMANDS:
         module.add_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsHelpFormatter
     return parser
 
 

@@ -45,10 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="gemm: MxNxK (default 4096x4096x4096 on CUDA, 1024x1024x1024 on CPU)")
     p.add_argument("--device", default=None, help="gemm: cpu or cuda[:i] (default: cuda when there is one)")
     p.add_argument("--recipes", default=None, help="train: comma-separated recipes (default: fp8,fp8-current,mxfp8,nvfp4)")
-    p.add_argument("--layers", type=int, default=4, help="train: MLP blocks (default 4)")
-    p.add_argument("--dim", type=int, default=1024, help="train: model width (default 1024)")
-    p.add_argument("--hidden", type=int, default=4096, help="train: hidden width (default 4096)")
-    p.add_argument("--tokens", type=int, default=2048, help="train: tokens per step (default 2048)")
+    p.add_argument("--layers", type=int, default=4, help="train: MLP blocks")
+    p.add_argument("--dim", type=int, default=1024, help="train: model width")
+    p.add_argument("--hidden", type=int, default=4096, help="train: hidden width")
+    p.add_argument("--tokens", type=int, default=2048, help="train: tokens per step")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="gemm, train: time the BF16 baseline (default: gemm always; train when BF16 "
                         "matmuls are native here, as a short probe shows: without BF16 units a step "

@@ -12,8 +12,8 @@ from minifloat.compare import DEFAULT_PRECISIONS
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="train in several precisions; write metrics.json, report.md and plots")
     p.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS),
-                   help=f"comma-separated, the first is the reference (default {','.join(DEFAULT_PRECISIONS)})")  # fmt: skip
-    add_training_arguments(p)
+                   help="comma-separated, the first is the reference")  # fmt: skip
+    add_training_arguments(p, eval_zero="only the one at the end")
     p.add_argument(
         "--out", default="runs/compare", help="output folder (metrics.json, report.md, *.png, runs/)"
     )

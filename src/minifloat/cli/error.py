@@ -11,11 +11,11 @@ from minifloat.errors import MinifloatError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("error", help="quantization error (SQNR, saturation, underflow) per scheme")
     p.add_argument("--input", default="gaussian",
-                   help="gaussian | heavy | outliers | FILE.safetensors[:TENSOR] (default gaussian)")
+                   help="gaussian | heavy | outliers | FILE.safetensors[:TENSOR]")
     p.add_argument("--size", default="1024x1024", help="ROWSxCOLS of a synthetic input")
     p.add_argument("--schemes", default=None, help="comma-separated schemes (default: all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of a synthetic input")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(run=run)
 
 

@@ -15,19 +15,31 @@ def _default(name: str):
     return TrainConfig.__dataclass_fields__[name].default
 
 
-def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    """The options `train` and `compare` share: model, schedule, data (defaults: `TrainConfig`'s)."""
-    p.add_argument("--model", default=_default("model"), choices=list(GPT_SIZES))
-    for name in ("steps", "batch_size", "warmup", "grad_accum", "seed", "eval_every"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=_default(name))
+INTEGER_FLAGS = {
+    "steps": "optimizer steps",
+    "batch_size": "sequences per micro-batch",
+    "warmup": "steps of linear lr warmup before the cosine decay",
+    "grad_accum": "micro-batches per optimizer step",
+    "seed": "initial weights, data order and stochastic rounding",
+    "eval_every": "steps between validation losses, and one after the last step",
+}
+
+
+def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
+    """The options `train` and `compare` share: model, schedule, data (defaults: `TrainConfig`'s).
+    `eval_zero` says what ``--eval-every 0`` does in the command."""
+    p.add_argument("--model", default=_default("model"), choices=list(GPT_SIZES), help="GPT size")
+    for name, text in INTEGER_FLAGS.items():
+        text += f"; 0 for {eval_zero}" if name == "eval_every" else ""
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=_default(name), help=text)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128, or the model's block size if smaller)")
-    p.add_argument("--lr", type=float, default=_default("lr"), help=f"peak AdamW learning rate (default {_default('lr'):g})")
-    p.add_argument("--grad-clip", type=float, default=_default("grad_clip"))
+    p.add_argument("--lr", type=float, default=_default("lr"), help="peak AdamW learning rate")
+    p.add_argument("--grad-clip", type=float, default=_default("grad_clip"), help="largest gradient norm, 0 for no clipping")
     p.add_argument("--eval-batches", type=int, default=_default("eval_batches"), help="held-out batches per evaluation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block's activations in backward")
     p.add_argument(
-        "--telemetry-every", type=int, default=_default("telemetry_every"), help="steps between amax/scale records (0: off)"
+        "--telemetry-every", type=int, default=_default("telemetry_every"), help="steps between amax/scale records, 0 for none"
     )
     p.add_argument(
         "--quantize-head", action="store_true", help="quantize the LM head too (default: high precision)"
@@ -44,11 +56,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the built-in GPT in one precision")
     p.add_argument(
-        "--precision", default=_default("precision"), choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}"
+        "--precision", default=_default("precision"), choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}",
+        help="the number formats of the run (`minifloat info`: how each computes here)",
     )
-    add_training_arguments(p)
+    add_training_arguments(p, eval_zero="none")
     p.add_argument(
-        "--checkpoint-every", type=int, default=_default("checkpoint_every"), help="steps between checkpoints (0: at the end)"
+        "--checkpoint-every", type=int, default=_default("checkpoint_every"), help="steps between checkpoints, 0 for one at the end"
     )
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
     p.add_argument("--config", default=None, metavar="JSON",
