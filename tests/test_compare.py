@@ -220,6 +220,35 @@ def test_loss_smoothing_is_centred():
     assert _smooth([1.0, 5.0, 2.0], 0) == [1.0, 5.0, 2.0]
 
 
+def test_loss_curves_are_what_the_loss_plot_draws(tmp_path):
+    """Raw and smoothed training loss, the smoothed difference to the first run's over the
+    steps both have, and the validation points; no difference curves when the reference,
+    the first run, left no log (not a silent switch to the second run's)."""
+    from minifloat.report.compare import _smooth, loss_curves
+
+    def run(name, losses, status="ok", val=()):
+        log = tmp_path / f"{name}.jsonl"
+        recs = [{"step": i + 1, "loss": v} | ({"val_loss": 9.0 - i} if i + 1 in val else {}) for i, v in enumerate(losses)]
+        log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return {"precision": name, "status": status, "log": str(log)}
+
+    ref_losses = [5.0 - 0.01 * i + 0.1 * (i % 3) for i in range(120)]
+    other = [v + 0.2 + 0.05 * (i % 2) for i, v in enumerate(ref_losses[:100])]
+    metrics = {"runs": [run("bf16", ref_losses, val=(60, 120)), run("fp8", other, "diverged", val=(60,)),
+                        run("nvfp4", [])]}  # fmt: skip
+    ref, fp8 = loss_curves(metrics)  # the run with an empty log has no curves
+    assert (ref["label"], fp8["label"]) == ("bf16", "fp8 (diverged)")
+    assert fp8["steps"] == list(range(1, 101)) and fp8["raw"] == other
+    assert fp8["smooth"] == _smooth(other, 2) and ref["smooth"] == _smooth(ref_losses, 2)
+    assert ref["delta"] == [0.0] * 120
+    assert fp8["delta"] == pytest.approx([a - b for a, b in zip(_smooth(other, 2), _smooth(ref_losses, 2)[:100], strict=True)])
+    assert fp8["delta"][10] > 0.2  # the run's loss minus the reference's, not the other way round
+    assert ref["val"] == [(60, 9.0 - 59), (120, 9.0 - 119)] and fp8["val"] == [(60, 9.0 - 59)]
+    metrics["runs"][0]["log"] = str(tmp_path / "missing.jsonl")
+    (fp8,) = loss_curves(metrics)
+    assert fp8["delta"] is None and fp8["smooth"] == _smooth(other, 2)
+
+
 def test_summary_table_formats_each_figure_and_marks_missing_ones():
     from minifloat.report.compare import summary_table
 

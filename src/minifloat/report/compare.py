@@ -65,37 +65,54 @@ def _smooth(values: list[float], half: int) -> list[float]:
     return [(prefix[min(n, i + half + 1)] - prefix[max(0, i - half)]) / (min(n, i + half + 1) - max(0, i - half)) for i in range(n)]
 
 
+def loss_curves(metrics: dict) -> list[dict]:
+    """What `plot_loss` draws, per run with a log: ``label`` (the precision, and its status
+    unless ok), ``steps``, ``raw`` and ``smooth`` training losses, ``delta`` (smoothed loss
+    minus the reference's over the steps both have; None when the reference, the first run,
+    has no log), and ``val`` as (step, loss) pairs."""
+    ref = None
+    curves = []
+    for i, m in enumerate(metrics["runs"]):
+        recs = read_log(Path(m["log"]))
+        if not recs:
+            continue
+        losses = [r["loss"] for r in recs]
+        smooth = _smooth(losses, len(losses) // 50)
+        if i == 0:
+            ref = smooth
+        curves.append({
+            "label": m["precision"] + ("" if m["status"] == "ok" else f" ({m['status']})"),
+            "steps": [r["step"] for r in recs],
+            "raw": losses,
+            "smooth": smooth,
+            "delta": None if ref is None else [a - b for a, b in zip(smooth, ref, strict=False)],
+            "val": [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r],
+        })  # fmt: skip
+    return curves
+
+
 def plot_loss(metrics: dict, path: Path) -> None:
     from minifloat.report import require_matplotlib
 
     plt = require_matplotlib()
     fig, (ax_t, ax_d, ax_v) = plt.subplots(1, 3, figsize=(19, 5))
-    ref_name, ref = metrics["runs"][0]["precision"], None
-    for m in metrics["runs"]:
-        recs = read_log(Path(m["log"]))
-        if not recs:
-            continue
-        steps = [r["step"] for r in recs]
-        losses = [r["loss"] for r in recs]
-        smooth = _smooth(losses, len(losses) // 50)
-        ref = smooth if ref is None else ref
-        label = m["precision"] + ("" if m["status"] == "ok" else f" ({m['status']})")
-        (line,) = ax_t.plot(steps, smooth, lw=1.6, label=label)
-        ax_t.plot(steps, losses, lw=0.5, alpha=0.25, color=line.get_color())
-        n = min(len(smooth), len(ref))
-        ax_d.plot(steps[:n], [a - b for a, b in zip(smooth[:n], ref[:n], strict=True)], lw=1.4, color=line.get_color(), label=label)
-        val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
-        if val:
-            ax_v.plot(*zip(*val, strict=True), marker="o", ms=3, lw=1.4, color=line.get_color(), label=label)
+    for c in loss_curves(metrics):
+        (line,) = ax_t.plot(c["steps"], c["smooth"], lw=1.6, label=c["label"])
+        ax_t.plot(c["steps"], c["raw"], lw=0.5, alpha=0.25, color=line.get_color())
+        if c["delta"] is not None:
+            ax_d.plot(c["steps"][: len(c["delta"])], c["delta"], lw=1.4, color=line.get_color(), label=c["label"])
+        if c["val"]:
+            ax_v.plot(*zip(*c["val"], strict=True), marker="o", ms=3, lw=1.4, color=line.get_color(), label=c["label"])
     ax_t.set_title("training loss (smoothed; raw faint)")
     ax_v.set_title("validation loss (fixed held-out windows)")
-    ax_d.set_title(f"smoothed training loss minus {ref_name}'s")
+    ax_d.set_title(f"smoothed training loss minus {metrics['runs'][0]['precision']}'s")
     ax_d.axhline(0.0, color="k", lw=0.6)
     for ax in (ax_t, ax_d, ax_v):
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/byte)")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     _save(fig, path, plt)
 
 
