@@ -30,6 +30,35 @@ def test_stock_torchao_runs_in_a_process_with_torch_defaults():
     assert stock._proc.returncode == 0  # closed cleanly
 
 
+def test_the_torchao_peers_quantize_the_same_schemes():
+    """The speed-ups compare equal work: each torchao quantizer the benchmark times computes
+    minifloat's scheme. MX (scale rule floor): the same values. NVFP4: two-level, as
+    minifloat's, so the same E2M1 codes and E4M3 block scales (but for an all-zero block, whose
+    scale torchao clamps to E4M3's smallest normal) and the same tensor scale up to its
+    rounding (torchao divides amax by 6 * 448, NVIDIA's reference inverts 6 * 448 / amax)."""
+    pytest.importorskip("torchao")
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype
+
+    from minifloat import quantize, unpack
+    from minifloat.bench import _bench_input, torchao_quantizers
+
+    x = _bench_input(64, 256) * 3
+    x[3, :32] = 0
+    peers = torchao_quantizers(x)
+    assert sorted(peers) == ["mxfp4", "mxfp8", "nvfp4"]
+    for name, elem in (("mxfp8", torch.float8_e4m3fn), ("mxfp4", torch.float4_e2m1fn_x2)):
+        scale, data = peers[name]()
+        assert torch.equal(to_dtype(data, scale, elem, 32, torch.float32), quantize(x, name).dequantize()), name
+    scale, packed = peers["nvfp4"]()
+    q = quantize(x, "nvfp4")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(64, 256)  # low nibble first
+    assert torch.equal(codes, unpack(q.data.reshape(-1), "e2m1", x.numel()).reshape(64, 256))
+    differ = (scale.view(torch.uint8) != q.scale).nonzero().tolist()
+    assert differ == [[3, 0], [3, 1]] and q.scale[3, :2].tolist() == [0, 0]  # the zero blocks
+    tensor_scale = x.abs().max() / (6 * 448)
+    assert abs(float(q.tensor_scale) - float(tensor_scale)) <= torch.finfo(torch.float32).eps * float(tensor_scale)
+
+
 def test_bench_quantize_reports_both_torchao_columns():
     pytest.importorskip("torchao")
     out = bench_quantize(64, 256, schemes=("mxfp8", "fp8"), reps=1)

@@ -66,17 +66,19 @@ def _quiet_torchao_import() -> Iterator[None]:
 
 
 def torchao_quantizers(x: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """torchao's CPU quantizers for the schemes it has (empty when torchao is absent)."""
+    """torchao's CPU quantizers for the schemes it has (empty when torchao is absent), each
+    doing the same scheme's work: NVFP4 with its FP32 tensor scale from the tensor amax (the
+    two-level scaling minifloat's `nvfp4` does), not torchao's default of block scales only."""
     try:
         with _quiet_torchao_import():
             from torchao.prototype.mx_formats.mx_tensor import to_mx
-            from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+            from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return {}
     return {
         "mxfp8": lambda: to_mx(x, torch.float8_e4m3fn, 32),
         "mxfp4": lambda: to_mx(x, torch.float4_e2m1fn_x2, 32),
-        "nvfp4": lambda: nvfp4_quantize(x, 16),
+        "nvfp4": lambda: nvfp4_quantize(x, 16, per_tensor_amax_to_scale(torch.amax(torch.abs(x)))),
     }
 
 
