@@ -249,6 +249,34 @@ def test_loss_curves_are_what_the_loss_plot_draws(tmp_path):
     assert fp8["delta"] is None and fp8["smooth"] == _smooth(other, 2)
 
 
+def test_scale_series_are_what_the_scales_plot_draws(tmp_path):
+    """Per operand, one series per run that recorded it; an amax of 0 drawn at 1e-30 and a
+    missing (0, None, inf, NaN) scale as a gap on the log axes. No telemetry: no plot, no file."""
+    from minifloat.report.compare import SCALE_OPERANDS, plot_scales, scale_series
+
+    act, weight, _ = SCALE_OPERANDS
+    fp8_recs = [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 3.0, "telemetry": {"amax": {act: 2.0}, "scale": {act: 224.0}}},
+        {"step": 4, "loss": 3.0, "telemetry": {"amax": {act: 0.0, weight: 0.5}, "scale": {act: 0.0, weight: None}}},
+        {"step": 6, "loss": 3.0, "telemetry": {"amax": {act: 4.0, weight: 0.25}, "scale": {act: float("inf"), weight: 8.0}}},
+    ]  # fmt: skip
+    logs = {"bf16": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.9}], "fp8": fp8_recs}
+    for name, recs in logs.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    metrics = {"runs": [{"precision": name, "log": str(tmp_path / f"{name}.jsonl")} for name in logs]}
+    series = scale_series(metrics)
+    assert list(series) == list(SCALE_OPERANDS) and series[SCALE_OPERANDS[2]] == []
+    ((a,), (w,)) = series[act], series[weight]
+    assert (a["precision"], a["steps"], a["amax"]) == ("fp8", [2, 4, 6], [2.0, 1e-30, 4.0])
+    assert a["scale"][0] == 224.0 and math.isnan(a["scale"][1]) and math.isnan(a["scale"][2])
+    assert (w["steps"], w["amax"], w["scale"][1]) == ([4, 6], [0.5, 0.25], 8.0) and math.isnan(w["scale"][0])
+    assert plot_scales(metrics, tmp_path / "scales.png")
+    assert (tmp_path / "scales.png").read_bytes()[:4] == b"\x89PNG"
+    assert not plot_scales({"runs": metrics["runs"][:1]}, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_summary_table_formats_each_figure_and_marks_missing_ones():
     from minifloat.report.compare import summary_table
 

@@ -116,39 +116,46 @@ def plot_loss(metrics: dict, path: Path) -> None:
     _save(fig, path, plt)
 
 
+def scale_series(metrics: dict) -> dict[str, list[dict]]:
+    """What `plot_scales` draws: per operand of `SCALE_OPERANDS`, one series per run that
+    recorded it (``precision``, ``steps``, ``amax``, ``scale``). On the log axes an amax of 0
+    is drawn at 1e-30, and a scale that is 0 or not finite (none recorded) is a gap (NaN)."""
+    series: dict[str, list[dict]] = {operand: [] for operand in SCALE_OPERANDS}
+    for m in metrics["runs"]:
+        recs = [r for r in read_log(Path(m["log"])) if r.get("telemetry", {}).get("amax")]
+        for operand, runs in series.items():
+            pts = [(r["step"], r["telemetry"]["amax"].get(operand), r["telemetry"]["scale"].get(operand)) for r in recs]
+            pts = [p for p in pts if p[1] is not None]
+            if pts:
+                runs.append({
+                    "precision": m["precision"],
+                    "steps": [p[0] for p in pts],
+                    "amax": [max(p[1], 1e-30) for p in pts],
+                    "scale": [p[2] if p[2] and math.isfinite(p[2]) else float("nan") for p in pts],
+                })  # fmt: skip
+    return series
+
+
 def plot_scales(metrics: dict, path: Path) -> bool:
     """Amax and scale histories; False (and no file) when no run recorded telemetry."""
     from minifloat.report import require_matplotlib
 
-    series = []
-    for m in metrics["runs"]:
-        recs = [r for r in read_log(Path(m["log"])) if r.get("telemetry", {}).get("amax")]
-        if recs:
-            series.append((m["precision"], recs))
-    if not series:
+    series = scale_series(metrics)
+    if not any(series.values()):
         return False
     plt = require_matplotlib()
     fig, axes = plt.subplots(2, len(SCALE_OPERANDS), figsize=(5 * len(SCALE_OPERANDS), 7.5), squeeze=False)
-    for col, operand in enumerate(SCALE_OPERANDS):
-        for precision, recs in series:
-            pts = [
-                (r["step"], r["telemetry"]["amax"].get(operand), r["telemetry"]["scale"].get(operand))
-                for r in recs
-            ]
-            pts = [p for p in pts if p[1] is not None]
-            if not pts:
-                continue
-            steps, amax, scale = zip(*pts, strict=True)
-            axes[0][col].semilogy(steps, [max(a, 1e-30) for a in amax], lw=1.2, label=precision)
-            axes[1][col].semilogy(
-                steps, [s if s and math.isfinite(s) else float("nan") for s in scale], lw=1.2, label=precision
-            )
+    for col, (operand, runs) in enumerate(series.items()):
+        for run in runs:
+            axes[0][col].semilogy(run["steps"], run["amax"], lw=1.2, label=run["precision"])
+            axes[1][col].semilogy(run["steps"], run["scale"], lw=1.2, label=run["precision"])
         axes[0][col].set_title(f"{operand}: amax", fontsize=10)
         axes[1][col].set_title(f"{operand}: scale", fontsize=10)
         for ax in (axes[0][col], axes[1][col]):
             ax.set_xlabel("step")
             ax.grid(True, which="major", alpha=0.3)
-            ax.legend(fontsize=8)
+            if runs:
+                ax.legend(fontsize=8)
     _save(fig, path, plt)
     return True
 
