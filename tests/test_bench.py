@@ -69,6 +69,46 @@ def test_bench_quantize_reports_both_torchao_columns():
     assert fp8["torchao_gelem_s"] is None and fp8["torchao_stock_gelem_s"] is None  # torchao has no such quantizer
 
 
+def test_bench_quantize_figures_from_the_medians(monkeypatch):
+    """Every figure from the timed medians: Gelem/s = n / t, ratios to the read bound = t_read / t,
+    speed-ups = t_torchao / t_minifloat; each case runs what its name says."""
+    import minifloat.bench as bench
+    from minifloat import dequantize, quantize
+
+    x = torch.randn(64, 256)
+    n = x.numel()
+    seen = {}
+    medians = {"read_bound": 2.0, "torch_cast": 4.0, "q:mxfp8": 8.0, "dq:mxfp8": 5.0, "torchao:mxfp8": 40.0,
+               "stock:mxfp8": 100.0, "q:fp8": 16.0, "dq:fp8": 10.0}  # fmt: skip
+
+    def fake_medians(cases, reps):
+        seen.update(cases, reps=reps)
+        return {k: medians[k] for k in cases}
+
+    class Stock:
+        def case(self, name):
+            return lambda: f"stock {name}"
+
+    monkeypatch.setattr(bench, "interleaved_medians", fake_medians)
+    out = bench._bench_quantize(x, ("mxfp8", "fp8"), 3, {"mxfp8": lambda: "torchao mxfp8"}, Stock())
+    assert sorted(k for k in seen if k != "reps") == sorted(medians) and seen["reps"] == 3
+    assert torch.equal(seen["read_bound"](), x.sum()) and seen["torch_cast"]().dtype == torch.float8_e4m3fn
+    assert torch.equal(seen["q:fp8"]().dequantize(), quantize(x, "fp8").dequantize())
+    assert torch.equal(seen["dq:mxfp8"](), dequantize(quantize(x, "mxfp8")))
+    assert (seen["torchao:mxfp8"](), seen["stock:mxfp8"]()) == ("torchao mxfp8", "stock mxfp8")
+    assert out["read_bound_gelem_s"] == n / 2.0 / 1e9
+    assert (out["torch_cast_gelem_s"], out["torch_cast_vs_read"]) == (n / 4.0 / 1e9, 0.5)
+    assert out["torchao"] and out["torchao_stock"] and out["shape"] == [64, 256] and out["reps"] == 3
+    mx, fp8 = out["results"]
+    assert mx == {
+        "scheme": "mxfp8", "quantize_gelem_s": n / 8.0 / 1e9, "quantize_vs_read": 0.25,
+        "dequantize_gelem_s": n / 5.0 / 1e9, "dequantize_vs_read": 0.4, "torchao_gelem_s": n / 40.0 / 1e9,
+        "speedup_vs_torchao": 5.0, "torchao_stock_gelem_s": n / 100.0 / 1e9, "speedup_vs_torchao_stock": 12.5,
+    }  # fmt: skip
+    assert (fp8["quantize_vs_read"], fp8["dequantize_vs_read"]) == (0.125, 0.2)
+    assert fp8["torchao_gelem_s"] is None and fp8["speedup_vs_torchao_stock"] is None
+
+
 def test_bench_quantize_output_has_no_torchao_import_noise():
     """torchao logs a warning per CUDA-only extension it cannot load, on its first import: the
     benchmark holds those back (a fresh process, as torchao is imported once)."""
