@@ -277,6 +277,15 @@ def test_scale_series_are_what_the_scales_plot_draws(tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
+def test_speed_memory_panels_are_what_the_bar_plot_draws():
+    from minifloat.report.compare import speed_memory_panels
+
+    runs = [{"step_time_s": 0.25, "weight_bytes": 3 * 2**20, "peak_rss_bytes": 2**29}, {"step_time_s": None}]
+    assert speed_memory_panels({"runs": runs}) == [
+        ("step time (s, median)", [0.25, 0]), ("weights at rest (MiB)", [3.0, 0]), ("peak RSS of the run (MiB)", [512.0, 0]),
+    ]  # fmt: skip
+
+
 def test_summary_table_formats_each_figure_and_marks_missing_ones():
     from minifloat.report.compare import summary_table
 

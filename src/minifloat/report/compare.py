@@ -160,17 +160,23 @@ def plot_scales(metrics: dict, path: Path) -> bool:
     return True
 
 
-def plot_speed_memory(metrics: dict, path: Path) -> None:
-    from minifloat.report import require_matplotlib
-
-    plt = require_matplotlib()
+def speed_memory_panels(metrics: dict) -> list[tuple[str, list[float]]]:
+    """What `plot_speed_memory` draws: (title, one bar per run) for the median step time, the
+    weights at rest and the peak RSS; a run without the figure (it failed) gets a bar of 0."""
     runs = metrics["runs"]
-    names = [m["precision"] for m in runs]
-    panels = [
+    return [
         ("step time (s, median)", [m.get("step_time_s") or 0 for m in runs]),
         ("weights at rest (MiB)", [(m.get("weight_bytes") or 0) / 2**20 for m in runs]),
         ("peak RSS of the run (MiB)", [(m.get("peak_rss_bytes") or 0) / 2**20 for m in runs]),
     ]
+
+
+def plot_speed_memory(metrics: dict, path: Path) -> None:
+    from minifloat.report import require_matplotlib
+
+    plt = require_matplotlib()
+    names = [m["precision"] for m in metrics["runs"]]
+    panels = speed_memory_panels(metrics)
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.5))
     for ax, (title, values) in zip(axes, panels, strict=True):
         bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
