@@ -309,3 +309,51 @@ def test_a_library_built_from_another_source_is_not_used(monkeypatch, source_has
     finally:
         cpu.library.cache_clear()
     assert cpu.library() is not None
+
+
+def test_each_fast_path_is_taken_where_it_applies(monkeypatch):
+    """The dispatch: fp32 / bf16 / fp16 CPU tensors go to the kernels, other dtypes and devices
+    and MINIFLOAT_KERNELS=reference to the reference (whose results would look the same, so
+    the calls are counted); the transpose kernel serves only the plain transpose of a matrix."""
+    from minifloat import kernels, quantize
+
+    calls = []
+
+    def spy(name):
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+
+    for name in ("quantize", "dequantize", "tensor_amax", "rht16"):
+        spy(name)
+    lib = cpu.library()
+
+    class Library:  # the loaded library, counting transposes
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def mf_transpose(self, *args):
+            calls.append("transpose")
+            return lib.mf_transpose(*args)
+
+    monkeypatch.setattr(cpu, "library", Library)
+    x = torch.randn(40, 64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        quantize(x.to(dtype), "mxfp8").dequantize()
+        kernels.amax(x.to(dtype))
+    assert calls == ["quantize", "dequantize", "tensor_amax"] * 3
+    calls.clear()
+    kernels.amax(x.double()), kernels.contiguous(x.double().t()), kernels.contiguous(x.long().t())
+    assert calls == []  # dtypes the kernels do not take (quantize refuses them itself)
+    assert torch.equal(kernels.rht(x, torch.ones(16)), kernels.rht(x, torch.ones(16)))
+    kernels.rht(x, torch.ones(32))  # only 16-wide transforms have a kernel
+    assert calls == ["rht16"] * 2
+    calls.clear()
+    m = x[:, :24]
+    for view, fast in ((x.t(), True), (x, False), (m.t(), False), (x.t()[1:], False), (x.view(40, 8, 8).transpose(1, 2), False)):
+        assert torch.equal(kernels.contiguous(view), view.contiguous())
+        assert calls == (["transpose"] if fast else []), view.stride()
+        calls.clear()
+    monkeypatch.setenv("MINIFLOAT_KERNELS", "reference")
+    quantize(x, "nvfp4").dequantize()
+    kernels.amax(x), kernels.contiguous(x.t()), kernels.rht(x, torch.ones(16))
+    assert calls == []
