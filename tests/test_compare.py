@@ -286,6 +286,48 @@ def test_speed_memory_panels_are_what_the_bar_plot_draws():
     ]  # fmt: skip
 
 
+def test_write_report_text(tmp_path):
+    """report.md's prose and sections from the metrics alone: the setup line, the runs that
+    did not finish and why, the figures only when drawn, the telemetry rows, the recipes, the
+    configuration and environment as JSON."""
+    from minifloat.report.compare import write_report
+
+    log = tmp_path / "bf16.jsonl"
+    log.write_text("".join(json.dumps({"step": i, "loss": 3.0 - 0.1 * i}) + "\n" for i in range(1, 4)))
+    config = {"model": "tiny", "steps": 3, "batch_size": 4, "seq_len": 32, "grad_accum": 2, "data": None}
+    runs = [
+        {"precision": "bf16", "status": "ok", "log": str(log), "recipe": {"recipe": "bf16"}, "master_weight_bytes": 2**21,
+         "max_saturated": None},
+        {"precision": "fp8", "status": "failed", "log": str(tmp_path / "none.jsonl"), "recipe": {"recipe": "delayed"},
+         "error": "RuntimeError: out of memory", "max_saturated": 0.00125, "max_flushed": 0.5},
+        {"precision": "nvfp4", "status": "diverged", "log": str(tmp_path / "none.jsonl"), "recipe": {"rht": True},
+         "nonfinite_steps": 2, "first_nonfinite": "blocks.0.mlp.fc", "final_train_loss": 9.5, "first_train_loss": 5.0},
+    ]  # fmt: skip
+    metrics = {"config": config, "env": {"torch": "2.13.0"}, "runs": runs}
+    text = write_report(metrics, tmp_path, plots=False).read_text()
+    assert text.startswith("# minifloat compare\n\nThe `tiny` GPT trained for 3 steps of 4×32 tokens (×2 accumulation)")
+    assert "Data: the Python standard library sources on this machine." in text
+    assert "Δ val and × step time are relative to `bf16`." in text and "master copy (2.00 MiB)" in text
+    section = text.split("## Runs that did not finish cleanly\n\n")[1].split("\n\n")[0].splitlines()
+    assert section == [
+        "- **fp8: failed** — RuntimeError: out of memory",
+        "- **nvfp4: diverged** — non-finite steps: 2, first non-finite layer: blocks.0.mlp.fc, "
+        "final train loss 9.5 vs first 5.0",
+    ]
+    assert "![" not in text and not list(tmp_path.glob("*.png"))
+    assert "| bf16 | — | — |" in text and "| fp8 | 1.25e-03 | 5.00e-01 |" in text
+    assert '- `nvfp4`: `{"rht": true}`' in text
+    assert "```json\n" + json.dumps(config, indent=2) + "\n```" in text and '"torch": "2.13.0"' in text
+    # Every run clean: no such section. The default draws the plots (the loss, speed and
+    # memory; no scales without telemetry) and links them.
+    metrics["runs"] = runs[:1]
+    metrics["config"] = dict(config, data="corpus.txt")
+    text = write_report(metrics, tmp_path / "plotted").read_text()
+    assert "did not finish" not in text and "Data: corpus.txt." in text
+    assert "![Loss](loss.png)" in text and "![Speed and memory](speed_memory.png)" in text and "scales.png" not in text
+    assert sorted(p.name for p in (tmp_path / "plotted").iterdir()) == ["loss.png", "report.md", "speed_memory.png"]
+
+
 def test_summary_table_formats_each_figure_and_marks_missing_ones():
     from minifloat.report.compare import summary_table
 
