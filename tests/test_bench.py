@@ -109,6 +109,47 @@ def test_bench_quantize_figures_from_the_medians(monkeypatch):
     assert fp8["torchao_gelem_s"] is None and fp8["speedup_vs_torchao_stock"] is None
 
 
+def test_bench_gemm_figures_from_the_medians(monkeypatch):
+    """TFLOP/s = 2·M·N·K / t, ratios to BF16 = t / t_bf16, and the native GEMM's error relative
+    to the emulated one, with a native backend stood in for on the CPU (a copy of the emulated
+    result off by 0.1 %) for fp8 only; each timed case runs what its name says."""
+    import minifloat.bench as bench
+    import minifloat.gemm as gemm
+    from minifloat import quantize
+
+    m, n, k = 32, 48, 256
+    seen = {}
+    medians = {"fp32": 1.0, "bf16": 0.5, "emulated:fp8": 4.0, "native:fp8": 0.25, "emulated:fp8_block128": 8.0}
+    emulated = gemm.scaled_mm
+
+    def fake_medians(cases, reps):
+        seen.update(cases)
+        return {key: medians[key] for key in cases}
+
+    def scaled_mm(qa, qb, backend):
+        out = emulated(qa, qb, backend="emulated")
+        return out * 1.001 if backend == "native" else out
+
+    monkeypatch.setattr(bench, "interleaved_medians", fake_medians)
+    monkeypatch.setattr(gemm, "scaled_mm", scaled_mm)
+    monkeypatch.setattr(gemm, "native_support", lambda scheme, dev: None if scheme.name == "fp8" else "not here")
+    out = bench.bench_gemm(m, n, k, ("fp8", "fp8_block128"), reps=2)
+    assert sorted(seen) == sorted(medians)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    assert torch.equal(seen["fp32"]()[0], a @ b.T) and seen["bf16"]()[0].dtype == torch.bfloat16
+    qa, qb = quantize(a, "fp8_block128"), quantize(b, "fp8_block128x128")
+    assert torch.equal(seen["emulated:fp8_block128"]()[0], emulated(qa, qb))
+    flop = 2 * m * n * k
+    assert (out["fp32_tflops"], out["bf16_tflops"]) == (flop / 1e12, flop / 0.5 / 1e12)
+    fp8, block = out["results"]
+    assert fp8["emulated_tflops"] == flop / 4.0 / 1e12 and fp8["emulated_vs_bf16"] == 8.0
+    assert fp8["native_tflops"] == flop / 0.25 / 1e12 and fp8["native_vs_bf16"] == 0.5
+    assert fp8["native_rel_error"] == pytest.approx(1e-3, rel=1e-3) and fp8["native_unavailable"] is None
+    assert block["weight_scheme"] == "fp8_block128x128" and block["emulated_vs_bf16"] == 16.0
+    assert block["native_tflops"] is None and block["native_rel_error"] is None and block["native_unavailable"] == "not here"
+
+
 def test_bench_quantize_output_has_no_torchao_import_noise():
     """torchao logs a warning per CUDA-only extension it cannot load, on its first import: the
     benchmark holds those back (a fresh process, as torchao is imported once)."""
