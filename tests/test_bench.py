@@ -181,3 +181,78 @@ def test_bench_json_is_strict_when_a_figure_is_not_finite(capsys, monkeypatch):
     assert main(["bench", "quantize", "--size", "64x256", "--reps", "1", "--json"]) == 0
     text = capsys.readouterr().out
     assert json.loads(text, parse_constant=lambda t: pytest.fail(f"bare {t} in --json"))["read_bound_gelem_s"] == "inf"
+
+
+def _quantize_result(scheme, ao=None, stock=None):
+    return {"scheme": scheme, "quantize_gelem_s": 3.5512, "quantize_vs_read": 0.5291, "dequantize_gelem_s": 3.4,
+            "dequantize_vs_read": 0.5067, "torchao_gelem_s": ao, "speedup_vs_torchao": ao and 6.44,
+            "torchao_stock_gelem_s": stock, "speedup_vs_torchao_stock": stock and 25.61}  # fmt: skip
+
+
+def test_bench_quantize_table(capsys, monkeypatch):
+    """The terminal table from `bench_quantize`'s figures, and the flags that reach it."""
+    import minifloat.bench as bench
+
+    calls = []
+    out = {"shape": [4096, 8192], "threads": 2, "reps": 9, "read_bound_gelem_s": 6.712, "torch_cast_gelem_s": 1.234,
+           "torch_cast_vs_read": 0.184, "keeps_freed_memory": True, "torchao": True, "torchao_stock": True,
+           "results": [_quantize_result("mxfp8", 0.5514, 0.1387), _quantize_result("fp8")]}  # fmt: skip
+    monkeypatch.setattr(bench, "bench_quantize", lambda *size, **kw: calls.append((size, kw)) or out)
+    assert main(["bench", "quantize"]) == 0
+    assert calls.pop() == ((4096, 8192), {"schemes": bench.DEFAULT_SCHEMES, "reps": 9})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "input 4096x8192 float32, 2 threads, median of 9; read bound (sum) 6.71 Gelem/s"
+    assert lines[1].endswith("(no amax, no scale): 1.23 Gelem/s, 0.18 x read")
+    assert lines[2].startswith("allocator: freed buffers stay in the heap") and lines[3].startswith("torchao: in this")
+    assert lines[4].split() == ["scheme", "quant", "Gelem/s", "x", "read", "dequant", "Gelem/s", "x", "read",
+                                "torchao", "speedup", "stock", "speedup"]  # fmt: skip
+    assert lines[5].split() == ["mxfp8", "3.55", "0.53", "3.40", "0.51", "0.551", "6.4x", "0.139", "25.6x"]
+    assert lines[6].split() == ["fp8", "3.55", "0.53", "3.40", "0.51", "-", "-", "-", "-"]
+    out.update(torch_cast_gelem_s=None, keeps_freed_memory=False, torchao=False, torchao_stock=False)
+    assert main(["bench", "quantize", "--size", "64x256", "--schemes", "MXFP8,fp8", "--reps", "2"]) == 0
+    assert calls.pop() == ((64, 256), {"schemes": ("mxfp8", "fp8"), "reps": 2})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("allocator: glibc default") and lines[2].startswith("torchao is not installed")
+    assert main(["bench", "quantize", "--reps", "0"]) == 2
+    assert "--reps must be ≥ 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_train_and_gemm_tables(capsys, monkeypatch):
+    import minifloat.bench as bench
+
+    calls = []
+    train = {"mlp": {"layers": 4, "dim": 1024, "hidden": 4096, "tokens": 2048}, "threads": 2, "reps": 3,
+             "results": [{"model": "fp32", "step_s": 1.5, "vs_bf16": None, "vs_fp32": 1.0, "tokens_per_s": 1365.3},
+                         {"model": "fp8", "step_s": 2.25, "vs_bf16": 0.75, "vs_fp32": 1.5, "tokens_per_s": 910.2}]}  # fmt: skip
+    monkeypatch.setattr(bench, "train_baselines", lambda bf16: (("fp32", "torchao"), "BF16 baseline skipped: ..."))
+    monkeypatch.setattr(bench, "bench_train", lambda recipes, **kw: calls.append((recipes, kw)) or train)
+    assert main(["bench", "train"]) == 0
+    recipes, kw = calls.pop()
+    assert recipes == bench.TRAIN_DEFAULT_RECIPES and kw["reps"] == 3 and kw["baselines"] == ("fp32", "torchao")
+    assert (kw["layers"], kw["dim"], kw["hidden"], kw["tokens"]) == (4, 1024, 4096, 2048) and kw["progress"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "BF16 baseline skipped: ..."
+    assert lines[1] == "4 x (1024->4096->1024) MLP, 2048 tokens, 2 threads, median of 3 (forward + backward + SGD step)"
+    assert lines[3].split() == ["fp32", "1.500", "-", "1.00", "1365"] and lines[4].split() == ["fp8", "2.250", "0.75", "1.50", "910"]
+
+    gemm = {"shape": [1024, 1024, 1024], "device": "cpu", "device_name": "cpu", "threads": 2, "reps": 9,
+            "fp32_tflops": 0.123, "bf16_tflops": None,
+            "results": [{"scheme": "fp8", "emulated_tflops": 0.0456, "emulated_vs_bf16": None, "native_tflops": None,
+                         "native_vs_bf16": None, "native_rel_error": None, "native_unavailable": "no GPU"},
+                        {"scheme": "mxfp8", "emulated_tflops": 0.0312, "emulated_vs_bf16": 2.5, "native_tflops": 1.5,
+                         "native_vs_bf16": 0.5, "native_rel_error": 1.21e-3, "native_unavailable": None}]}  # fmt: skip
+    monkeypatch.setattr(bench, "bench_gemm", lambda *shape, **kw: calls.append((shape, kw)) or gemm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "gemm", "--no-bf16"]) == 0
+    shape, kw = calls.pop()
+    assert shape == (1024, 1024, 1024, bench.GEMM_DEFAULT_SCHEMES) and kw["bf16"] is False and kw["reps"] == 9
+    assert kw["device"] == torch.device("cpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "a·bᵀ 1024x1024 · (1024x1024)ᵀ on cpu (cpu), 2 threads, median of 9; FP32 0.12 TFLOP/s, BF16 - TFLOP/s"
+    assert lines[2].split() == ["fp8", "0.046", "-", "-", "-", "-"]
+    assert lines[3].split() == ["mxfp8", "0.031", "2.50", "1.500", "0.50", "1.2e-03"]
+    assert lines[4] == "no native GEMM for fp8: no GPU"
+    assert main(["bench", "gemm", "--device", "cuda"]) == 2
+    assert "--device cuda: this torch sees no CUDA device; use --device cpu" in capsys.readouterr().err
+    assert main(["bench", "gemm", "--shape", "8x16x32", "--schemes", "nvfp4"]) == 0
+    assert calls.pop() == ((8, 16, 32, ("nvfp4",)), {"device": torch.device("cpu"), "reps": 9, "bf16": True})
