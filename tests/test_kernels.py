@@ -1,5 +1,7 @@
 """Differential tests: the fused CPU kernels equal the pure-PyTorch reference byte for byte."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -353,6 +355,16 @@ def test_each_fast_path_is_taken_where_it_applies(monkeypatch):
         assert torch.equal(kernels.contiguous(view), view.contiguous())
         assert calls == (["transpose"] if fast else []), view.stride()
         calls.clear()
+    reference = importlib.import_module("minifloat.quantize")  # the module (the package's `quantize` is the function)
+    real_reference = reference.quantize_reference
+    monkeypatch.setattr(reference, "quantize_reference", lambda *a, **k: calls.append("reference") or real_reference(*a, **k))
+    for name in SCHEMES:  # the kernel's own work, but for an empty input (nothing to measure)
+        cpu.quantize(x, get_scheme(name))
+        cpu.quantize(x, get_scheme(name), rounding="stochastic")
+    assert "reference" not in calls
+    calls.clear()
+    assert cpu.quantize(x[:0], get_scheme("nvfp4")).shape == (0, 64) and calls == ["quantize", "reference"]
+    calls.clear()
     monkeypatch.setenv("MINIFLOAT_KERNELS", "reference")
     quantize(x, "nvfp4").dequantize()
     kernels.amax(x), kernels.contiguous(x.t()), kernels.rht(x, torch.ones(16))
