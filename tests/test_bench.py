@@ -211,6 +211,8 @@ def test_bench_quantize_table(capsys, monkeypatch):
     out.update(torch_cast_gelem_s=None, keeps_freed_memory=False, torchao=False, torchao_stock=False)
     assert main(["bench", "quantize", "--size", "64x256", "--schemes", "MXFP8,fp8", "--reps", "2"]) == 0
     assert calls.pop() == ((64, 256), {"schemes": ("mxfp8", "fp8"), "reps": 2})
+    assert main(["bench", "quantize", "--size", "1X1"]) == 0  # the smallest input
+    assert calls.pop()[0] == (1, 1)
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("allocator: glibc default") and lines[2].startswith("torchao is not installed")
     assert main(["bench", "quantize", "--reps", "0"]) == 2

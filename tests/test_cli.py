@@ -105,6 +105,9 @@ def test_bench_train_skips_an_emulated_bf16_baseline_unless_asked(capsys, monkey
     assert bench.train_baselines(None, slowdown=lambda: 1.5) == (("bf16", "fp32", "torchao"), None)
     assert bench.train_baselines(True, slowdown=lambda: 100.0) == (("bf16", "fp32", "torchao"), None)
     assert bench.train_baselines(False, slowdown=lambda: 1.5) == (("fp32", "torchao"), None)
+    # BF16 units make a BF16 matmul 0.5-2x the FP32 time; without them it is ~100x: the line is 8x.
+    assert bench.train_baselines(None, slowdown=lambda: 8.0)[0] == ("bf16", "fp32", "torchao")
+    assert bench.train_baselines(None, slowdown=lambda: 8.1)[0] == ("fp32", "torchao")
     baselines, note = bench.train_baselines(None, slowdown=lambda: 97.0)
     assert baselines == ("fp32", "torchao") and "97x the FP32 time" in note and "--bf16" in note
     monkeypatch.setattr(bench, "bf16_matmul_slowdown", lambda: 97.0)
