@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 
-from minifloat import jsonio
+from minifloat import bench, jsonio
 from minifloat.errors import MinifloatError
+
+
+def _defaults(fn) -> dict:
+    """A benchmark function's keyword defaults: the flags take theirs from it."""
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
+
+
+QUANTIZE, GEMM, TRAIN = _defaults(bench.bench_quantize), _defaults(bench.bench_gemm), _defaults(bench.bench_train)
 
 
 def _dims(example: str, what: str):
@@ -30,30 +39,31 @@ def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
     return "-" if v is None else format(v, spec) + suffix
 
 
-_size = _dims("4096x8192", "size")
+_size = _dims(f"{QUANTIZE['rows']}x{QUANTIZE['cols']}", "size")
 _mnk = _dims("4096x4096x4096", "shape (MxNxK)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
     p.add_argument("what", choices=["quantize", "gemm", "train"], help="what to time")
-    p.add_argument("--size", type=_size, default=(4096, 8192), help="quantize: input ROWSxCOLS (default 4096x8192)")
+    p.add_argument("--size", type=_size, default=(QUANTIZE["rows"], QUANTIZE["cols"]),
+                   help=f"quantize: input ROWSxCOLS (default {QUANTIZE['rows']}x{QUANTIZE['cols']})")
     p.add_argument("--schemes", default=None,
                    help="quantize, gemm: comma-separated schemes (default: all for quantize; for gemm "
-                        "fp8, fp8_rowwise, fp8_block128, mxfp8, mxfp4, nvfp4)")
+                        f"{', '.join(GEMM['schemes'])})")
     p.add_argument("--shape", type=_mnk, default=None,
                    help="gemm: MxNxK (default 4096x4096x4096 on CUDA, 1024x1024x1024 on CPU)")
     p.add_argument("--device", default=None, help="gemm: cpu or cuda[:i] (default: cuda when there is one)")
-    p.add_argument("--recipes", default=None, help="train: comma-separated recipes (default: fp8,fp8-current,mxfp8,nvfp4)")
-    p.add_argument("--layers", type=int, default=4, help="train: MLP blocks")
-    p.add_argument("--dim", type=int, default=1024, help="train: model width")
-    p.add_argument("--hidden", type=int, default=4096, help="train: hidden width")
-    p.add_argument("--tokens", type=int, default=2048, help="train: tokens per step")
+    p.add_argument("--recipes", default=None, help=f"train: comma-separated recipes (default: {','.join(TRAIN['recipes'])})")
+    p.add_argument("--layers", type=int, default=TRAIN["layers"], help="train: MLP blocks")
+    p.add_argument("--dim", type=int, default=TRAIN["dim"], help="train: model width")
+    p.add_argument("--hidden", type=int, default=TRAIN["hidden"], help="train: hidden width")
+    p.add_argument("--tokens", type=int, default=TRAIN["tokens"], help="train: tokens per step")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="gemm, train: time the BF16 baseline (default: gemm always; train when BF16 "
                         "matmuls are native here, as a short probe shows: without BF16 units a step "
                         "takes minutes)")
-    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 9 quantize and gemm, 3 train)")
+    p.add_argument("--reps", type=int, default=None, help=f"interleaved repetitions (default {QUANTIZE['reps']} quantize, {GEMM['reps']} gemm, {TRAIN['reps']} train)")
     p.add_argument("--default-allocator", action="store_true",
                    help="leave glibc's malloc as it is: large outputs are page-faulted in again on every call")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -61,7 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    reps = args.reps if args.reps is not None else (3 if args.what == "train" else 9)
+    reps = args.reps if args.reps is not None else {"quantize": QUANTIZE, "gemm": GEMM, "train": TRAIN}[args.what]["reps"]
     if reps < 1:
         raise MinifloatError(f"--reps must be ≥ 1, got {reps}")
     if args.what == "train":
