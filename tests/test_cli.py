@@ -96,8 +96,10 @@ def test_bench_train_times_recipes_against_baselines(capsys):
     models = [r["model"] for r in out["results"]]
     torchao = ["torchao-float8"] if importlib.util.find_spec("torchao") else []
     assert models == ["bf16", "fp32", *torchao, "fp8", "mxfp8"]
-    bf16 = out["results"][0]
+    bf16, fp32 = out["results"][:2]
     assert bf16["vs_bf16"] == 1.0 and all(r["step_s"] > 0 for r in out["results"])
+    assert fp32["vs_fp32"] == 1.0 and bf16["vs_fp32"] == bf16["step_s"] / fp32["step_s"]
+    assert all(r["tokens_per_s"] == 64 / r["step_s"] for r in out["results"])
     assert out["bf16_skipped"] is None
 
 
