@@ -258,3 +258,6 @@ def test_bench_train_and_gemm_tables(capsys, monkeypatch):
     assert "--device cuda: this torch sees no CUDA device; use --device cpu" in capsys.readouterr().err
     assert main(["bench", "gemm", "--shape", "8x16x32", "--schemes", "nvfp4"]) == 0
     assert calls.pop() == ((8, 16, 32, ("nvfp4",)), {"device": torch.device("cpu"), "reps": 9, "bf16": True})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: the default device and shape grow
+    assert main(["bench", "gemm", "--json"]) == 0
+    assert calls.pop()[0][:3] == (4096, 4096, 4096) and calls == []
