@@ -78,11 +78,10 @@ def run(args: argparse.Namespace) -> int:
         return _train(args, reps)
     if args.what == "gemm":
         return _gemm(args, reps)
-    from minifloat.bench import DEFAULT_SCHEMES, bench_quantize
     from minifloat.schemes import get_scheme
 
-    schemes = DEFAULT_SCHEMES if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
-    out = bench_quantize(*args.size, schemes=schemes, reps=reps)
+    schemes = QUANTIZE["schemes"] if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
+    out = bench.bench_quantize(*args.size, schemes=schemes, reps=reps)
     if args.json:
         print(jsonio.dumps(out, indent=2))
         return 0
@@ -110,15 +109,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, reps: int) -> int:
-    from minifloat.bench import TRAIN_DEFAULT_RECIPES, bench_train, train_baselines
     from minifloat.recipes import get_recipe
 
-    recipes = TRAIN_DEFAULT_RECIPES if not args.recipes else tuple(args.recipes.split(","))
+    recipes = TRAIN["recipes"] if not args.recipes else tuple(args.recipes.split(","))
     for r in recipes:
         get_recipe(r)  # unknown names fail before minutes of timing
-    baselines, note = train_baselines(args.bf16)
+    baselines, note = bench.train_baselines(args.bf16)
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-    out = bench_train(recipes, layers=args.layers, dim=args.dim, hidden=args.hidden, tokens=args.tokens,
+    out = bench.bench_train(recipes, layers=args.layers, dim=args.dim, hidden=args.hidden, tokens=args.tokens,
                       reps=reps, baselines=baselines, progress=progress)
     out["bf16_skipped"] = note
     if args.json:
@@ -140,15 +138,14 @@ def _train(args: argparse.Namespace, reps: int) -> int:
 def _gemm(args: argparse.Namespace, reps: int) -> int:
     import torch
 
-    from minifloat.bench import GEMM_DEFAULT_SCHEMES, bench_gemm
     from minifloat.schemes import get_scheme
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MinifloatError(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
     shape = args.shape or ((4096, 4096, 4096) if device.type == "cuda" else (1024, 1024, 1024))
-    schemes = GEMM_DEFAULT_SCHEMES if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
-    out = bench_gemm(*shape, schemes, device=device, reps=reps, bf16=args.bf16 is not False)
+    schemes = GEMM["schemes"] if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
+    out = bench.bench_gemm(*shape, schemes, device=device, reps=reps, bf16=args.bf16 is not False)
     if args.json:
         print(jsonio.dumps(out, indent=2))
         return 0
