@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 
 from minifloat import bench, jsonio
+from minifloat.cli.defaults import keyword_defaults
 from minifloat.errors import MinifloatError
 
-
-def _defaults(fn) -> dict:
-    """A benchmark function's keyword defaults: the flags take theirs from it."""
-    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
-
-
-QUANTIZE, GEMM, TRAIN = _defaults(bench.bench_quantize), _defaults(bench.bench_gemm), _defaults(bench.bench_train)
+QUANTIZE, GEMM, TRAIN = (keyword_defaults(f) for f in (bench.bench_quantize, bench.bench_gemm, bench.bench_train))
 
 
 def _dims(example: str, what: str):

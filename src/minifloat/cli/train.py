@@ -6,13 +6,11 @@ import argparse
 import os
 
 from minifloat import jsonio
+from minifloat.cli.defaults import keyword_defaults
 from minifloat.train.model import GPT_SIZES
 from minifloat.train.trainer import PRECISIONS, TrainConfig
 
-
-def _default(name: str):
-    """The library's default for a TrainConfig field: the flags take theirs from it."""
-    return TrainConfig.__dataclass_fields__[name].default
+DEFAULTS = keyword_defaults(TrainConfig)  # the flags' defaults are TrainConfig's
 
 
 INTEGER_FLAGS = {
@@ -28,24 +26,24 @@ INTEGER_FLAGS = {
 def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
     """The options `train` and `compare` share: model, schedule, data (defaults: `TrainConfig`'s).
     `eval_zero` says what ``--eval-every 0`` does in the command."""
-    p.add_argument("--model", default=_default("model"), choices=list(GPT_SIZES), help="GPT size")
+    p.add_argument("--model", default=DEFAULTS["model"], choices=list(GPT_SIZES), help="GPT size")
     for name, text in INTEGER_FLAGS.items():
         text += f"; 0 for {eval_zero}" if name == "eval_every" else ""
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=_default(name), help=text)
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name], help=text)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128, or the model's block size if smaller)")
-    p.add_argument("--lr", type=float, default=_default("lr"), help="peak AdamW learning rate")
-    p.add_argument("--grad-clip", type=float, default=_default("grad_clip"), help="largest gradient norm, 0 for no clipping")
-    p.add_argument("--eval-batches", type=int, default=_default("eval_batches"), help="held-out batches per evaluation")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak AdamW learning rate")
+    p.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"], help="largest gradient norm, 0 for no clipping")
+    p.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"], help="held-out batches per evaluation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block's activations in backward")
     p.add_argument(
-        "--telemetry-every", type=int, default=_default("telemetry_every"), help="steps between amax/scale records, 0 for none"
+        "--telemetry-every", type=int, default=DEFAULTS["telemetry_every"], help="steps between amax/scale records, 0 for none"
     )
     p.add_argument(
         "--quantize-head", action="store_true", help="quantize the LM head too (default: high precision)"
     )
     p.add_argument(
-        "--high-precision-last", type=int, default=_default("high_precision_last"), metavar="N",
+        "--high-precision-last", type=int, default=DEFAULTS["high_precision_last"], metavar="N",
         help="keep the last N transformer blocks in high precision (the NVFP4 recipe's advice)",
     )  # fmt: skip
     p.add_argument(
@@ -56,12 +54,12 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the built-in GPT in one precision")
     p.add_argument(
-        "--precision", default=_default("precision"), choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}",
+        "--precision", default=DEFAULTS["precision"], choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}",
         help="the number formats of the run (`minifloat info`: how each computes here)",
     )
     add_training_arguments(p, eval_zero="none")
     p.add_argument(
-        "--checkpoint-every", type=int, default=_default("checkpoint_every"), help="steps between checkpoints, 0 for one at the end"
+        "--checkpoint-every", type=int, default=DEFAULTS["checkpoint_every"], help="steps between checkpoints, 0 for one at the end"
     )
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
     p.add_argument("--config", default=None, metavar="JSON",
