@@ -587,6 +587,8 @@ def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeyp
     import minifloat.train.trainer as trainer
     from minifloat.compare import recipe_description
 
+    for cpu_has_bf16 in (trainer, minifloat.devices):  # both halves here, whatever this CPU has
+        monkeypatch.setattr(cpu_has_bf16, "native_bf16_cpu", lambda: False)
     emulated = build_model(_cfg(precision="bf16"))
     assert isinstance(emulated.blocks[0].mlp.fc, RoundedLinear) and type(emulated.lm_head) is torch.nn.Linear
     assert emulated.blocks[0].mlp.fc.rounding_dtype is torch.bfloat16
