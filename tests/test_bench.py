@@ -1,18 +1,69 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from minifloat.bench import Elapsed, StockTorchao, bench_quantize, interleaved_medians
+from minifloat.bench import (
+    Elapsed,
+    StockTorchao,
+    bench_quantize,
+    interleaved_medians,
+    interleaved_times,
+    quartiles,
+)
 from minifloat.cli import main
 
 
 def test_interleaved_medians_take_a_case_s_own_elapsed_time():
     med = interleaved_medians({"remote": lambda: Elapsed(5.0), "local": lambda: None}, reps=3)
     assert med["remote"] == 5.0 and med["local"] < 1.0
+
+
+def test_interleaved_times_run_every_case_once_per_round_after_one_warm_up_each():
+    calls = []
+    times = interleaved_times({k: (lambda k=k: calls.append(k)) for k in ("a", "b", "c")}, reps=2)
+    assert calls == ["a", "b", "c"] * 3 and [len(v) for v in times.values()] == [2, 2, 2]
+
+
+def test_quartiles_of_the_rounds():
+    assert quartiles([3.0]) == [3.0, 3.0]
+    assert quartiles([0.5, 0.25, 0.5]) == [0.375, 0.5]
+    assert quartiles([4.0, 1.0, 3.0, 2.0]) == [1.75, 3.25]
+
+
+def test_wake_keeps_both_thread_pools_busy_for_the_time_given(monkeypatch):
+    import minifloat.bench as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "quantize", lambda x, scheme: calls.append((tuple(x.shape), scheme)))
+    bench.wake(0.0)
+    assert calls == []
+    t0 = time.perf_counter()
+    bench.wake(0.02)
+    assert time.perf_counter() - t0 >= 0.02 and calls and set(calls) == {((2, 65536), "fp8")}
+    calls.clear()
+    bench.wake(0.02, kernels=False)  # the stock process times torchao: torch's pool only
+    assert calls == []
+
+
+def test_a_stock_case_wakes_this_process_before_the_next_case(monkeypatch):
+    """The stock process ran while this one waited: the case after it finds the threads woken."""
+    import io
+
+    import minifloat.bench as bench
+
+    events = []
+    monkeypatch.setattr(bench, "wake", lambda *a, **kw: events.append("wake"))
+    monkeypatch.setattr(bench.time, "sleep", lambda s: events.append(("sleep", s)))
+    stock = StockTorchao.__new__(StockTorchao)
+    stock._proc = type("P", (), {"stdin": io.StringIO(), "stdout": io.StringIO("0.25\n")})()
+    t = stock.case("mxfp8")()
+    assert isinstance(t, Elapsed) and t == 0.25 and stock._proc.stdin.getvalue() == "mxfp8\n"
+    assert events == [("sleep", StockTorchao.settle_s), "wake"]
 
 
 def test_stock_torchao_runs_in_a_process_with_torch_defaults():
@@ -69,43 +120,51 @@ def test_bench_quantize_reports_both_torchao_columns():
     assert fp8["torchao_gelem_s"] is None and fp8["torchao_stock_gelem_s"] is None  # torchao has no such quantizer
 
 
-def test_bench_quantize_figures_from_the_medians(monkeypatch):
-    """Every figure from the timed medians: Gelem/s = n / t, ratios to the read bound = t_read / t,
-    speed-ups = t_torchao / t_minifloat; each case runs what its name says."""
+def test_bench_quantize_figures_from_the_rounds(monkeypatch):
+    """Every figure from the timed rounds: Gelem/s = n / median t, speed-ups = median t_torchao /
+    median t_minifloat, ratios to the read bound = the median and quartiles of t_read / t taken
+    round by round (not the ratio of the medians); each case runs what its name says."""
     import minifloat.bench as bench
     from minifloat import dequantize, quantize
 
     x = torch.randn(64, 256)
     n = x.numel()
     seen = {}
-    medians = {"read_bound": 2.0, "torch_cast": 4.0, "q:mxfp8": 8.0, "dq:mxfp8": 5.0, "torchao:mxfp8": 40.0,
-               "stock:mxfp8": 100.0, "q:fp8": 16.0, "dq:fp8": 10.0}  # fmt: skip
+    rounds = {"read_bound": [1.0, 2.0, 4.0], "torch_cast": [4.0, 4.0, 4.0], "q:mxfp8": [2.0, 8.0, 8.0],
+              "dq:mxfp8": [5.0, 5.0, 5.0], "torchao:mxfp8": [40.0, 30.0, 50.0], "stock:mxfp8": [100.0] * 3,
+              "q:fp8": [16.0, 16.0, 16.0], "dq:fp8": [10.0, 2.0, 20.0]}  # fmt: skip
 
-    def fake_medians(cases, reps):
+    def fake_times(cases, reps):
         seen.update(cases, reps=reps)
-        return {k: medians[k] for k in cases}
+        return {k: rounds[k] for k in cases}
 
     class Stock:
         def case(self, name):
             return lambda: f"stock {name}"
 
-    monkeypatch.setattr(bench, "interleaved_medians", fake_medians)
+    monkeypatch.setattr(bench, "interleaved_times", fake_times)
     out = bench._bench_quantize(x, ("mxfp8", "fp8"), 3, {"mxfp8": lambda: "torchao mxfp8"}, Stock())
-    assert sorted(k for k in seen if k != "reps") == sorted(medians) and seen["reps"] == 3
+    assert sorted(k for k in seen if k != "reps") == sorted(rounds) and seen["reps"] == 3
     assert torch.equal(seen["read_bound"](), x.sum()) and seen["torch_cast"]().dtype == torch.float8_e4m3fn
     assert torch.equal(seen["q:fp8"]().dequantize(), quantize(x, "fp8").dequantize())
     assert torch.equal(seen["dq:mxfp8"](), dequantize(quantize(x, "mxfp8")))
     assert (seen["torchao:mxfp8"](), seen["stock:mxfp8"]()) == ("torchao mxfp8", "stock mxfp8")
     assert out["read_bound_gelem_s"] == n / 2.0 / 1e9
+    assert out["read_bound_gelem_s_range"] == [n / 4.0 / 1e9, n / 1.0 / 1e9]  # slowest, fastest round
     assert (out["torch_cast_gelem_s"], out["torch_cast_vs_read"]) == (n / 4.0 / 1e9, 0.5)
     assert out["torchao"] and out["torchao_stock"] and out["shape"] == [64, 256] and out["reps"] == 3
     mx, fp8 = out["results"]
+    assert mx.pop("dequantize_vs_read_iqr") == pytest.approx([0.3, 0.6])  # rounds: 0.2, 0.4, 0.8
     assert mx == {
-        "scheme": "mxfp8", "quantize_gelem_s": n / 8.0 / 1e9, "quantize_vs_read": 0.25,
-        "dequantize_gelem_s": n / 5.0 / 1e9, "dequantize_vs_read": 0.4, "torchao_gelem_s": n / 40.0 / 1e9,
-        "speedup_vs_torchao": 5.0, "torchao_stock_gelem_s": n / 100.0 / 1e9, "speedup_vs_torchao_stock": 12.5,
+        "scheme": "mxfp8", "quantize_gelem_s": n / 8.0 / 1e9,
+        "quantize_vs_read": 0.5, "quantize_vs_read_iqr": [0.375, 0.5],  # rounds: 0.5, 0.25, 0.5
+        "dequantize_gelem_s": n / 5.0 / 1e9, "dequantize_vs_read": 0.4,
+        "torchao_gelem_s": n / 40.0 / 1e9, "speedup_vs_torchao": 5.0,
+        "torchao_stock_gelem_s": n / 100.0 / 1e9, "speedup_vs_torchao_stock": 12.5,
     }  # fmt: skip
-    assert (fp8["quantize_vs_read"], fp8["dequantize_vs_read"]) == (0.125, 0.2)
+    assert (fp8["quantize_vs_read"], fp8["quantize_vs_read_iqr"]) == (0.125, [0.09375, 0.1875])
+    assert (fp8["dequantize_gelem_s"], fp8["dequantize_vs_read"]) == (n / 10.0 / 1e9, 0.2)  # rounds: 0.1, 1, 0.2
+    assert fp8["dequantize_vs_read_iqr"] == pytest.approx([0.15, 0.6])
     assert fp8["torchao_gelem_s"] is None and fp8["speedup_vs_torchao_stock"] is None
 
 
@@ -184,8 +243,9 @@ def test_bench_json_is_strict_when_a_figure_is_not_finite(capsys, monkeypatch):
 
 
 def _quantize_result(scheme, ao=None, stock=None):
-    return {"scheme": scheme, "quantize_gelem_s": 3.5512, "quantize_vs_read": 0.5291, "dequantize_gelem_s": 3.4,
-            "dequantize_vs_read": 0.5067, "torchao_gelem_s": ao, "speedup_vs_torchao": ao and 6.44,
+    return {"scheme": scheme, "quantize_gelem_s": 3.5512, "quantize_vs_read": 0.5291,
+            "quantize_vs_read_iqr": [0.4812, 0.5633], "dequantize_gelem_s": 3.4, "dequantize_vs_read": 0.5067,
+            "dequantize_vs_read_iqr": [0.5, 0.6149], "torchao_gelem_s": ao, "speedup_vs_torchao": ao and 6.44,
             "torchao_stock_gelem_s": stock, "speedup_vs_torchao_stock": stock and 25.61}  # fmt: skip
 
 
@@ -194,20 +254,24 @@ def test_bench_quantize_table(capsys, monkeypatch):
     import minifloat.bench as bench
 
     calls = []
-    out = {"shape": [4096, 8192], "threads": 2, "reps": 9, "read_bound_gelem_s": 6.712, "torch_cast_gelem_s": 1.234,
+    out = {"shape": [4096, 8192], "threads": 2, "reps": 9, "read_bound_gelem_s": 6.712,
+           "read_bound_gelem_s_range": [5.004, 7.126], "torch_cast_gelem_s": 1.234,
            "torch_cast_vs_read": 0.184, "keeps_freed_memory": True, "torchao": True, "torchao_stock": True,
            "results": [_quantize_result("mxfp8", 0.5514, 0.1387), _quantize_result("fp8")]}  # fmt: skip
     monkeypatch.setattr(bench, "bench_quantize", lambda *size, **kw: calls.append((size, kw)) or out)
     assert main(["bench", "quantize"]) == 0
     assert calls.pop() == ((4096, 8192), {"schemes": bench.DEFAULT_SCHEMES, "reps": 9})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "input 4096x8192 float32, 2 threads, median of 9; read bound (sum) 6.71 Gelem/s"
+    assert lines[0] == ("input 4096x8192 float32, 2 threads, median of 9; read bound (sum) 6.71 Gelem/s "
+                        "(5.00-7.13 over the rounds)")
     assert lines[1].endswith("(no amax, no scale): 1.23 Gelem/s, 0.18 x read")
     assert lines[2].startswith("allocator: freed buffers stay in the heap") and lines[3].startswith("torchao: in this")
-    assert lines[4].split() == ["scheme", "quant", "Gelem/s", "x", "read", "dequant", "Gelem/s", "x", "read",
+    assert lines[4] == "x read: the ratio to the read bound, and in brackets its quartiles over the rounds"
+    assert lines[5].split() == ["scheme", "quant", "Gelem/s", "x", "read", "dequant", "Gelem/s", "x", "read",
                                 "torchao", "speedup", "stock", "speedup"]  # fmt: skip
-    assert lines[5].split() == ["mxfp8", "3.55", "0.53", "3.40", "0.51", "0.551", "6.4x", "0.139", "25.6x"]
-    assert lines[6].split() == ["fp8", "3.55", "0.53", "3.40", "0.51", "-", "-", "-", "-"]
+    assert lines[6].split() == ["mxfp8", "3.55", "0.53", "[0.48-0.56]", "3.40", "0.51", "[0.50-0.61]",
+                                "0.551", "6.4x", "0.139", "25.6x"]  # fmt: skip
+    assert lines[7].split() == ["fp8", "3.55", "0.53", "[0.48-0.56]", "3.40", "0.51", "[0.50-0.61]", "-", "-", "-", "-"]
     out.update(torch_cast_gelem_s=None, keeps_freed_memory=False, torchao=False, torchao_stock=False)
     assert main(["bench", "quantize", "--size", "64x256", "--schemes", "MXFP8,fp8", "--reps", "2"]) == 0
     assert calls.pop() == ((64, 256), {"schemes": ("mxfp8", "fp8"), "reps": 2})

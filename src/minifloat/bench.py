@@ -34,9 +34,10 @@ def _time(fn: Callable[[], object]) -> float:
     return float(out) if isinstance(out, Elapsed) else wall
 
 
-def interleaved_medians(cases: dict[str, Callable[[], object]], reps: int, progress=None) -> dict[str, float]:
-    """Median seconds of each case: one warm-up call each (first touch, lazy init), then
-    `reps` rounds that run every case once, so drift in the machine hits all cases alike."""
+def interleaved_times(cases: dict[str, Callable[[], object]], reps: int, progress=None) -> dict[str, list[float]]:
+    """Seconds of each case in each of `reps` rounds: one warm-up call each first (first touch,
+    lazy init), then rounds that run every case once, so drift in the machine hits all cases
+    alike and round i of two cases ran moments apart."""
     for key, fn in cases.items():
         if progress:
             progress(f"warm-up {key}")
@@ -47,7 +48,24 @@ def interleaved_medians(cases: dict[str, Callable[[], object]], reps: int, progr
             if progress:
                 progress(f"rep {i + 1}/{reps} {key}")
             times[key].append(_time(fn))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def interleaved_medians(cases: dict[str, Callable[[], object]], reps: int, progress=None) -> dict[str, float]:
+    """Median seconds of each case over `interleaved_times`' rounds."""
+    return {k: statistics.median(v) for k, v in interleaved_times(cases, reps, progress).items()}
+
+
+def quartiles(values: list[float]) -> list[float]:
+    """[lower quartile, upper quartile] of `values` (the value twice when there is one).
+
+    >>> quartiles([1.0, 2.0, 3.0, 4.0, 5.0])
+    [2.0, 4.0]
+    """
+    if len(values) == 1:
+        return [values[0], values[0]]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [q1, q3]
 
 
 @contextlib.contextmanager
@@ -86,14 +104,31 @@ def _bench_input(rows: int, cols: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
 
 
+def wake(seconds: float = 0.01, kernels: bool = True) -> None:
+    """Keep the thread pools busy with tiny parallel calls for `seconds`. A process that has
+    waited (here, while the other process of `StockTorchao` ran) finds its threads asleep and,
+    in a VM, its virtual CPUs descheduled: the first call after a 0.1-1 s pause measured
+    0.3-9 ms slower here. Interleaved rounds run every other case back to back, as a training
+    loop would, so a case timed after such a pause is woken first. `kernels`: also minifloat's
+    kernels, whose OpenMP pool is not torch's."""
+    small = torch.ones(2, 1 << 16)  # above torch's grain size (32768 elements): a parallel sum
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        small.sum()
+        if kernels:
+            quantize(small, "fp8")
+
+
 def stock_worker() -> None:
     """The loop of `StockTorchao`'s process: quantize the bench input with the torchao scheme named
-    on each stdin line and print the seconds it took."""
+    on each stdin line and print the seconds it took, having woken its threads as the other
+    process's cases find theirs (`wake`)."""
     rows, cols, threads = map(int, sys.argv[1:4])
     torch.set_num_threads(threads)
     peers = torchao_quantizers(_bench_input(rows, cols))
     print("ready" if peers else "unavailable", flush=True)
     for line in sys.stdin:
+        wake(kernels=False)
         print(_time(peers[line.strip()]), flush=True)
 
 
@@ -128,6 +163,7 @@ class StockTorchao:
                 self._err.seek(0)
                 raise RuntimeError(f"the stock torchao process ended: {self._err.read()[-2000:]}")
             time.sleep(self.settle_s)
+            wake()  # the case timed next finds this process's threads awake
             return Elapsed(line)
 
         return run
@@ -147,8 +183,12 @@ class StockTorchao:
 def bench_quantize(rows: int = 4096, cols: int = 8192, schemes=DEFAULT_SCHEMES, reps: int = 9) -> dict:
     """Quantize / dequantize throughput of every scheme vs a plain sum (the read bound) and
     vs torchao, both in this process and in a stock one (`StockTorchao`), interleaved over
-    `reps` repetitions; medians. For context, PyTorch's own unscaled cast to float8_e4m3fn
-    (``torch_cast``: one read, one 1-byte write, no amax) is timed in the same run."""
+    `reps` repetitions; medians. The ratios to the read bound are taken round by round, where
+    the sum and the case ran moments apart (a shift in the machine's memory bandwidth between
+    rounds moves both), then their median and quartiles (``*_vs_read_iqr``); the read bound's
+    slowest and fastest round show how steady the machine was. For context, PyTorch's own
+    unscaled cast to float8_e4m3fn (``torch_cast``: one read, one 1-byte write, no amax) is
+    timed in the same run."""
     x = _bench_input(rows, cols)
     peers = torchao_quantizers(x)
     if not peers or not any(name in peers for name in schemes):
@@ -172,9 +212,14 @@ def _bench_quantize(x: torch.Tensor, schemes, reps: int, peers: dict, stock: Sto
             cases[f"torchao:{name}"] = peers[name]
             if stock is not None:
                 cases[f"stock:{name}"] = stock.case(name)
-    med = interleaved_medians(cases, reps)
+    times = interleaved_times(cases, reps)
+    med = {k: statistics.median(v) for k, v in times.items()}
     read = med["read_bound"]
     tc = med.get("torch_cast")
+
+    def vs_read(key: str) -> list[float]:  # the ratio to the read bound within each round
+        return [r / t for r, t in zip(times["read_bound"], times[key], strict=True)]
+
     rows_out = []
     for name in schemes:
         tq, td = med[f"q:{name}"], med[f"dq:{name}"]
@@ -182,9 +227,11 @@ def _bench_quantize(x: torch.Tensor, schemes, reps: int, peers: dict, stock: Sto
         rows_out.append({
             "scheme": name,
             "quantize_gelem_s": n / tq / 1e9,
-            "quantize_vs_read": read / tq,
+            "quantize_vs_read": statistics.median(vs_read(f"q:{name}")),
+            "quantize_vs_read_iqr": quartiles(vs_read(f"q:{name}")),
             "dequantize_gelem_s": n / td / 1e9,
-            "dequantize_vs_read": read / td,
+            "dequantize_vs_read": statistics.median(vs_read(f"dq:{name}")),
+            "dequantize_vs_read_iqr": quartiles(vs_read(f"dq:{name}")),
             "torchao_gelem_s": None if ta is None else n / ta / 1e9,
             "speedup_vs_torchao": None if ta is None else ta / tq,
             "torchao_stock_gelem_s": None if ts is None else n / ts / 1e9,
@@ -194,8 +241,9 @@ def _bench_quantize(x: torch.Tensor, schemes, reps: int, peers: dict, stock: Sto
         "shape": list(x.shape),
         "threads": torch.get_num_threads(),
         "read_bound_gelem_s": n / read / 1e9,
+        "read_bound_gelem_s_range": [n / max(times["read_bound"]) / 1e9, n / min(times["read_bound"]) / 1e9],
         "torch_cast_gelem_s": None if tc is None else n / tc / 1e9,
-        "torch_cast_vs_read": None if tc is None else read / tc,
+        "torch_cast_vs_read": None if tc is None else statistics.median(vs_read("torch_cast")),
         "torchao": bool(peers),
         "torchao_stock": stock is not None,
         "keeps_freed_memory": keeps_freed_memory(),

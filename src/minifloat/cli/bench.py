@@ -79,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(jsonio.dumps(out, indent=2))
         return 0
+    lo, hi = out["read_bound_gelem_s_range"]
     print(f"input {out['shape'][0]}x{out['shape'][1]} float32, {out['threads']} threads, "
-          f"median of {out['reps']}; read bound (sum) {out['read_bound_gelem_s']:.2f} Gelem/s")
+          f"median of {out['reps']}; read bound (sum) {out['read_bound_gelem_s']:.2f} Gelem/s "
+          f"({lo:.2f}-{hi:.2f} over the rounds)")
     if out["torch_cast_gelem_s"] is not None:
         print(f"for context, torch's own cast x.to(torch.float8_e4m3fn) (no amax, no scale): "
               f"{out['torch_cast_gelem_s']:.2f} Gelem/s, {out['torch_cast_vs_read']:.2f} x read")
@@ -91,13 +93,15 @@ def run(args: argparse.Namespace) -> int:
     elif out["torchao_stock"]:
         print("torchao: in this process (with its allocator settings); stock: in a fresh process with "
               "torch's defaults (no huge pages, glibc malloc)")
-    print(f"{'scheme':18} {'quant Gelem/s':>13} {'x read':>7} {'dequant Gelem/s':>15} {'x read':>7} "
+    print("x read: the ratio to the read bound, and in brackets its quartiles over the rounds")
+    print(f"{'scheme':18} {'quant Gelem/s':>13} {'x read':>17} {'dequant Gelem/s':>15} {'x read':>17} "
           f"{'torchao':>8} {'speedup':>8} {'stock':>7} {'speedup':>8}")
     for r in out["results"]:
         peer = [(_fmt(r[k], ".3f"), _fmt(r[s], ".1f", "x"))
                 for k, s in (("torchao_gelem_s", "speedup_vs_torchao"), ("torchao_stock_gelem_s", "speedup_vs_torchao_stock"))]
-        print(f"{r['scheme']:18} {r['quantize_gelem_s']:13.2f} {r['quantize_vs_read']:7.2f} "
-              f"{r['dequantize_gelem_s']:15.2f} {r['dequantize_vs_read']:7.2f} "
+        q, d = (f"{r[k]:.2f} [{r[k + '_iqr'][0]:.2f}-{r[k + '_iqr'][1]:.2f}]" for k in ("quantize_vs_read", "dequantize_vs_read"))
+        print(f"{r['scheme']:18} {r['quantize_gelem_s']:13.2f} {q:>17} "
+              f"{r['dequantize_gelem_s']:15.2f} {d:>17} "
               f"{peer[0][0]:>8} {peer[0][1]:>8} {peer[1][0]:>7} {peer[1][1]:>8}")
     return 0
 
