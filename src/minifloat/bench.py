@@ -51,9 +51,14 @@ def interleaved_times(cases: dict[str, Callable[[], object]], reps: int, progres
     return times
 
 
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each case's rounds."""
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def interleaved_medians(cases: dict[str, Callable[[], object]], reps: int, progress=None) -> dict[str, float]:
     """Median seconds of each case over `interleaved_times`' rounds."""
-    return {k: statistics.median(v) for k, v in interleaved_times(cases, reps, progress).items()}
+    return medians(interleaved_times(cases, reps, progress))
 
 
 def quartiles(values: list[float]) -> list[float]:
@@ -213,7 +218,7 @@ def _bench_quantize(x: torch.Tensor, schemes, reps: int, peers: dict, stock: Sto
             if stock is not None:
                 cases[f"stock:{name}"] = stock.case(name)
     times = interleaved_times(cases, reps)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = medians(times)
     read = med["read_bound"]
     tc = med.get("torch_cast")
 
