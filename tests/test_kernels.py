@@ -49,17 +49,33 @@ def test_fast_equals_reference(name, shape, dtype):
 @pytest.mark.parametrize("name", list(SCHEMES))
 @pytest.mark.parametrize("shape", [(3, 4500), (300, 520), (17, 16500)])
 def test_fast_equals_reference_across_spans_and_chunks(name, shape):
-    """Rows longer than the kernels' 2048-column span, and several column chunks per block row
-    (2-D bands are 2^18 / block_rows columns wide: 2048 for 128x128, 16384 for 16x16 blocks);
-    NaN / inf / zero blocks far from the start."""
+    """Rows longer than the kernels' 2048-column span, and several column chunks per row of
+    1-D blocks; NaN / inf / zero blocks far from the start."""
+    check_with_specials(get_scheme(name), shape)
+
+
+def check_with_specials(scheme, shape):
     x = special_input(shape, torch.float32, seed=11)
     flat = x.view(-1)
     flat[2100:2140] = 0
     flat[4321] = float("nan")
     flat[3333] = -float("inf")
-    scheme = get_scheme(name)
+    flat[-5] = float("nan")  # in the last chunk
     assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
     assert_same(cpu.quantize(x.bfloat16(), scheme), quantize_reference(x.bfloat16(), scheme))
+
+
+@pytest.mark.parametrize(
+    ("name", "block", "shape"),
+    [("fp8_block128x128", None, (130, 32768 + 300)), ("nvfp4_2d", None, (20, 32768 + 48)),
+     ("fp8_block128x128", (2, 8), (5, 16500)), ("nvfp4_2d", (3, 16), (7, 40000))],
+)
+def test_fast_equals_reference_with_several_chunks_per_band(name, block, shape):
+    """2-D blocks are encoded in bands of whole rows up to 2^22 elements, or 2048 blocks wide:
+    wider rows are split into chunks of min(2^22 / block rows, 2048 blocks) columns (32768 for
+    128x128 and 16x16 blocks, 16384 for 2x8), each with its own pass for the block maxima."""
+    scheme = get_scheme(name)
+    check_with_specials(scheme if block is None else scheme.replace(block=block), shape)
 
 
 @pytest.mark.parametrize(
