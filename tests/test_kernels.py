@@ -68,14 +68,25 @@ def check_with_specials(scheme, shape):
 @pytest.mark.parametrize(
     ("name", "block", "shape"),
     [("fp8_block128x128", None, (130, 32768 + 300)), ("nvfp4_2d", None, (20, 32768 + 48)),
-     ("fp8_block128x128", (2, 8), (5, 16500)), ("nvfp4_2d", (3, 16), (7, 40000))],
+     ("fp8_block128x128", (2, 8), (5, 16500)), ("nvfp4_2d", (3, 16), (7, 40000)),
+     ("fp8_block128x128", None, (100, 9000)), ("nvfp4_2d", None, (16, 9000))],
 )
-def test_fast_equals_reference_with_several_chunks_per_band(name, block, shape):
+def test_fast_equals_reference_with_several_chunks_per_band(name, block, shape, three_threads):
     """2-D blocks are encoded in bands of whole rows up to 2^22 elements, or 2048 blocks wide:
     wider rows are split into chunks of min(2^22 / block rows, 2048 blocks) columns (32768 for
-    128x128 and 16x16 blocks, 16384 for 2x8), each with its own pass for the block maxima."""
+    128x128 and 16x16 blocks, 16384 for 2x8), each with its own pass for the block maxima; so
+    are the rows of a single band (the last two cases), one chunk per thread."""
     scheme = get_scheme(name)
     check_with_specials(scheme if block is None else scheme.replace(block=block), shape)
+
+
+@pytest.fixture
+def three_threads():
+    """The kernels split work by torch's thread count: 3 makes a single band split in three."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

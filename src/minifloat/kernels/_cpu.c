@@ -849,7 +849,7 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
 }
 
 /* Columns per chunk: whole blocks; 1-D: one span (CH columns) or one block. */
-static int64_t chunk_width(int64_t br, int64_t bc, int64_t Kp) {
+static int64_t chunk_width(int64_t br, int64_t bc, int64_t Rp, int64_t Kp, int nthreads) {
     if (br > 1) { /* 2-D: a band of br rows, read in order for the block maxima, then again (from L2/L3) to
                    * encode. Whole rows where the band holds at most 2^22 elements (16 MiB of fp32), so that
                    * its first read is one contiguous stream: with 2048-column bands (8 KiB per row, 1 MiB
@@ -858,7 +858,16 @@ static int64_t chunk_width(int64_t br, int64_t bc, int64_t Kp) {
                    * (4096-column bands: no better than 2048). Wider rows: chunks of 2^22 / br columns. */
         int64_t cw = (1 << 22) / br < CH * bc ? (1 << 22) / br : CH * bc;
         cw = cw / bc * bc;
-        return cw >= Kp ? Kp : cw < bc ? bc : cw;
+        cw = cw >= Kp ? Kp : cw < bc ? bc : cw;
+        /* Few block rows: narrower chunks (of at least 2048 columns), as many as make the chunks
+         * a multiple of the threads, or 4 per thread, so that the threads finish together. */
+        const int64_t ngr = Rp / br, T = nthreads;
+        int64_t per_row = (Kp + cw - 1) / cw;
+        while (T > 1 && (ngr * per_row) % T != 0 && ngr * per_row < 4 * T) per_row++;
+        int64_t w = ((Kp + per_row - 1) / per_row + bc - 1) / bc * bc, least = (CH + bc - 1) / bc * bc;
+        w = w > least ? w : least;
+        cw = w < cw ? w : cw;
+        return cw;
     }
     return bc >= CH ? bc : CH / bc * bc;
 }
@@ -876,7 +885,7 @@ void mf_quantize(const void *x, int dt, int64_t R, int64_t K, int64_t Rp, int64_
                  int64_t gs_c, float s_enc, float s_dec, const elem_t *e4m3, const float *e4m3_lut,
                  int sr, uint64_t seed, const float *tile_amax, int no_nan, uint8_t *out, void *scale_out,
                  int nthreads) {
-    const int64_t cw = chunk_width(br, bc, Kp);
+    const int64_t cw = chunk_width(br, bc, Rp, Kp, nthreads);
     job_t J = {x, dt, R, K, Kp, br, bc, Kp / bc, Kp * bits / 8, cw,
                *p, *e4m3, vconst(p, bits), vconst(e4m3, 8), dconst(e4m3, 8), bits, mode, rule, sr, no_nan,
                fmt_max, margin_mul, inv_max, s_enc, s_dec, given, e4m3_lut, tile_amax, gs_r, gs_c, block_shift(bc),
@@ -898,7 +907,7 @@ float mf_block_amax(const void *x, int dt, int64_t R, int64_t K, int64_t Rp, int
                     float *tile_amax, int nthreads) {
     job_t J = {0};
     J.x = x, J.dt = dt, J.R = R, J.K = K, J.Kp = Kp, J.br = br, J.bc = bc, J.ngc = Kp / bc;
-    J.cw = chunk_width(br, bc, Kp);
+    J.cw = chunk_width(br, bc, Rp, Kp, nthreads);
     const int64_t ngr = Rp / br, nch = (Kp + J.cw - 1) / J.cw;
     uint32_t all = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2) reduction(max : all)
