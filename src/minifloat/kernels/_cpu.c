@@ -784,13 +784,15 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
     /* Prefetch while encoding (8-25% faster than the hardware prefetcher alone). A chunk that reads
      * x twice (amax, then encode) prefetches the next chunk, whose amax pass then finds it in cache:
      * the same row cw columns on, or (chunks of whole rows) the same column br rows on. A chunk of
-     * one row that reads x once (scales given, or NVFP4's from its first pass) prefetches CH
-     * columns ahead, as 1-D blocks do: a whole row ahead (8192 columns, 32 KiB) was 4-15% slower
-     * for per-tensor and per-row scales. A chunk of several rows that reads x once prefetches its
-     * own next row, and from its last row the next chunk's first: a whole chunk ahead, the lines
-     * left L2 before their use, 24% slower for 128x128 blocks with given scales. */
+     * whole rows that reads x once (scales given, or NVFP4's from its first pass) prefetches ONCE
+     * elements ahead in memory order: a row ahead (8192 columns) was 4-15% slower for per-tensor
+     * and per-row scales, and 5-17% for 16x16 and 128x128 blocks. A chunk of part rows that reads
+     * x once prefetches its own next row, and from its last row the next chunk's first: a whole
+     * chunk ahead, the lines left L2 before their use, 24% slower for 128x128 blocks with given
+     * scales. */
+    enum { ONCE = 1024 };
     const int reads_once = J->mode == SC_FP32_GIVEN || J->tile_amax;
-    const int64_t ahead = J->cw < J->Kp ? J->cw : br == 1 && reads_once ? (K < CH ? K : CH) : br * K;
+    const int64_t ahead = J->cw < J->Kp ? J->cw : reads_once ? ONCE : br * K;
     const int once = br > 1 && reads_once;
     /* Spans of at most CH columns that start on block boundaries: whole blocks (bc <= CH), or
      * pieces of one block. Column j of a span lies in its block (j / 8) >> lb (-1: blocks not
@@ -807,7 +809,7 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
             uint8_t *cd = J->bits == 8 ? dst : codes;
             const int64_t nin = r < R ? (K - s0 < n ? (K - s0 > 0 ? K - s0 : 0) : n) : 0;
             const char *src = x + (r * K + s0) * esize;
-            int64_t pf = !once ? ahead : r + 1 < r0 + br ? K : c1 < J->Kp ? J->cw - (br - 1) * K : K - c0;
+            int64_t pf = !once || J->cw >= J->Kp ? ahead : r + 1 < r0 + br ? K : c1 < J->Kp ? J->cw - (br - 1) * K : K - c0;
             if (nin < n) { /* padding: zeros past the last row / column (nothing to prefetch) */
                 pf = 0;
                 for (int64_t j = 0; j < n; j++) stage[j] = j < nin ? load(x, dt, r * K + s0 + j) : 0.0f;
