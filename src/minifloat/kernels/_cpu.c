@@ -793,7 +793,7 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
     enum { ONCE = 1024 };
     const int reads_once = J->mode == SC_FP32_GIVEN || J->tile_amax;
     const int64_t ahead = J->cw < J->Kp ? J->cw : reads_once ? ONCE : br * K;
-    const int once = br > 1 && reads_once;
+    const int once = br > 1 && reads_once && J->cw < J->Kp; /* part rows read once: next row, then next chunk */
     /* Spans of at most CH columns that start on block boundaries: whole blocks (bc <= CH), or
      * pieces of one block. Column j of a span lies in its block (j / 8) >> lb (-1: blocks not
      * 8 * 2^k wide, encoded one block at a time). */
@@ -809,7 +809,7 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
             uint8_t *cd = J->bits == 8 ? dst : codes;
             const int64_t nin = r < R ? (K - s0 < n ? (K - s0 > 0 ? K - s0 : 0) : n) : 0;
             const char *src = x + (r * K + s0) * esize;
-            int64_t pf = !once || J->cw >= J->Kp ? ahead : r + 1 < r0 + br ? K : c1 < J->Kp ? J->cw - (br - 1) * K : K - c0;
+            int64_t pf = !once ? ahead : r + 1 < r0 + br ? K : c1 < J->Kp ? J->cw - (br - 1) * K : K - c0;
             if (nin < n) { /* padding: zeros past the last row / column (nothing to prefetch) */
                 pf = 0;
                 for (int64_t j = 0; j < n; j++) stage[j] = j < nin ? load(x, dt, r * K + s0 + j) : 0.0f;
