@@ -216,6 +216,22 @@ static void pack_codes(const uint8_t *c, int64_t n, int bits, uint8_t *out) {
     }
 }
 
+/* Set code j of codes packed by pack_codes. */
+static inline void put_code(uint8_t *out, int64_t j, int bits, uint32_t c) {
+    if (bits == 8) {
+        out[j] = (uint8_t)c;
+    } else if (bits == 4) {
+        uint8_t *b = out + j / 2;
+        *b = (uint8_t)(j & 1 ? (*b & 0x0f) | (c << 4) : (*b & 0xf0) | c);
+    } else {
+        uint8_t *g = out + j / 4 * 3;
+        const int sh = 6 * (int)(j % 4);
+        uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
+        w = (w & ~(63u << sh)) | (c << sh);
+        g[0] = (uint8_t)w, g[1] = (uint8_t)(w >> 8), g[2] = (uint8_t)(w >> 16);
+    }
+}
+
 #ifdef __AVX2__
 /* 16 six-bit codes, one per byte, from the 12 bytes at g (reads 16). */
 static inline __m128i unpack6x16(const uint8_t *g) {
@@ -288,10 +304,12 @@ static inline __attribute__((always_inline)) v8i enc8(v8f y, const vconst_t *k, 
 }
 
 /* 32 codes in order from the magnitude codes m0-m3 and the float bits u0-u3 they take their signs
- * from. AVX2: the signs come from saturating packs of the bits themselves (a negative int32 stays
- * negative down to int8), so they cost 5 operations per 32 codes instead of 3 per 8. */
+ * from, packed into `bits`-wide fields at dst (the layouts of pack_codes: 32, 16 or 24 bytes).
+ * AVX2: the signs come from saturating packs of the bits themselves (a negative int32 stays
+ * negative down to int8), so they cost 5 operations per 32 codes instead of 3 per 8; sub-byte
+ * codes are packed in registers, not staged in memory and packed in a second loop. */
 static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m2, v8i m3, v8i u0, v8i u1, v8i u2,
-                                                           v8i u3, const vconst_t *k, uint8_t *dst) {
+                                                           v8i u3, const vconst_t *k, int bits, uint8_t *dst) {
 #ifdef __AVX2__
     const __m256i y = _mm256_packus_epi16(_mm256_packus_epi32((__m256i)m0, (__m256i)m1),
                                           _mm256_packus_epi32((__m256i)m2, (__m256i)m3));
@@ -300,17 +318,34 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
     /* bit 7 of each byte is the sign; sub-byte formats want it at bit (bits - 1) */
     const __m256i sg = _mm256_srl_epi16(_mm256_and_si256(neg, _mm256_set1_epi8((char)0x80)),
                                         _mm_cvtsi32_si128(k->byte_shift));
-    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(_mm256_or_si256(y, sg),
-                                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i c = _mm256_permutevar8x32_epi32(_mm256_or_si256(y, sg), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (bits == 8) {
+        _mm256_storeu_si256((__m256i *)dst, c);
+    } else if (bits == 4) { /* byte i = c[2i] | c[2i+1] << 4 */
+        const __m256i w = _mm256_maddubs_epi16(c, _mm256_set1_epi16(0x1001));
+        _mm_storeu_si128((__m128i *)dst, _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+    } else { /* 4 codes -> 24 bits -> 3 bytes; 12 bytes per 128-bit half */
+        const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
+                                                 0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+        const __m256i pairs = _mm256_maddubs_epi16(c, _mm256_set1_epi16(0x4001));
+        const __m256i words = _mm256_shuffle_epi8(_mm256_madd_epi16(pairs, _mm256_set1_epi32(0x10000001)), squeeze);
+        const __m128i hi = _mm256_extracti128_si256(words, 1);
+        _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(words)); /* bytes 12-15: overwritten next */
+        _mm_storel_epi64((__m128i *)(dst + 12), hi);
+        const uint32_t last = (uint32_t)_mm_extract_epi32(hi, 2);
+        memcpy(dst + 20, &last, 4);
+    }
 #else
 #define SIGNED(m, u) ((m) | ((v8i)((v8u)(u) >> k->sgn_shift) & k->sign_mask))
-    store8(SIGNED(m0, u0), dst), store8(SIGNED(m1, u1), dst + 8);
-    store8(SIGNED(m2, u2), dst + 16), store8(SIGNED(m3, u3), dst + 24);
+    uint8_t c[32];
+    store8(SIGNED(m0, u0), c), store8(SIGNED(m1, u1), c + 8);
+    store8(SIGNED(m2, u2), c + 16), store8(SIGNED(m3, u3), c + 24);
+    pack_codes(c, 32, bits, dst);
 #undef SIGNED
 #endif
 }
 
-/* Encode 32 elements from x + j (loader LD) into codes + j by encp8_mag. SCALED: of y = x * the
+/* Encode 32 elements from x + j (loader LD) by encp8_mag into out, packed (store32s). SCALED: of y = x * the
  * block scales enc[(j / 8) >> lb], against l0 = 2^emin (one thread: 8-25% faster than separate
  * normal and subnormal paths and a select). Else of x itself, against the
  * block's lim (E8M0 scales, blocks of 32 << k columns; no NaN lanes: a NaN makes its block's
@@ -330,7 +365,7 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
         const v8i a0 = u0 & 0x7fffffff, a1 = u1 & 0x7fffffff, a2 = u2 & 0x7fffffff, a3 = u3 & 0x7fffffff; \
         if (TRACK) top = vmax(top, vmax(vmax(a0, a1), vmax(a2, a3)));                              \
         store32s(encp8_mag(a0, l, k), encp8_mag(a1, l, k), encp8_mag(a2, l, k), encp8_mag(a3, l, k), \
-                 u0, u1, u2, u3, k, codes + j);                                                    \
+                 u0, u1, u2, u3, k, bits, out + j * bits / 8);                                     \
     }
 
 typedef struct {
@@ -409,13 +444,14 @@ static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
             acc[b] = a;                                                                           \
         }                                                                                         \
     }                                                                                             \
-    /* codes[j] = enc_rne(x[j] * enc[(j / 8) >> lb]) for j < n: blocks of 8 << lb columns; lim:     \
-     * the blocks' limits for encp8_mag (E8M0 scales, no NaN lanes), or NULL. nan_dec: NULL, or   \
-     * the blocks' decode scales, set to NaN for a block with a NaN in x (given scales of formats \
-     * without NaN, whose codes cannot hold it). */                                              \
+    /* codes j < n of enc_rne(x[j] * enc[(j / 8) >> lb]), packed into `bits`-wide fields at out   \
+     * (n a multiple of the pack group): blocks of 8 << lb columns; lim: the blocks' limits for   \
+     * encp8_mag (E8M0 scales, no NaN lanes), or NULL. nan_dec: NULL, or the blocks' decode      \
+     * scales, set to NaN for a block with a NaN in x (given scales of formats without NaN, whose \
+     * codes cannot hold it). */                                                                  \
     static inline __attribute__((always_inline)) void encode_##NAME(                             \
         const void *xv, int64_t n, const float *enc, const int32_t *lim, int lb, const vconst_t *k,       \
-        const elem_t *p, uint8_t *restrict codes, int64_t ahead, int track, float *nan_dec) {      \
+        const elem_t *p, uint8_t *restrict out, int bits, int64_t ahead, int track, float *nan_dec) { \
         const T *x = (const T *)xv;                                                               \
         const vconst_t kc = *k; /* a local copy: byte stores may alias *k, and would reload it */ \
         k = &kc;                                                                                  \
@@ -423,15 +459,18 @@ static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
         v8i top = {0};                                                                            \
         int64_t j = 0;                                                                            \
         if (lim) ENC32(ld8_##NAME, 0, 0) else if (track) ENC32(ld8_##NAME, 1, 1) else ENC32(ld8_##NAME, 1, 0) \
-        for (; j + 8 <= n; j += 8) store8(enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top), codes + j); \
+        const int64_t j32 = j; /* the last (n % 32) codes: one at a time, then packed */           \
+        uint8_t *tail = (uint8_t[32]){0};                                                         \
+        for (; j + 8 <= n; j += 8) store8(enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top), tail + (j - j32)); \
         for (; j < n; j++) {                                                                      \
-            codes[j] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);               \
+            tail[j - j32] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);          \
             if (nan_dec && isnan(ld1_##NAME(x, j))) nan_dec[(j >> 3) >> lb] = NAN;                  \
         }                                                                                         \
+        if (n > j32) pack_codes(tail, n - j32, bits, out + j32 * bits / 8);                       \
         if (track && hmax8(top) > 0x7f800000) /* a NaN lane (x, or 0 * inf): NaN is canonical */   \
             for (j = 0; j < n; j++)                                                               \
                 if (isnan(ld1_##NAME(x, j) * enc[(j >> 3) >> lb])) {                              \
-                    codes[j] = (uint8_t)p->nan_code;                                              \
+                    put_code(out, j, bits, (uint32_t)p->nan_code);                                \
                     if (nan_dec && isnan(ld1_##NAME(x, j))) nan_dec[(j >> 3) >> lb] = NAN;          \
                 }                                                                                 \
     }
@@ -843,12 +882,14 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                     const int l = lb >= 0 ? lb : 62;
                     const int32_t *lm = pow2 && l >= 2 ? lim + (e - enc) : NULL;
                     float *nd = nan_dec ? nan_dec + (e - enc) : NULL;
-                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, lm, l, &J->k, &J->p, cd + o, pf * 4, track, nd);
-                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, lm, l, &J->k, &J->p, cd + o, pf * 2, track, nd);
-                    else encode_f16(src + o * 2, len, e, lm, l, &J->k, &J->p, cd + o, pf * 2, track, nd);
+                    uint8_t *out = lb >= 0 ? dst : cd; /* one call packs as it encodes; one per block stages */
+                    const int bits = lb >= 0 ? J->bits : 8;
+                    if (sdt == DT_F32) encode_f32(src + o * 4, len, e, lm, l, &J->k, &J->p, out + o, bits, pf * 4, track, nd);
+                    else if (sdt == DT_BF16) encode_bf16(src + o * 2, len, e, lm, l, &J->k, &J->p, out + o, bits, pf * 2, track, nd);
+                    else encode_f16(src + o * 2, len, e, lm, l, &J->k, &J->p, out + o, bits, pf * 2, track, nd);
                 }
             }
-            if (J->bits != 8) pack_codes(codes, n, J->bits, dst);
+            if (J->bits != 8 && (J->sr || lb < 0)) pack_codes(codes, n, J->bits, dst);
         }
     }
 }
