@@ -460,7 +460,7 @@ static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
         int64_t j = 0;                                                                            \
         if (lim) ENC32(ld8_##NAME, 0, 0) else if (track) ENC32(ld8_##NAME, 1, 1) else ENC32(ld8_##NAME, 1, 0) \
         const int64_t j32 = j; /* the last (n % 32) codes: one at a time, then packed */           \
-        uint8_t *tail = (uint8_t[32]){0};                                                         \
+        uint8_t tail[32];                                                                         \
         for (; j + 8 <= n; j += 8) store8(enc8(ld8_##NAME(x, j) * enc[(j >> 3) >> lb], k, &top), tail + (j - j32)); \
         for (; j < n; j++) {                                                                      \
             tail[j - j32] = (uint8_t)enc_rne(ld1_##NAME(x, j) * enc[(j >> 3) >> lb], p);          \
