@@ -897,7 +897,13 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
     }
 }
 
-/* Columns per chunk: whole blocks; 1-D: one span (CH columns) or one block. */
+/* Columns per 1-D chunk (blocks of one row): amax, scales and encode of 1024 columns back to back,
+ * prefetching the next chunk. Against 2048 (paired rounds, 4096x8192 fp32, 2 threads): mxfp8
+ * 1.14-1.20x, fp8_block128 1.11x, mxfp6 1.04-1.07x, mxfp4 1.06x, nvfp4 1.03x; 512 and 768 were
+ * 0.90-0.99x of 1024, 1536 0.96-1.01x. */
+#define CW1D 1024
+
+/* Columns per chunk: whole blocks; 1-D: CW1D columns or one block. */
 static int64_t chunk_width(int64_t br, int64_t bc, int64_t Rp, int64_t Kp, int nthreads) {
     if (br > 1) { /* 2-D: a band of br rows, read in order for the block maxima, then again (from L2/L3) to
                    * encode. Whole rows where the band holds at most 2^22 elements (16 MiB of fp32), so that
@@ -918,7 +924,7 @@ static int64_t chunk_width(int64_t br, int64_t bc, int64_t Rp, int64_t Kp, int n
         cw = w < cw ? w : cw;
         return cw;
     }
-    return bc >= CH ? bc : CH / bc * bc;
+    return bc >= CW1D ? bc : CW1D / bc * bc;
 }
 
 /* lb with bc == 8 << lb, or -1 when the blocks are not 8 * 2^k columns wide. */
