@@ -1,6 +1,10 @@
 """Differential tests: the fused CPU kernels equal the pure-PyTorch reference byte for byte."""
 
+import ctypes
 import importlib
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +82,44 @@ def test_fast_equals_reference_with_several_chunks_per_band(name, block, shape, 
     are the rows of a single band (the last two cases), one chunk per thread."""
     scheme = get_scheme(name)
     check_with_specials(scheme if block is None else scheme.replace(block=block), shape)
+
+
+# setup.py's compile flags, less -march=native (the builds below pick their own)
+FLAGS = ["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]
+OTHER_BUILDS = {
+    "avx2": ["-march=native", "-mno-avx512vbmi"],  # the pack-based encoder (AVX2 without VBMI)
+    "portable": [],  # MINIFLOAT_PORTABLE=1: plain x86-64, the generic vector code
+}
+
+
+@pytest.fixture(scope="module", params=list(OTHER_BUILDS))
+def other_build(request, tmp_path_factory):
+    """The kernels built as they are on other machines; this machine's build takes one encoder
+    path (VBMI byte permutes and the fused multiply-add here), these the others."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc")
+    source = Path(cpu.__file__).with_name("_cpu.c")
+    setup_py = (Path(__file__).parents[1] / "setup.py").read_text()
+    assert all(f'"{flag}"' in setup_py for flag in FLAGS), "setup.py's compile flags changed: update FLAGS"
+    out = tmp_path_factory.mktemp(request.param) / "_cpu.so"
+    subprocess.run([gcc, "-shared", "-fPIC", *FLAGS, *OTHER_BUILDS[request.param], "-o", str(out), str(source)],
+                   check=True, capture_output=True)  # fmt: skip
+    lib = ctypes.CDLL(str(out))
+    cpu._declare(lib)
+    return lib
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_other_builds_equal_reference(other_build, name, monkeypatch):
+    monkeypatch.setattr(cpu, "library", lambda: other_build)
+    scheme = get_scheme(name)
+    for shape in [(7, 300), (130, 129), (3, 4500)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = special_input(shape, dtype, seed=sum(shape))
+            assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+    check_with_specials(scheme, (17, 16500))
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@
  *                      so the FPU's own rounding picks the nearest multiple of 2^(emin - m).
  * The vector encoders take encp8_mag's form of the same rounding: clamp the exponent at the
  * format's smallest normal, scale into [2^m, 2^(m+1)), round by the FPU, add the exponent back.
+ * One explicit fused multiply-add (encb_mag) is exact by construction: its product is a power-of-
+ * two scaling, so its one rounding is the rounding to an integer that the encoder wants.
  */
 #include <math.h>
 #include <stdint.h>
@@ -303,6 +305,29 @@ static inline __attribute__((always_inline)) v8i enc8(v8f y, const vconst_t *k, 
     return encp8_mag(a, (v8i){0} + k->lim0, k) | ((v8i)((v8u)u >> k->sgn_shift) & k->sign_mask);
 }
 
+#if defined(__FMA__) && defined(__AVX512VBMI__) && defined(__AVX512VL__)
+#define ENCB 1
+/* encp8_mag's code plus 0x4b000000 (the bits of 2^23), in 8 vector operations instead of 9:
+ *   fma(|x|, 2^(m - e), 2^23 + ((e - lim) >> (23 - m)))
+ * The product is exact and below 2^(m+1), and the addend 2^23 + an integer (< 2^23) is exact, so
+ * the fma's one rounding (ulp 1 in [2^23, 2^24)) is encp8_mag's rne, and the integer add is exact
+ * too. kc = 0x4b000000 - (lim >> (23 - m)) folds the constant parts (lim's low 23 bits are zero).
+ * inf and NaN come out above the clamp. The low byte is the code: store32s takes low bytes (VBMI
+ * byte permutes), so the bias costs nothing. Checked equal to encp8_mag for every float32 |x| at
+ * 2^emin and over 2^emin..2^127 limits for E4M3, E5M2, E3M2, E2M3 and E2M1. In L1, one thread:
+ * 1.10-1.20x the encp8_mag loop for 8-bit codes. */
+static inline __attribute__((always_inline)) v8i encb_mag(v8i a, v8i lim, v8i kc, const vconst_t *k) {
+    const v8i e = vmax(a & 0x7f800000, lim);
+    const v8f add = (v8f)((v8i)((v8u)e >> k->shift) + kc);
+    return vminu((v8i)_mm256_fmadd_ps((__m256)a, (__m256)(k->fbase - e), (__m256)add),
+                 (v8i){0} + (0x4b000000 + k->max_code));
+}
+#define ENC_MAG(a, lim, kc, k) encb_mag(a, lim, kc, k)
+#else
+#define ENCB 0
+#define ENC_MAG(a, lim, kc, k) encp8_mag(a, lim, k)
+#endif
+
 /* 32 codes in order from the magnitude codes m0-m3 and the float bits u0-u3 they take their signs
  * from, packed into `bits`-wide fields at dst (the layouts of pack_codes: 32, 16 or 24 bytes).
  * AVX2: the signs come from saturating packs of the bits themselves (a negative int32 stays
@@ -310,7 +335,24 @@ static inline __attribute__((always_inline)) v8i enc8(v8f y, const vconst_t *k, 
  * codes are packed in registers, not staged in memory and packed in a second loop. */
 static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m2, v8i m3, v8i u0, v8i u1, v8i u2,
                                                            v8i u3, const vconst_t *k, int bits, uint8_t *dst) {
-#ifdef __AVX2__
+#if ENCB
+    /* byte 0 of each lane (the code, biased or not: encb_mag) and byte 3 (its sign bit at bit 7),
+     * in order, by two-source byte permutes: 7 operations per 32 codes, against 9 with packs */
+    const __m256i lo = _mm256_setr_epi8(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+                                        0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
+    const __m256i hi = _mm256_add_epi8(lo, _mm256_set1_epi8(3));
+    const __m256i c01 = _mm256_permutex2var_epi8((__m256i)m0, lo, (__m256i)m1);
+    const __m256i c23 = _mm256_permutex2var_epi8((__m256i)m2, lo, (__m256i)m3);
+    const __m256i s01 = _mm256_permutex2var_epi8((__m256i)u0, hi, (__m256i)u1);
+    const __m256i s23 = _mm256_permutex2var_epi8((__m256i)u2, hi, (__m256i)u3);
+    const __m256i y = _mm256_inserti128_si256(c01, _mm256_castsi256_si128(c23), 1);
+    const __m256i neg = _mm256_inserti128_si256(s01, _mm256_castsi256_si128(s23), 1);
+    /* bit 7 of each byte is the sign; sub-byte formats want it at bit (bits - 1): y | (sign & mask) */
+    const __m256i c = k->byte_shift == 0
+                          ? _mm256_ternarylogic_epi32(y, neg, _mm256_set1_epi8((char)0x80), 0xF8)
+                          : _mm256_ternarylogic_epi32(y, _mm256_srl_epi16(neg, _mm_cvtsi32_si128(k->byte_shift)),
+                                                      _mm256_set1_epi8((char)(0x80 >> k->byte_shift)), 0xF8);
+#elif defined(__AVX2__)
     const __m256i y = _mm256_packus_epi16(_mm256_packus_epi32((__m256i)m0, (__m256i)m1),
                                           _mm256_packus_epi32((__m256i)m2, (__m256i)m3));
     const __m256i neg = _mm256_packs_epi16(_mm256_packs_epi32((__m256i)u0, (__m256i)u1),
@@ -319,6 +361,8 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
     const __m256i sg = _mm256_srl_epi16(_mm256_and_si256(neg, _mm256_set1_epi8((char)0x80)),
                                         _mm_cvtsi32_si128(k->byte_shift));
     const __m256i c = _mm256_permutevar8x32_epi32(_mm256_or_si256(y, sg), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+#endif
+#ifdef __AVX2__
     if (bits == 8) {
         _mm256_storeu_si256((__m256i *)dst, c);
     } else if (bits == 4) { /* byte i = c[2i] | c[2i+1] << 4 */
@@ -364,8 +408,13 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
         const v8i l = SCALED ? l0 : (v8i){0} + lim[(j >> 3) >> lb];                                \
         const v8i a0 = u0 & 0x7fffffff, a1 = u1 & 0x7fffffff, a2 = u2 & 0x7fffffff, a3 = u3 & 0x7fffffff; \
         if (TRACK) top = vmax(top, vmax(vmax(a0, a1), vmax(a2, a3)));                              \
-        store32s(encp8_mag(a0, l, k), encp8_mag(a1, l, k), encp8_mag(a2, l, k), encp8_mag(a3, l, k), \
-                 u0, u1, u2, u3, k, bits, out + j * bits / 8);                                     \
+        if (ENCB) { /* the bias: the constant part of l0, or of the block's lim */                 \
+            const v8i kc = SCALED ? kc0 : (v8i){0} + (0x4b000000 - (lim[(j >> 3) >> lb] >> k->shift)); \
+            store32s(ENC_MAG(a0, l, kc, k), ENC_MAG(a1, l, kc, k), ENC_MAG(a2, l, kc, k),            \
+                     ENC_MAG(a3, l, kc, k), u0, u1, u2, u3, k, bits, out + j * bits / 8);             \
+        } else                                                                                     \
+            store32s(encp8_mag(a0, l, k), encp8_mag(a1, l, k), encp8_mag(a2, l, k), encp8_mag(a3, l, k), \
+                     u0, u1, u2, u3, k, bits, out + j * bits / 8);                                 \
     }
 
 typedef struct {
@@ -455,7 +504,7 @@ static inline v8f dec8(v8i c, const dconst_t *d, v8i *special) {
         const T *x = (const T *)xv;                                                               \
         const vconst_t kc = *k; /* a local copy: byte stores may alias *k, and would reload it */ \
         k = &kc;                                                                                  \
-        const v8i l0 = (v8i){0} + k->lim0;                                                        \
+        const v8i l0 = (v8i){0} + k->lim0, kc0 = (v8i){0} + (0x4b000000 - (k->lim0 >> k->shift)); \
         v8i top = {0};                                                                            \
         int64_t j = 0;                                                                            \
         if (lim) ENC32(ld8_##NAME, 0, 0) else if (track) ENC32(ld8_##NAME, 1, 1) else ENC32(ld8_##NAME, 1, 0) \
