@@ -389,7 +389,7 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
 #endif
 }
 
-/* Encode 32 elements from x + j (loader LD) by encp8_mag into out, packed (store32s). SCALED: of y = x * the
+/* Encode 32 elements from x + j (loader LD) by encp8_mag (encb_mag where ENCB) into out, packed (store32s). SCALED: of y = x * the
  * block scales enc[(j / 8) >> lb], against l0 = 2^emin (one thread: 8-25% faster than separate
  * normal and subnormal paths and a select). Else of x itself, against the
  * block's lim (E8M0 scales, blocks of 32 << k columns; no NaN lanes: a NaN makes its block's
@@ -408,13 +408,11 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
         const v8i l = SCALED ? l0 : (v8i){0} + lim[(j >> 3) >> lb];                                \
         const v8i a0 = u0 & 0x7fffffff, a1 = u1 & 0x7fffffff, a2 = u2 & 0x7fffffff, a3 = u3 & 0x7fffffff; \
         if (TRACK) top = vmax(top, vmax(vmax(a0, a1), vmax(a2, a3)));                              \
-        if (ENCB) { /* the bias: the constant part of l0, or of the block's lim */                 \
-            const v8i kc = SCALED ? kc0 : (v8i){0} + (0x4b000000 - (lim[(j >> 3) >> lb] >> k->shift)); \
-            store32s(ENC_MAG(a0, l, kc, k), ENC_MAG(a1, l, kc, k), ENC_MAG(a2, l, kc, k),            \
-                     ENC_MAG(a3, l, kc, k), u0, u1, u2, u3, k, bits, out + j * bits / 8);             \
-        } else                                                                                     \
-            store32s(encp8_mag(a0, l, k), encp8_mag(a1, l, k), encp8_mag(a2, l, k), encp8_mag(a3, l, k), \
-                     u0, u1, u2, u3, k, bits, out + j * bits / 8);                                 \
+        /* encb_mag's constant, from l0 or the block's lim (encp8_mag does not use it) */          \
+        const v8i kc = SCALED ? kc0 : (v8i){0} + (0x4b000000 - (lim[(j >> 3) >> lb] >> k->shift)); \
+        (void)kc;                                                                                  \
+        store32s(ENC_MAG(a0, l, kc, k), ENC_MAG(a1, l, kc, k), ENC_MAG(a2, l, kc, k), ENC_MAG(a3, l, kc, k), \
+                 u0, u1, u2, u3, k, bits, out + j * bits / 8);                                     \
     }
 
 typedef struct {
