@@ -100,6 +100,8 @@ def other_build(request, tmp_path_factory):
     if gcc is None:
         pytest.skip("no gcc")
     source = Path(cpu.__file__).with_name("_cpu.c")
+    if not source.exists():
+        pytest.skip("an install without the kernel source")
     setup_py = (Path(__file__).parents[1] / "setup.py").read_text()
     assert all(f'"{flag}"' in setup_py for flag in FLAGS), "setup.py's compile flags changed: update FLAGS"
     out = tmp_path_factory.mktemp(request.param) / "_cpu.so"
