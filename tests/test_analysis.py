@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from minifloat import MinifloatError, fake_quantize, quantize, save
-from minifloat.analysis import error_report, sqnr_db, synthetic
 from minifloat.cli import main
+from minifloat.validate.analysis import error_report, sqnr_db, synthetic
 
 
 def test_sqnr_formula():

@@ -6,7 +6,7 @@ import torch
 
 import minifloat
 from minifloat import MinifloatError
-from minifloat.atomic import atomic_path
+from minifloat.io.atomic import atomic_path
 
 
 def _mode(path) -> int:
@@ -87,7 +87,7 @@ def test_a_missing_parent_folder_is_created(tmp_path):
 
 
 def test_remove_deletes_a_tree_or_a_file_and_only_the_link_of_a_linked_folder(tmp_path):
-    from minifloat.atomic import remove
+    from minifloat.io.atomic import remove
 
     (tmp_path / "tree" / "sub").mkdir(parents=True)
     (tmp_path / "tree" / "sub" / "f").write_text("x")
@@ -103,7 +103,7 @@ def test_remove_deletes_a_tree_or_a_file_and_only_the_link_of_a_linked_folder(tm
 def test_temporary_names_retry_on_a_collision_and_give_up_with_an_error(tmp_path, monkeypatch):
     import secrets
 
-    from minifloat.atomic import make_dir_beside
+    from minifloat.io.atomic import make_dir_beside
 
     tags = iter(["aaaa", "bbbb"])
     monkeypatch.setattr(secrets, "token_hex", lambda n: next(tags))

@@ -19,7 +19,7 @@ from minifloat import (
     encode,
     get_format,
 )
-from minifloat.codec import encode_with_bits, random_bits, sr_bits, sr_seed
+from minifloat.formats.codec import encode_with_bits, random_bits, sr_bits, sr_seed
 from tests.conftest import FORMAT_NAMES, ML_DTYPES, all_patterns, oracle_encode, requires_cuda
 
 SATURATE = [True, False]

@@ -8,9 +8,10 @@ import pytest
 
 import minifloat
 from minifloat.cli import main
-from minifloat.compare import _diverged, compare, parse_precisions, read_log, run_metrics, weight_bytes
+from minifloat.train import TrainConfig
 from minifloat.train.model import GPT_SIZES
-from minifloat.train.trainer import TrainConfig
+from minifloat.train.runlog import read_log
+from minifloat.validate.compare import _diverged, compare, parse_precisions, run_metrics, weight_bytes
 
 RUN_KEYS = {
     "precision": str, "status": str, "final_train_loss": float, "final_val_loss": float, "val_loss_delta_pct": float,
@@ -156,7 +157,7 @@ def test_compare_writes_metrics_report_and_plots(tmp_path):
 
 
 def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys, monkeypatch):
-    import minifloat.compare as cmp
+    import minifloat.validate.compare as cmp
 
     bad = tmp_path / "bin.txt"
     bad.write_bytes(b"\x00\x01" * 5000)
@@ -212,7 +213,7 @@ def _refuse(token: str):
 
 
 def test_loss_smoothing_is_centred():
-    from minifloat.report.compare import _smooth
+    from minifloat.report.comparison import _smooth
 
     assert _smooth([1.0, 2.0, 3.0, 4.0, 5.0], 1) == [1.5, 2.0, 3.0, 4.0, 4.5]
     assert _smooth([1.0, float("nan"), 3.0], 1)[0] == 1.0  # non-finite: left as is
@@ -224,7 +225,7 @@ def test_loss_curves_are_what_the_loss_plot_draws(tmp_path):
     """Raw and smoothed training loss, the smoothed difference to the first run's over the
     steps both have, and the validation points; no difference curves when the reference,
     the first run, left no log (not a silent switch to the second run's)."""
-    from minifloat.report.compare import _smooth, loss_curves
+    from minifloat.report.comparison import _smooth, loss_curves
 
     def run(name, losses, status="ok", val=()):
         log = tmp_path / f"{name}.jsonl"
@@ -252,7 +253,7 @@ def test_loss_curves_are_what_the_loss_plot_draws(tmp_path):
 def test_scale_series_are_what_the_scales_plot_draws(tmp_path):
     """Per operand, one series per run that recorded it; an amax of 0 drawn at 1e-30 and a
     missing (0, None, inf, NaN) scale as a gap on the log axes. No telemetry: no plot, no file."""
-    from minifloat.report.compare import SCALE_OPERANDS, plot_scales, scale_series
+    from minifloat.report.comparison import SCALE_OPERANDS, plot_scales, scale_series
 
     act, weight, _ = SCALE_OPERANDS
     fp8_recs = [
@@ -278,7 +279,7 @@ def test_scale_series_are_what_the_scales_plot_draws(tmp_path):
 
 
 def test_speed_memory_panels_are_what_the_bar_plot_draws():
-    from minifloat.report.compare import speed_memory_panels
+    from minifloat.report.comparison import speed_memory_panels
 
     runs = [{"step_time_s": 0.25, "weight_bytes": 3 * 2**20, "peak_rss_bytes": 2**29}, {"step_time_s": None}]
     assert speed_memory_panels({"runs": runs}) == [
@@ -290,7 +291,7 @@ def test_write_report_text(tmp_path):
     """report.md's prose and sections from the metrics alone: the setup line, the runs that
     did not finish and why, the figures only when drawn, the telemetry rows, the recipes, the
     configuration and environment as JSON."""
-    from minifloat.report.compare import write_report
+    from minifloat.report.comparison import write_report
 
     log = tmp_path / "bf16.jsonl"
     log.write_text("".join(json.dumps({"step": i, "loss": 3.0 - 0.1 * i}) + "\n" for i in range(1, 4)))
@@ -329,7 +330,7 @@ def test_write_report_text(tmp_path):
 
 
 def test_summary_table_formats_each_figure_and_marks_missing_ones():
-    from minifloat.report.compare import summary_table
+    from minifloat.report.comparison import summary_table
 
     ok = {"precision": "bf16", "status": "ok", "final_train_loss": 2.71828, "final_val_loss": 2.5,
           "val_loss_delta_pct": 0.0, "step_time_s": 0.1234, "step_time_ratio": 1.0, "tokens_per_s": 16597.3,
@@ -362,8 +363,8 @@ def test_run_metrics_windows_are_the_last_tenth_and_all_but_the_first_tenth():
 
 
 def test_recipe_description_says_how_each_precision_computes():
-    from minifloat.compare import recipe_description
     from minifloat.recipes import RECIPES
+    from minifloat.validate.compare import recipe_description
 
     assert recipe_description("fp32") == {"recipe": "fp32", "gemm": "FP32 operands, FP32 accumulation"}
     assert recipe_description("fp16")["gemm"].startswith("FP16 operands (operands rounded to the dtype, FP32 accumulation)")
@@ -383,7 +384,7 @@ def test_compare_evaluates_at_the_end_when_told_never_to_and_keeps_earlier_resul
 
 
 def test_a_child_that_exits_cleanly_before_its_last_step_failed(tmp_path, monkeypatch):
-    import minifloat.compare as cmp
+    import minifloat.validate.compare as cmp
 
     monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (0, 0, ["killed by the scheduler"]))
     run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False)["runs"][0]
@@ -398,7 +399,7 @@ def test_a_child_that_exits_cleanly_before_its_last_step_failed(tmp_path, monkey
 
 
 def test_relative_figures_are_left_out_where_the_reference_has_none():
-    from minifloat.compare import _relative_to_first
+    from minifloat.validate.compare import _relative_to_first
 
     ref = {"final_val_loss": 2.0, "final_train_loss": float("nan"), "step_time_s": 0.0, "weight_bytes": 400}
     other = {"final_val_loss": 2.5, "final_train_loss": 2.0, "step_time_s": 1.0, "weight_bytes": None}

@@ -1,6 +1,7 @@
 import pytest
 
-from minifloat import devices
+from minifloat.gemm import support
+from minifloat.validate import devices
 
 CPUINFO = """processor\t: 0
 model name\t: Some CPU
@@ -18,13 +19,13 @@ bogomips\t: 4000.00
 )  # fmt: skip
 def test_cpu_flags_and_native_bf16_from_cpuinfo(tmp_path, monkeypatch, extra, flags, native_bf16):
     (tmp_path / "cpuinfo").write_text(CPUINFO.format(extra=extra))
-    monkeypatch.setattr(devices, "CPUINFO", str(tmp_path / "cpuinfo"))
-    assert devices.cpu_flags() == flags
-    assert devices.native_bf16_cpu() is native_bf16
+    monkeypatch.setattr(support, "CPUINFO", str(tmp_path / "cpuinfo"))
+    assert support.cpu_flags() == flags
+    assert support.native_bf16_cpu() is native_bf16
     assert devices.describe()["devices"][0]["detail"].endswith("ISA: " + " ".join(flags))
 
 
 def test_without_cpuinfo_no_flag_is_assumed(tmp_path, monkeypatch):
-    monkeypatch.setattr(devices, "CPUINFO", str(tmp_path / "missing"))
-    assert devices.cpu_flags() == [] and devices.native_bf16_cpu() is False
+    monkeypatch.setattr(support, "CPUINFO", str(tmp_path / "missing"))
+    assert support.cpu_flags() == [] and support.native_bf16_cpu() is False
     assert devices.describe()["devices"][0]["detail"].endswith("ISA: unknown")

@@ -100,7 +100,7 @@ def test_native_support_follows_the_compute_capability_table(name, monkeypatch):
 
     scheme = minifloat.get_scheme(name)
     for cap in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]:
-        monkeypatch.setattr(gemm, "device_capability", lambda device, cap=cap: cap)
+        monkeypatch.setattr(gemm.support, "device_capability", lambda device, cap=cap: cap)
         why = native_support(scheme, "cuda")
         assert (why is None) == (cap in NATIVE_ON[name]), (cap, why)
         assert choose_backend([scheme], "cuda") == ("native" if cap in NATIVE_ON[name] else "emulated")
@@ -119,7 +119,7 @@ def test_native_support_follows_the_compute_capability_table(name, monkeypatch):
 def test_block_scaled_native_gemms_need_torch_functional_scaled_mm(monkeypatch):
     import minifloat.gemm as gemm
 
-    monkeypatch.setattr(gemm, "device_capability", lambda device: (10, 0))
+    monkeypatch.setattr(gemm.support, "device_capability", lambda device: (10, 0))
     monkeypatch.delattr(F, "scaled_mm")
     assert "need torch.nn.functional.scaled_mm (torch ≥ 2.10)" in native_support(minifloat.get_scheme("mxfp8"), "cuda")
     assert native_support(minifloat.get_scheme("fp8"), "cuda") is None  # torch._scaled_mm, in every torch

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from minifloat import MinifloatError
-from minifloat.hadamard import hadamard_matrix, hadamard_signs, rht, rht_reference
+from minifloat.kernels.reference import rht as rht_reference
+from minifloat.quant.hadamard import hadamard_matrix, hadamard_signs, rht
 
 
 def test_hadamard_matrix_is_orthogonal_with_pm_quarter_entries():

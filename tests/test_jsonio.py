@@ -1,7 +1,7 @@
 import json
 import math
 
-from minifloat import jsonio
+from minifloat.io import jsonio
 
 
 def test_nonfinite_floats_become_strings_float_reads_back():

@@ -1,7 +1,6 @@
 """Differential tests: the fused CPU kernels equal the pure-PyTorch reference byte for byte."""
 
 import ctypes
-import importlib
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,8 +9,8 @@ import pytest
 import torch
 
 from minifloat import SCHEMES, get_scheme
-from minifloat.kernels import cpu
-from minifloat.quantize import dequantize_reference, quantize_reference
+from minifloat.kernels import cpu, reference
+from minifloat.scaling.layout import as_float32, layout_for, to_grid
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="the CPU kernels were not built")
 
@@ -30,14 +29,34 @@ def special_input(shape, dtype, seed):
     return x.to(dtype)
 
 
+def _quantize(impl, x, scheme, *, scale=None, amax=None, **kw):
+    """`impl`'s parts of `x`, with a scale or amax brought to the scale grid as minifloat.quantize
+    does; with the shape and scheme, so that `dequantize(*parts)` reads them back."""
+    lay = layout_for(x.shape, scheme)
+    if scale is not None:
+        scale = to_grid(scale, lay, "scale")
+    if amax is not None:
+        amax = as_float32(amax, "amax").reshape(()) if scheme.is_nvfp4 else to_grid(amax, lay, "amax")
+    return (*impl(x, scheme, scale=scale, amax=amax, **kw), x.shape, scheme)
+
+
+def fast(x, scheme, **kw):
+    return _quantize(cpu.quantize, x, scheme, **kw)
+
+
+def ref(x, scheme, **kw):
+    return _quantize(reference.quantize, x, scheme, **kw)
+
+
 def assert_same(a, b):
-    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), "codes differ"
-    assert a.scale.shape == b.scale.shape
-    assert torch.equal(a.scale.reshape(-1).view(torch.uint8), b.scale.reshape(-1).view(torch.uint8)), "scales differ"
-    assert (a.tensor_scale is None) == (b.tensor_scale is None)
-    if a.tensor_scale is not None:
-        assert torch.equal(a.tensor_scale.view(torch.int32), b.tensor_scale.view(torch.int32))
-    da, db = cpu.dequantize(a), dequantize_reference(b)
+    (data_a, scale_a, ts_a, *_), (data_b, scale_b, ts_b, *_) = a, b
+    assert torch.equal(data_a.view(torch.uint8), data_b.view(torch.uint8)), "codes differ"
+    assert scale_a.shape == scale_b.shape
+    assert torch.equal(scale_a.reshape(-1).view(torch.uint8), scale_b.reshape(-1).view(torch.uint8)), "scales differ"
+    assert (ts_a is None) == (ts_b is None)
+    if ts_a is not None:
+        assert torch.equal(ts_a.view(torch.int32), ts_b.view(torch.int32))
+    da, db = cpu.dequantize(*a), reference.dequantize(*b)
     assert torch.equal(da.view(torch.int32), db.view(torch.int32)), "dequantized values differ"
 
 
@@ -47,7 +66,7 @@ def assert_same(a, b):
 def test_fast_equals_reference(name, shape, dtype):
     x = special_input(shape, dtype, seed=sum(shape))
     scheme = get_scheme(name)
-    assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+    assert_same(fast(x, scheme), ref(x, scheme))
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -65,8 +84,8 @@ def check_with_specials(scheme, shape):
     flat[4321] = float("nan")
     flat[3333] = -float("inf")
     flat[-5] = float("nan")  # in the last chunk
-    assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
-    assert_same(cpu.quantize(x.bfloat16(), scheme), quantize_reference(x.bfloat16(), scheme))
+    assert_same(fast(x, scheme), ref(x, scheme))
+    assert_same(fast(x.bfloat16(), scheme), ref(x.bfloat16(), scheme))
 
 
 @pytest.mark.parametrize(
@@ -120,7 +139,7 @@ def test_other_builds_equal_reference(other_build, name, monkeypatch):
     for shape in [(7, 300), (130, 129), (3, 4500)]:
         for dtype in (torch.float32, torch.bfloat16):
             x = special_input(shape, dtype, seed=sum(shape))
-            assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+            assert_same(fast(x, scheme), ref(x, scheme))
     check_with_specials(scheme, (17, 16500))
 
 
@@ -144,8 +163,8 @@ def test_fast_equals_reference_for_blocks_of_any_width(base, block, rounding):
     than the kernels' 2048-column span are encoded in pieces."""
     scheme = get_scheme(base).replace(block=block)
     x = special_input((37, 2 * 2048 + 100), torch.float32, seed=3)
-    a = cpu.quantize(x, scheme, rounding=rounding, generator=torch.Generator().manual_seed(1))
-    b = quantize_reference(x, scheme, rounding=rounding, generator=torch.Generator().manual_seed(1))
+    a = fast(x, scheme, rounding=rounding, generator=torch.Generator().manual_seed(1))
+    b = ref(x, scheme, rounding=rounding, generator=torch.Generator().manual_seed(1))
     assert_same(a, b)
 
 
@@ -153,8 +172,8 @@ def test_fast_equals_reference_for_blocks_of_any_width(base, block, rounding):
 def test_fast_equals_reference_stochastic(name):
     x = special_input((33, 200), torch.float32, seed=5)
     scheme = get_scheme(name)
-    a = cpu.quantize(x, scheme, rounding="stochastic", generator=torch.Generator().manual_seed(9))
-    b = quantize_reference(x, scheme, rounding="stochastic", generator=torch.Generator().manual_seed(9))
+    a = fast(x, scheme, rounding="stochastic", generator=torch.Generator().manual_seed(9))
+    b = ref(x, scheme, rounding="stochastic", generator=torch.Generator().manual_seed(9))
     assert_same(a, b)
 
 
@@ -164,14 +183,14 @@ def test_stochastic_rounding_does_not_depend_on_the_thread_count():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu.quantize(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(3))
+        one = fast(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(3))
         torch.set_num_threads(max(2, threads))
-        many = cpu.quantize(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(3))
+        many = fast(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(3))
     finally:
         torch.set_num_threads(threads)
     assert_same(one, many)
-    other = cpu.quantize(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(4))
-    assert not torch.equal(one.data, other.data)
+    other = fast(x, get_scheme("nvfp4"), rounding="stochastic", generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(one[0], other[0])
 
 
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
@@ -179,7 +198,7 @@ def test_stochastic_rounding_does_not_depend_on_the_thread_count():
 def test_mx_rules_every_element(rule, element):
     scheme = get_scheme("mxfp8").replace(element=element, scale_rule=rule)
     x = special_input((9, 256), torch.float32, seed=1)
-    assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+    assert_same(fast(x, scheme), ref(x, scheme))
 
 
 def pow2_scale_input(dtype, seed):
@@ -202,7 +221,7 @@ def pow2_scale_input(dtype, seed):
 def test_mx_encoder_without_multiply_over_every_scale(element, rule, dtype):
     scheme = get_scheme("mxfp8").replace(element=element, scale_rule=rule)
     x = pow2_scale_input(dtype, seed=2)
-    assert_same(cpu.quantize(x, scheme), quantize_reference(x, scheme))
+    assert_same(fast(x, scheme), ref(x, scheme))
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.7, 3.0e-3])
@@ -214,7 +233,7 @@ def test_scaled_encoder_over_every_binade(element, scale):
     x = pow2_scale_input(torch.float32, seed=4)
     x[1, 333] = float("nan")
     kw = {"scale": torch.tensor(scale)}
-    assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
+    assert_same(fast(x, scheme, **kw), ref(x, scheme, **kw))
 
 
 def test_given_scale_amax_and_margin():
@@ -226,7 +245,7 @@ def test_given_scale_amax_and_margin():
         (get_scheme("fp8_block128"), {"scale": torch.rand(12, 2) + 0.5}),
         (get_scheme("nvfp4"), {"amax": torch.tensor(1e3)}),
     ]:
-        assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
+        assert_same(fast(x, scheme, **kw), ref(x, scheme, **kw))
 
 
 @pytest.mark.parametrize(
@@ -254,9 +273,9 @@ def test_nan_products_are_found(name, kw):
     x[2, 1010] = -float("inf")
     x[3, 3000:3100] = 0
     scheme = get_scheme(name)
-    assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
+    assert_same(fast(x, scheme, **kw), ref(x, scheme, **kw))
     if kw and scheme.element_format.nan_code is not None:  # FP4 has no NaN: inf * 0 saturates to 0
-        assert cpu.dequantize(cpu.quantize(x, scheme, **kw)).isnan().any()
+        assert cpu.dequantize(*fast(x, scheme, **kw)).isnan().any()
 
 
 ODD_NAN = torch.tensor(-1, dtype=torch.int32).view(torch.float32)  # bits 0xffffffff: a NaN, not the default one
@@ -275,7 +294,7 @@ def test_nan_scales_have_the_same_bits_whatever_the_layout_or_payload(name, give
     x[7, 3], x[200, 150] = float("nan"), ODD_NAN
     x = x.t()  # non-contiguous: the reference reduces it in another order
     kw = {} if given == "none" else {given: ODD_NAN}
-    assert_same(cpu.quantize(x, scheme, **kw), quantize_reference(x, scheme, **kw))
+    assert_same(fast(x, scheme, **kw), ref(x, scheme, **kw))
 
 
 @pytest.mark.parametrize("where", [5, 65536 + 3, 70003 - 2])  # first chunk, second chunk, the tail
@@ -328,8 +347,8 @@ def _sr_thresholds(y, fmt):
 def test_stochastic_rounding_at_its_thresholds(element):
     """The kernels' 8-lane stochastic rounding equals the reference for random bits just below,
     at and above each element's threshold (random bits rarely land there)."""
-    from minifloat.codec import encode_with_bits
     from minifloat.formats import get_format
+    from minifloat.formats.codec import encode_with_bits
 
     fmt = get_format(element)
     g = torch.Generator().manual_seed(0)
@@ -426,17 +445,16 @@ def test_each_fast_path_is_taken_where_it_applies(monkeypatch):
         assert torch.equal(kernels.contiguous(view), view.contiguous())
         assert calls == (["transpose"] if fast else []), view.stride()
         calls.clear()
-    reference = importlib.import_module("minifloat.quantize")  # the module (the package's `quantize` is the function)
-    real_reference = reference.quantize_reference
-    monkeypatch.setattr(reference, "quantize_reference", lambda *a, **k: calls.append("reference") or real_reference(*a, **k))
-    for name in SCHEMES:  # the kernel's own work, but for an empty input (nothing to measure)
-        cpu.quantize(x, get_scheme(name))
-        cpu.quantize(x, get_scheme(name), rounding="stochastic")
-    assert "reference" not in calls
+    real_reference = reference.quantize
+    monkeypatch.setattr(reference, "quantize", lambda *a, **k: calls.append("reference") or real_reference(*a, **k))
+    for name in SCHEMES:  # every scheme's own work in the kernel, both roundings
+        quantize(x, name)
+        quantize(x, name, rounding="stochastic")
+    assert calls == ["quantize"] * 2 * len(SCHEMES)
     calls.clear()
-    assert cpu.quantize(x[:0], get_scheme("nvfp4")).shape == (0, 64) and calls == ["quantize", "reference"]
+    assert quantize(x[:0], "nvfp4").shape == (0, 64) and calls == ["reference"]  # empty: nothing to measure
     calls.clear()
     monkeypatch.setenv("MINIFLOAT_KERNELS", "reference")
     quantize(x, "nvfp4").dequantize()
     kernels.amax(x), kernels.contiguous(x.t()), kernels.rht(x, torch.ones(16))
-    assert calls == []
+    assert calls == ["reference"]  # no kernel

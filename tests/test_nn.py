@@ -10,8 +10,9 @@ import torch
 
 import minifloat
 from minifloat.gemm import choose_backend, native_support
-from minifloat.hadamard import hadamard_signs, rht_reference
-from minifloat.quantize import quantize_reference
+from minifloat.kernels import reference
+from minifloat.kernels.reference import rht as rht_reference
+from minifloat.quant.hadamard import hadamard_signs
 from minifloat.recipes import RECIPES, NVFP4BlockScaling, get_recipe
 
 from .conftest import requires_cuda, sqnr_db
@@ -57,7 +58,8 @@ def test_sqnr_of_every_gemm_is_within_the_recipe_band(name):
 
 
 def _q(x, scheme):
-    return quantize_reference(x.float().contiguous(), scheme).dequantize().double()
+    x = x.float().contiguous()
+    return reference.dequantize(*reference.quantize(x, scheme, rounding=scheme.rounding), x.shape, scheme).double()
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import torch
 
 import minifloat
 from minifloat import AmaxHistory, MinifloatError, get_format, quantize, scale_from_amax
-from minifloat.scaling import (
+from minifloat.scaling.rules import (
     e8m0_exponent,
     finite_amax,
     fp32_scale,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minifloat import SCHEMES, MinifloatError, Scheme, UnknownFormatError, get_scheme
-from minifloat.schemes import named
+from minifloat.scaling.schemes import named
 
 # The presets as the quantization issue defines them: element, block, scale format.
 PUBLISHED = {

@@ -12,19 +12,14 @@ import pytest
 import torch
 
 import minifloat
+from minifloat.gemm import support
+from minifloat.nn.rounded import RoundedLinear
 from minifloat.train import checkpoint
+from minifloat.train.config import TrainConfig, lr_at
 from minifloat.train.corpus import get_batch, load_corpus, stdlib_corpus
+from minifloat.train.loop import build_model, evaluate, load_data, train
 from minifloat.train.model import GPT, GPT_SIZES
-from minifloat.train.trainer import (
-    RoundedLinear,
-    TrainConfig,
-    build_model,
-    evaluate,
-    load_data,
-    lr_at,
-    read_log,
-    train,
-)
+from minifloat.train.runlog import read_log
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -194,7 +189,7 @@ def test_resume_rewinds_the_log_to_the_checkpoint(tmp_path):
 
 
 def test_telemetry_samples_the_trainers_steps_when_a_step_is_skipped(tmp_path, monkeypatch):
-    from minifloat.loss_scaling import LossScaler
+    from minifloat.nn.loss_scaling import LossScaler
 
     real_step = LossScaler.step
 
@@ -357,7 +352,7 @@ _KILL_SCRIPT = """
 import os, signal, sys
 import torch
 from minifloat.train import checkpoint
-from minifloat.train.trainer import TrainConfig, train
+from minifloat.train import TrainConfig, train
 real = torch.save
 def save_then_die(obj, path, *a, **k):
     real(obj, path, *a, **k)
@@ -526,7 +521,7 @@ def test_adamw_decays_matrices_only_and_only_fp16_scales_the_loss(tmp_path):
 def test_activation_checkpointing_recomputes_each_block_and_changes_no_number():
     """Each block's forward runs again in backward; the gradients and a delayed-scaling
     layer's pending amaxes (max-folded, so a recompute records nothing new) are unchanged."""
-    from minifloat.train.trainer import _enable_activation_checkpointing
+    from minifloat.train.loop import _enable_activation_checkpointing
 
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     results = []
@@ -549,11 +544,11 @@ def test_activation_checkpointing_recomputes_each_block_and_changes_no_number():
 def test_compiled_and_checkpointed_training_equals_eager(tmp_path, monkeypatch):
     """--compile and --activation-checkpointing change how the step runs, not what it computes;
     the checkpoint holds the plain model's names (no torch.compile wrapper prefix)."""
-    import minifloat.train.trainer as trainer
+    import minifloat.train.loop as loop
 
     enabled = []
-    real = trainer._enable_activation_checkpointing
-    monkeypatch.setattr(trainer, "_enable_activation_checkpointing", lambda m: enabled.append(m) or real(m))
+    real = loop._enable_activation_checkpointing
+    monkeypatch.setattr(loop, "_enable_activation_checkpointing", lambda m: enabled.append(m) or real(m))
     eager = train(_cfg(precision="fp8", steps=3), tmp_path / "eager", progress=False)
     assert enabled == []
     both = train(_cfg(precision="fp8", steps=3, compile=True, activation_checkpointing=True), tmp_path / "both", progress=False)
@@ -584,19 +579,19 @@ def _window_losses(model, split, c, gen, n):
 def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeypatch):
     """Without BF16 units the GEMMs are emulated (RoundedLinear); with them, torch's CPU
     autocast runs plain Linears in BF16. Both compute a BF16 GEMM, so the losses agree closely."""
-    import minifloat.train.trainer as trainer
-    from minifloat.compare import recipe_description
+    from minifloat.validate.compare import recipe_description
 
-    for cpu_has_bf16 in (trainer, minifloat.devices):  # both halves here, whatever this CPU has
-        monkeypatch.setattr(cpu_has_bf16, "native_bf16_cpu", lambda: False)
+    # both halves here, whatever this CPU has: the flags come from a cpuinfo file
+    (tmp_path / "avx512").write_text("flags\t\t: fpu sse2 avx2 fma avx512f\n")
+    (tmp_path / "amx").write_text("flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    monkeypatch.setattr(support, "CPUINFO", str(tmp_path / "avx512"))
     emulated = build_model(_cfg(precision="bf16"))
     assert isinstance(emulated.blocks[0].mlp.fc, RoundedLinear) and type(emulated.lm_head) is torch.nn.Linear
     assert emulated.blocks[0].mlp.fc.rounding_dtype is torch.bfloat16
     assert build_model(_cfg(precision="fp16")).blocks[1].attn.qkv.rounding_dtype is torch.float16
     assert "operands rounded to the dtype" in recipe_description("bf16")["gemm"]
     train(_cfg(precision="bf16", steps=3), tmp_path / "emulated", progress=False)
-    monkeypatch.setattr(trainer, "native_bf16_cpu", lambda: True)
-    monkeypatch.setattr(minifloat.devices, "native_bf16_cpu", lambda: True)
+    monkeypatch.setattr(support, "CPUINFO", str(tmp_path / "amx"))
     native = build_model(_cfg(precision="bf16"))
     assert not any(isinstance(m, RoundedLinear) for m in native.modules())
     assert "torch.autocast" in recipe_description("bf16")["gemm"]

@@ -14,7 +14,6 @@ import os as _os
 # buffer here). Effective only if torch has not allocated yet; set it to 0 to opt out.
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from minifloat.codec import decode, encode, value_table
 from minifloat.errors import (
     CodeRangeError,
     DTypeError,
@@ -33,13 +32,16 @@ from minifloat.formats import (
     FORMATS,
     FloatFormat,
     NaNEncoding,
+    decode,
+    encode,
     get_format,
+    pack,
+    packed_nbytes,
+    unpack,
+    value_table,
 )
-from minifloat.loss_scaling import LossScaler
-from minifloat.monitor import Monitor, monitor
-from minifloat.nn import Linear, autocast, convert
-from minifloat.packing import pack, packed_nbytes, unpack
-from minifloat.quantize import dequantize, fake_quantize, quantize
+from minifloat.nn import Linear, LossScaler, Monitor, autocast, convert, monitor
+from minifloat.quant import CorruptFileError, QuantizedTensor, dequantize, fake_quantize, load, quantize, save
 from minifloat.recipes import (
     RECIPES,
     CurrentScaling,
@@ -50,10 +52,7 @@ from minifloat.recipes import (
     Recipe,
     get_recipe,
 )
-from minifloat.scaling import AmaxHistory, scale_from_amax
-from minifloat.schemes import SCHEMES, Scheme, get_scheme
-from minifloat.serialization import CorruptFileError, load, save
-from minifloat.tensor import QuantizedTensor
+from minifloat.scaling import SCHEMES, AmaxHistory, Scheme, get_scheme, scale_from_amax
 
 __version__ = "0.1.0"
 

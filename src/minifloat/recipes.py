@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from minifloat.errors import MinifloatError
-from minifloat.schemes import Scheme, get_scheme, named
+from minifloat.scaling.schemes import Scheme, get_scheme, named
 
 ROLES = ("input", "weight", "grad_output")
 FP8_FORMATS = ("hybrid", "e4m3")

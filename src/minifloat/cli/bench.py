@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minifloat import bench, jsonio
 from minifloat.cli.defaults import keyword_defaults
 from minifloat.errors import MinifloatError
+from minifloat.io import jsonio
+from minifloat.validate import bench
 
 QUANTIZE, GEMM, TRAIN = (keyword_defaults(f) for f in (bench.bench_quantize, bench.bench_gemm, bench.bench_train))
 
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         return _train(args, reps)
     if args.what == "gemm":
         return _gemm(args, reps)
-    from minifloat.schemes import get_scheme
+    from minifloat.scaling.schemes import get_scheme
 
     schemes = QUANTIZE["schemes"] if not args.schemes else tuple(get_scheme(s).name for s in args.schemes.split(","))
     out = bench.bench_quantize(*args.size, schemes=schemes, reps=reps)
@@ -136,7 +137,7 @@ def _train(args: argparse.Namespace, reps: int) -> int:
 def _gemm(args: argparse.Namespace, reps: int) -> int:
     import torch
 
-    from minifloat.schemes import get_scheme
+    from minifloat.scaling.schemes import get_scheme
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from minifloat import jsonio
 from minifloat.cli.train import add_training_arguments, config_from_args
-from minifloat.compare import DEFAULT_PRECISIONS
+from minifloat.io import jsonio
+from minifloat.validate.compare import DEFAULT_PRECISIONS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,8 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minifloat.compare import compare, parse_precisions
-    from minifloat.report.compare import summary_table
+    from minifloat.report.comparison import summary_table
+    from minifloat.validate.compare import compare, parse_precisions
 
     precisions = parse_precisions(args.precisions)
     base = config_from_args(args, precision=precisions[0])

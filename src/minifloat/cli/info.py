@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minifloat.devices import describe
+    from minifloat.validate.devices import describe
 
     out = describe()
     if args.json:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from minifloat import jsonio
 from minifloat.cli.defaults import keyword_defaults
+from minifloat.io import jsonio
+from minifloat.train.config import PRECISIONS, TrainConfig
 from minifloat.train.model import GPT_SIZES
-from minifloat.train.trainer import PRECISIONS, TrainConfig
 
 DEFAULTS = keyword_defaults(TrainConfig)  # the flags' defaults are TrainConfig's
 
@@ -89,7 +89,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minifloat.train.trainer import train
+    from minifloat.train.loop import train
 
     result = train(
         config_from_args(args), args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet

@@ -1,7 +1,7 @@
 /* Fused CPU kernels for scaled quantization (loaded with ctypes; no Python API used).
  *
- * Each function equals a reference in minifloat/quantize.py + minifloat/codec.py bit for bit;
- * tests/test_kernels.py checks it. Built by setup.py with -O3 -fopenmp -ffp-contract=off:
+ * Each function equals a reference in minifloat/kernels/reference.py + minifloat/formats/codec.py
+ * bit for bit; tests/test_kernels.py checks it. Built by setup.py with -O3 -fopenmp -ffp-contract=off:
  * no fused multiply-adds and no fast-math, so every float operation rounds as PyTorch's does.
  *
  * Element encoding (round to nearest even, saturating) works on the float32 bits:
@@ -981,19 +981,31 @@ static int block_shift(int64_t bc) {
     return -1;
 }
 
-void mf_quantize(const void *x, int dt, int64_t R, int64_t K, int64_t Rp, int64_t Kp,
-                 int64_t br, int64_t bc, const elem_t *p, int bits, int mode, int rule,
-                 float fmt_max, float margin_mul, float inv_max, const float *given, int64_t gs_r,
-                 int64_t gs_c, float s_enc, float s_dec, const elem_t *e4m3, const float *e4m3_lut,
-                 int sr, uint64_t seed, const float *tile_amax, int no_nan, uint8_t *out, void *scale_out,
-                 int nthreads) {
-    const int64_t cw = chunk_width(br, bc, Rp, Kp, nthreads);
-    job_t J = {x, dt, R, K, Kp, br, bc, Kp / bc, Kp * bits / 8, cw,
-               *p, *e4m3, vconst(p, bits), vconst(e4m3, 8), bits, mode, rule, sr, no_nan,
-               fmt_max, margin_mul, inv_max, s_enc, s_dec, given, e4m3_lut, tile_amax, gs_r, gs_c, block_shift(bc),
-               seed, out, scale_out};
-    const int64_t ngr = Rp / br, nch = (Kp + J.cw - 1) / J.cw;
-#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
+/* mf_quantize's arguments, one struct (minifloat.kernels.cpu.QuantizeArgs mirrors it field for
+ * field). x: R x K input of dtype dt, quantized as its Rp x Kp zero-padded view in br x bc
+ * blocks; given: the encode scales (mode SC_FP32_GIVEN) at strides gs_r, gs_c of the scale grid;
+ * tile_amax: NVFP4 block maxima from mf_block_amax, or NULL; out / scale_out: codes and scales. */
+typedef struct {
+    const void *x;
+    const elem_t *elem, *e4m3;
+    const float *given, *e4m3_lut, *tile_amax;
+    uint8_t *out;
+    void *scale_out;
+    int64_t R, K, Rp, Kp, br, bc, gs_r, gs_c;
+    uint64_t seed;
+    int32_t dt, bits, mode, rule, sr, no_nan, nthreads;
+    float fmt_max, margin_mul, inv_max, s_enc, s_dec;
+} quantize_args_t;
+
+void mf_quantize(const quantize_args_t *a) {
+    const int64_t cw = chunk_width(a->br, a->bc, a->Rp, a->Kp, a->nthreads);
+    const int dt = a->dt;
+    job_t J = {a->x, dt, a->R, a->K, a->Kp, a->br, a->bc, a->Kp / a->bc, a->Kp * a->bits / 8, cw,
+               *a->elem, *a->e4m3, vconst(a->elem, a->bits), vconst(a->e4m3, 8), a->bits, a->mode, a->rule, a->sr,
+               a->no_nan, a->fmt_max, a->margin_mul, a->inv_max, a->s_enc, a->s_dec, a->given, a->e4m3_lut,
+               a->tile_amax, a->gs_r, a->gs_c, block_shift(a->bc), a->seed, a->out, a->scale_out};
+    const int64_t ngr = a->Rp / a->br, nch = (a->Kp + J.cw - 1) / J.cw;
+#pragma omp parallel for num_threads(a->nthreads) schedule(static) collapse(2)
     for (int64_t g = 0; g < ngr; g++)
         for (int64_t ch = 0; ch < nch; ch++) {
             if (dt == DT_F32) quantize_chunk(&J, g, ch * J.cw, amax_f32, DT_F32, 4);
@@ -1239,7 +1251,7 @@ void mf_transpose(const void *src, void *dst, int64_t R, int64_t C, int esize, i
 }
 
 /* ---- Random Hadamard transform of NVFP4 (16-point fast Walsh-Hadamard transform) ----------- */
-/* y = FWHT16(x * s) / 4 per group of 16, in hadamard.rht_reference's order (rounds h = 1, 2, 4,
+/* y = FWHT16(x * s) / 4 per group of 16, in kernels/reference.py rht's order (rounds h = 1, 2, 4,
  * 8: (a, b) -> (a + b, a - b)), so the bits are the reference's. One pass over memory, where a
  * 16 x 16 matrix product through the BLAS ran at about 1.4 Gelem/s here. */
 static inline void rht16_scalar(const float *x, const float *s, float *y) {

@@ -1,5 +1,5 @@
-"""ctypes bindings of the fused CPU kernels in ``_cpu.c`` and the quantize/dequantize paths
-built on them. Same arguments and results as `quantize_reference` / `dequantize_reference`."""
+"""ctypes bindings of the fused CPU kernels in ``_cpu.c`` and the quantize / dequantize paths
+built on them: the same arguments and results as `minifloat.kernels.reference`'s."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ from pathlib import Path
 
 import torch
 
-from minifloat import scaling
-from minifloat.codec import sr_seed, value_table
-from minifloat.formats import E4M3, E8M0, FloatFormat
-from minifloat.quantize import layout_for
+from minifloat.formats.codec import sr_seed, value_table
+from minifloat.formats.registry import E4M3, E8M0, FloatFormat
+from minifloat.scaling import rules
+from minifloat.scaling.layout import layout_for
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"fp32": 0, "fp32_given": 1, "e8m0": 2, "e4m3": 3}
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_I32 = ctypes.c_int32
 
 
 class ElemParams(ctypes.Structure):
@@ -33,6 +34,18 @@ class ElemParams(ctypes.Structure):
 
 def _f32_bits(v: float) -> int:
     return int(torch.tensor(v, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF
+
+
+class QuantizeArgs(ctypes.Structure):
+    """The arguments of ``mf_quantize``; must match ``quantize_args_t`` in _cpu.c field for field."""
+
+    _fields_ = [
+        ("x", _P), ("elem", ctypes.POINTER(ElemParams)), ("e4m3", ctypes.POINTER(ElemParams)),
+        ("given", _P), ("e4m3_lut", _P), ("tile_amax", _P), ("out", _P), ("scale_out", _P),
+        *((n, _L) for n in ("R", "K", "Rp", "Kp", "br", "bc", "gs_r", "gs_c")), ("seed", ctypes.c_uint64),
+        *((n, _I32) for n in ("dt", "bits", "mode", "rule", "sr", "no_nan", "nthreads")),
+        *((n, _F) for n in ("fmt_max", "margin_mul", "inv_max", "s_enc", "s_dec")),
+    ]  # fmt: skip
 
 
 @functools.cache
@@ -88,8 +101,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mf_amax.restype = _F
     lib.mf_amax.argtypes = [_P, _I, _L, _I, _I]
     lib.mf_quantize.restype = None
-    lib.mf_quantize.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I, _I, _I, _F, _F, _F, _P, _L, _L, _F, _F, _P, _P, _I,
-                               ctypes.c_uint64, _P, _I, _P, _P, _I]  # fmt: skip
+    lib.mf_quantize.argtypes = [ctypes.POINTER(QuantizeArgs)]
     lib.mf_block_amax.restype = _F
     lib.mf_block_amax.argtypes = [_P, _I, _L, _L, _L, _L, _L, _L, _P, _I]
     lib.mf_encode_sr.restype = None
@@ -134,7 +146,7 @@ def contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def rht16(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """`hadamard.rht_reference` of contiguous float32 `x` (last dim a multiple of 16)."""
+    """`reference.rht` of contiguous float32 `x` (last dim a multiple of 16)."""
     out = torch.empty(x.shape, dtype=torch.float32)
     s = signs.to(torch.float32).contiguous()
     library().mf_rht16(x.data_ptr(), out.data_ptr(), x.numel() // 16, s.data_ptr(), torch.get_num_threads())
@@ -142,12 +154,12 @@ def rht16(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 
 def amax_value(x: torch.Tensor, *, ignore_nan: bool = False) -> float:
-    """`scaling.finite_amax` of a whole (contiguous) tensor in one parallel pass, as a float."""
+    """`minifloat.scaling.rules.finite_amax` of a whole (contiguous) tensor in one parallel pass, as a float."""
     return library().mf_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), int(ignore_nan), torch.get_num_threads())
 
 
 def tensor_amax(x: torch.Tensor, *, ignore_nan: bool = False) -> torch.Tensor:
-    """`scaling.finite_amax` of a whole tensor in one parallel pass."""
+    """`minifloat.scaling.rules.finite_amax` of a whole tensor in one parallel pass."""
     return torch.tensor(amax_value(x.contiguous(), ignore_nan=ignore_nan), dtype=torch.float32)
 
 
@@ -158,21 +170,17 @@ def _scheme_args(scheme) -> tuple:
     fmt = scheme.element_format
     lut = value_table(E4M3, torch.float32)
     return (
-        (ctypes.byref(elem_params(fmt)), fmt.bits, _MODES[scheme.scale_format], int(scheme.scale_rule != "floor"),
-         fmt.max, math.ldexp(1.0, -scheme.margin), scaling.as_float32(1.0 / fmt.max)),
-        (ctypes.byref(elem_params(E4M3)), lut.data_ptr()),
+        (ctypes.pointer(elem_params(fmt)), fmt.bits, _MODES[scheme.scale_format], int(scheme.scale_rule != "floor"),
+         fmt.max, math.ldexp(1.0, -scheme.margin), rules.as_float32(1.0 / fmt.max)),
+        (ctypes.pointer(elem_params(E4M3)), lut.data_ptr()),
         lut,
     )
 
 
 def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=None):
-    from minifloat.quantize import _as_float32, _grid_scale
-    from minifloat.tensor import QuantizedTensor
-
-    if x.numel() == 0:  # nothing to measure: the reference handles the empty layouts
-        from minifloat.quantize import quantize_reference
-
-        return quantize_reference(x, scheme, scale=scale, amax=amax, rounding=rounding, generator=generator)
+    """`minifloat.kernels.reference.quantize` in one fused pass (two for NVFP4 and for a
+    per-tensor scale of a tensor's own amax); returns ``(data, scale, tensor_scale)``.
+    `x` is non-empty (the reference handles empty layouts)."""
     lib = library()
     fmt = scheme.element_format
     lay = layout_for(x.shape, scheme)
@@ -181,7 +189,7 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
     rows_pad, cols_pad = lay.rows_pad, lay.cols_pad
     data = torch.empty(rows_pad, cols_pad * fmt.bits // 8, dtype=torch.uint8)
     br, bc = lay.block_rows, lay.block_cols
-    (elem, bits, mode, rule, fmt_max, margin_mul, inv_max), e4m3_args, _ = _scheme_args(scheme)
+    (elem, bits, mode, rule, fmt_max, margin_mul, inv_max), (e4m3, lut_ptr), _ = _scheme_args(scheme)
     given = None  # the encode scale(s), when known before the pass
     gs_r = gs_c = 0
     s_enc = s_dec = 1.0
@@ -189,13 +197,13 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
     tensor_scale = None
     if scheme.scale_format == "fp32" and (scale is not None or amax is not None or scheme.granularity == "tensor"):
         if scale is not None:
-            given = _grid_scale(scale, lay, "scale")
+            given = scale
         elif amax is not None:
-            given = scaling.fp32_scale(_grid_scale(amax, lay, "amax"), fmt, scheme.margin)
+            given = rules.fp32_scale(amax, fmt, scheme.margin)
         else:  # just in time: the tensor amax (NaN when x holds one), then its scale
             a = amax_value(x)
             no_nan = int(not math.isnan(a))
-            given = torch.tensor([[scaling.fp32_scale_scalar(a, fmt, scheme.margin)]], dtype=torch.float32)
+            given = torch.tensor([[rules.fp32_scale_scalar(a, fmt, scheme.margin)]], dtype=torch.float32)
         gs_r, gs_c = given.stride()
         mode = _MODES["fp32_given"]
         if scheme.granularity == "tensor":  # one scale: tile by rows so the threads share the work
@@ -207,39 +215,41 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
             g = lib.mf_block_amax(x.data_ptr(), dt, lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
                                   tile_amax.data_ptr(), threads)  # fmt: skip
         else:
-            g = float(_as_float32(amax, "amax"))
-        s_enc = scaling.nvfp4_global_scale_scalar(g)
-        s_dec = scaling.as_float32(1.0 / s_enc)
+            g = float(amax)
+        s_enc = rules.nvfp4_global_scale_scalar(g)
+        s_dec = rules.as_float32(1.0 / s_enc)
         tensor_scale = torch.tensor(s_dec, dtype=torch.float32)
     grid = (rows_pad // br, cols_pad // bc)
     scale_out = torch.empty(grid, dtype=torch.float32 if scheme.scale_format == "fp32" else torch.uint8)
     seed = sr_seed(generator) if rounding == "stochastic" else None
-    lib.mf_quantize(
-        x.data_ptr(), dt, lay.rows, lay.cols, rows_pad, cols_pad, br, bc,
-        elem, bits, mode, rule, fmt_max, margin_mul, inv_max, None if given is None else given.data_ptr(), gs_r, gs_c,
-        s_enc, s_dec,
-        *e4m3_args, int(seed is not None), seed or 0,
-        None if tile_amax is None else tile_amax.data_ptr(), no_nan, data.data_ptr(), scale_out.data_ptr(), threads,
+    args = QuantizeArgs(
+        x=x.data_ptr(), elem=elem, e4m3=e4m3, given=None if given is None else given.data_ptr(), e4m3_lut=lut_ptr,
+        tile_amax=None if tile_amax is None else tile_amax.data_ptr(), out=data.data_ptr(),
+        scale_out=scale_out.data_ptr(), R=lay.rows, K=lay.cols, Rp=rows_pad, Kp=cols_pad, br=br, bc=bc, gs_r=gs_r,
+        gs_c=gs_c, seed=seed or 0, dt=dt, bits=bits, mode=mode, rule=rule, sr=int(seed is not None), no_nan=no_nan,
+        nthreads=threads, fmt_max=fmt_max, margin_mul=margin_mul, inv_max=inv_max, s_enc=s_enc, s_dec=s_dec,
     )  # fmt: skip
+    lib.mf_quantize(ctypes.byref(args))
     if scheme.granularity == "tensor":  # one scale per row: they agree, but where a row held a NaN
         nan = fmt.nan_code is None and bool(scale_out.isnan().any())  # that FP6 / FP4 cannot encode
         scale_out = torch.full((1, 1), math.nan) if nan else scale_out[:1, :1].clone()
-    return QuantizedTensor(data, scale_out, tensor_scale, x.shape, scheme, x.dtype)
+    return data, scale_out, tensor_scale
 
 
-def dequantize(q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    lay = layout_for(q.shape, q.scheme)
-    out = torch.empty(q.shape, dtype=torch.float32)
+def dequantize(data, scale, tensor_scale, shape, scheme, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`minifloat.kernels.reference.dequantize` in one fused pass."""
+    lay = layout_for(shape, scheme)
+    out = torch.empty(shape, dtype=torch.float32)
     if out.numel():
-        fmt = q.scheme.element_format
-        if q.scheme.scale_format == "fp32":  # decode scales as they are
-            scales, slut, ts = q.scale.float().contiguous(), None, 1.0
+        fmt = scheme.element_format
+        if scheme.scale_format == "fp32":  # decode scales as they are
+            scales, slut, ts = scale.float().contiguous(), None, 1.0
         else:  # 8-bit scale codes, decoded in the kernel: E8M0, or E4M3 times the tensor scale
-            scales = q.scale.contiguous().view(torch.uint8)
-            slut = value_table(E8M0 if q.scheme.scale_format == "e8m0" else E4M3, torch.float32)
-            ts = 1.0 if q.tensor_scale is None else float(q.tensor_scale)
+            scales = scale.contiguous().view(torch.uint8)
+            slut = value_table(E8M0 if scheme.scale_format == "e8m0" else E4M3, torch.float32)
+            ts = 1.0 if tensor_scale is None else float(tensor_scale)
         library().mf_dequantize(
-            q.data.contiguous().data_ptr(), lay.cols_pad, lay.block_rows, lay.block_cols, fmt.bits,
+            data.contiguous().data_ptr(), lay.cols_pad, lay.block_rows, lay.block_cols, fmt.bits,
             ctypes.byref(elem_params(fmt)), value_table(fmt, torch.float32).data_ptr(), scales.data_ptr(),
             None if slut is None else slut.data_ptr(), ts, lay.rows, lay.cols, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip

@@ -76,9 +76,13 @@ def convert(
         targets.append(fqn)
     if "" in targets:
         raise MinifloatError("convert() replaces Linear layers inside a model; wrap a bare Linear with Linear.from_linear")
-    for fqn in targets:
+    swap_modules(model, targets, lambda old: Linear.from_linear(old, recipe, backend=backend))
+    return model
+
+
+def swap_modules(model: torch.nn.Module, fqns: list[str], make: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+    """Replace each submodule of `model` named in `fqns` (not the root) by ``make(old)``, in place."""
+    for fqn in fqns:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        setattr(parent, child, Linear.from_linear(old, recipe, backend=backend))
-    return model
+        setattr(parent, child, make(getattr(parent, child)))

@@ -29,7 +29,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from minifloat.recipes import ROLES, DelayedScaling
-from minifloat.scaling import reduce_amax_window, scale_from_amax
+from minifloat.scaling.history import reduce_amax_window
+from minifloat.scaling.rules import scale_from_amax
 
 _MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # keys in registration order
 _OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()  # every optimizer that has stepped

@@ -28,14 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+import minifloat.nn.delayed as delayed
 from minifloat import kernels
 from minifloat.errors import DTypeError, MinifloatError
-from minifloat.gemm import autocast_dtype, choose_backend, scaled_mm, without_autocast
-from minifloat.hadamard import rht
-from minifloat.nn import delayed
+from minifloat.gemm.api import scaled_mm
+from minifloat.gemm.emulated import autocast_dtype, without_autocast
+from minifloat.gemm.support import choose_backend
 from minifloat.nn.autocast import current as _autocast_current
-from minifloat.quantize import QUANTIZE_DTYPES, quantize
-from minifloat.recipes import ROLES, NVFP4BlockScaling, Recipe, get_recipe
+from minifloat.quant.api import QUANTIZE_DTYPES, quantize
+from minifloat.quant.hadamard import rht
+from minifloat.recipes import RECIPES, ROLES, NVFP4BlockScaling, Recipe, get_recipe
 
 
 class _Plan:
@@ -202,7 +204,7 @@ class Linear(torch.nn.Linear):
         return (_OPAQUE or _opaque())(self, x)  # _opaque(): a Linear unpickled in a fresh process
 
     def extra_repr(self) -> str:
-        name = next((k for k, v in _named_recipes().items() if v == self.recipe), type(self.recipe).__name__)
+        name = next((k for k, v in RECIPES.items() if v == self.recipe), type(self.recipe).__name__)
         return f"{super().extra_repr()}, recipe={name}"
 
     def _apply(self, fn, recurse=True):
@@ -268,9 +270,3 @@ def _opaque():
     global _OPAQUE
     _OPAQUE = torch.compiler.disable(_forward)
     return _OPAQUE
-
-
-def _named_recipes():
-    from minifloat.recipes import RECIPES
-
-    return RECIPES

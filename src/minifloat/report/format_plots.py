@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from minifloat.atomic import atomic_path
-from minifloat.codec import decode, encode, value_table
 from minifloat.formats import FORMATS
+from minifloat.formats.codec import decode, encode, value_table
+from minifloat.io.atomic import atomic_path
 from minifloat.report import require_matplotlib
 
 ELEMENT_FORMATS = [f for f in FORMATS.values() if f.signed]  # E8M0 is a scale, not an element

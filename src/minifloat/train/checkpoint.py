@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from minifloat.atomic import atomic_path, fsync_dir, make_dir_beside
 from minifloat.errors import MinifloatError
-from minifloat.serialization import CorruptFileError, load, save
+from minifloat.io.atomic import atomic_path, fsync_dir, make_dir_beside
+from minifloat.quant.serialization import CorruptFileError, load, save
 
 _FILES = ("model.safetensors", "state.pt")  # what the manifest's checksums cover
 

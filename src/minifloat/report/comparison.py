@@ -14,8 +14,9 @@ import json
 import math
 from pathlib import Path
 
-from minifloat.atomic import atomic_path
-from minifloat.compare import read_log
+from minifloat.io.atomic import atomic_path
+from minifloat.report import require_matplotlib
+from minifloat.train.runlog import read_log
 
 # Operands whose amax/scale history is drawn: one activation, one weight, one gradient.
 SCALE_OPERANDS = ("blocks.0.attn.qkv:input", "blocks.0.mlp.fc:weight", "blocks.0.mlp.proj:grad_output")
@@ -92,8 +93,6 @@ def loss_curves(metrics: dict) -> list[dict]:
 
 
 def plot_loss(metrics: dict, path: Path) -> None:
-    from minifloat.report import require_matplotlib
-
     plt = require_matplotlib()
     fig, (ax_t, ax_d, ax_v) = plt.subplots(1, 3, figsize=(19, 5))
     for c in loss_curves(metrics):
@@ -138,8 +137,6 @@ def scale_series(metrics: dict) -> dict[str, list[dict]]:
 
 def plot_scales(metrics: dict, path: Path) -> bool:
     """Amax and scale histories; False (and no file) when no run recorded telemetry."""
-    from minifloat.report import require_matplotlib
-
     series = scale_series(metrics)
     if not any(series.values()):
         return False
@@ -172,8 +169,6 @@ def speed_memory_panels(metrics: dict) -> list[tuple[str, list[float]]]:
 
 
 def plot_speed_memory(metrics: dict, path: Path) -> None:
-    from minifloat.report import require_matplotlib
-
     plt = require_matplotlib()
     names = [m["precision"] for m in metrics["runs"]]
     panels = speed_memory_panels(metrics)

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from minifloat import kernels
 from minifloat.errors import MinifloatError
-from minifloat.schemes import Scheme
+from minifloat.scaling.layout import part_specs
+from minifloat.scaling.rules import decode_scales
+from minifloat.scaling.schemes import Scheme
 
 
 class QuantizedTensor:
@@ -90,9 +93,14 @@ class QuantizedTensor:
     # --- conversions ------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values this tensor holds, in `dtype` (NaN where a NaN was quantized)."""
-        from minifloat.quantize import dequantize
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise MinifloatError(f"dequantize returns floating-point values; got dtype={dtype!r}, use e.g. torch.float32")
+        check_parts(self)
+        return kernels.dequantize(self.data, self.scale, self.tensor_scale, self.shape, self.scheme, dtype)
 
-        return dequantize(self, dtype)
+    def decode_scales(self) -> torch.Tensor:
+        """The float32 decode scale of every block (the scale grid), NaN where a block is NaN."""
+        return decode_scales(self.scale, self.tensor_scale, self.scheme.scale_format)
 
     def to(self, *args, **kwargs) -> QuantizedTensor | torch.Tensor:
         """``to(device)``: a QuantizedTensor on `device` (the codes and scales move as they are).
@@ -181,6 +189,25 @@ class QuantizedTensor:
             raise ValueError("a QuantizedTensor's values are dequantized into a new array; copy=False cannot be honoured")
         a = self.dequantize(torch.float32).numpy()
         return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def check_parts(q: QuantizedTensor) -> None:
+    """Raise `MinifloatError` unless `q`'s parts have the dtypes and shapes its shape and scheme
+    imply (`minifloat.scaling.layout.part_specs`): the kernels index them by that geometry."""
+    specs = part_specs(q.shape, q.scheme)
+    for part in ("data", "scale", "tensor_scale"):
+        t = getattr(q, part)
+        if part not in specs:
+            if t is not None:
+                raise MinifloatError(f"a {q.scheme.name} QuantizedTensor has no {part}; got one of shape {tuple(t.shape)}")
+            continue
+        dtype, shape = specs[part]
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise MinifloatError(
+                f"the {part} of a {q.scheme.name} QuantizedTensor of shape {tuple(q.shape)} must be {dtype} of "
+                f"shape {shape}; got {got}"
+            )
 
 
 def _in_place(name: str) -> bool:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from minifloat.codec import check_codes
 from minifloat.errors import DTypeError, PackingError
-from minifloat.formats import FloatFormat, get_format
+from minifloat.formats.codec import check_codes
+from minifloat.formats.registry import FloatFormat, get_format
 
 # codes per group and bytes per group, by element width
 _GROUPS: dict[int, tuple[int, int]] = {4: (2, 1), 6: (4, 3), 8: (1, 1)}
@@ -39,6 +39,12 @@ def _group(fmt: FloatFormat) -> tuple[int, int]:
         return _GROUPS[fmt.bits]
     except KeyError:
         raise PackingError(f"no packing for {fmt.bits}-bit format {fmt.name}") from None
+
+
+def codes_per_group(fmt: FloatFormat) -> int:
+    """How many codes of `fmt` fill a whole number of bytes (FP4 2, FP6 4, FP8 1): a packed
+    row's length is a multiple of it."""
+    return _group(fmt)[0]
 
 
 def packed_nbytes(numel: int, fmt: str | FloatFormat) -> int:

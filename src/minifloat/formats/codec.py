@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 
 from minifloat.errors import CodeRangeError, DTypeError, RoundingError
-from minifloat.formats import FloatFormat, NaNEncoding, get_format
+from minifloat.formats.registry import FloatFormat, NaNEncoding, get_format
 
 Rounding = Literal["nearest", "stochastic"]
 ROUNDING_MODES: tuple[str, ...] = ("nearest", "stochastic")
@@ -93,7 +93,7 @@ def check_codes(codes: object, fmt: FloatFormat, what: str = "decode") -> torch.
     return codes
 
 
-def _pow2(n: torch.Tensor | int) -> torch.Tensor:
+def pow2(n: torch.Tensor | int) -> torch.Tensor:
     """2**n as float64, exactly, for integers n in [-1022, 1023] (built from the bits)."""
     n = torch.as_tensor(n, dtype=torch.int64)
     return ((n + 1023) << 52).view(torch.float64)
@@ -202,7 +202,7 @@ def encode_with_bits(
     # quantum of emin, above emax everything overflows anyway.
     _, e = torch.frexp(mag)  # mag = f * 2**e with f in [0.5, 1)
     e = torch.where(mag > 0, e.to(torch.int64) - 1, fmt.emin).clamp(fmt.emin, fmt.emax)
-    r = mag * _pow2(m - e)  # |x| / quantum: exact, a power-of-two scaling
+    r = mag * pow2(m - e)  # |x| / quantum: exact, a power-of-two scaling
     r = r.clamp_max(float(1 << (m + 2)))  # beyond this it overflows; keeps int64 safe
     if bits is None:
         k = torch.round(r)  # half to even on the significand = IEEE ties-to-even
@@ -255,7 +255,7 @@ def value_table(fmt: FloatFormat, dtype: torch.dtype = torch.float64, device: st
     else:
         significand = (1 << m) + man_field
         exponent = exp_field - fmt.bias
-    values = significand.to(torch.float64) * _pow2(exponent - m)
+    values = significand.to(torch.float64) * pow2(exponent - m)
     values = torch.where((codes & fmt.sign_mask) != 0, -values, values)
     if fmt.nan is NaNEncoding.IEEE:
         top = exp_field == (1 << fmt.exp_bits) - 1

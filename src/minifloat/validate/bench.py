@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from minifloat import gemm
 from minifloat.kernels.allocator import keeps_freed_memory
-from minifloat.quantize import dequantize, quantize
-from minifloat.schemes import SCHEMES
+from minifloat.nn.convert import convert
+from minifloat.quant.api import dequantize, quantize
+from minifloat.scaling.schemes import SCHEMES, get_scheme
 
 DEFAULT_SCHEMES = tuple(SCHEMES)
 
@@ -153,7 +155,7 @@ class StockTorchao:
         self._err = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, THP_MEM_ALLOC_ENABLE="0")
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from minifloat.bench import stock_worker; stock_worker()",
+            [sys.executable, "-c", "from minifloat.validate.bench import stock_worker; stock_worker()",
              str(rows), str(cols), str(torch.get_num_threads())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env,
         )  # fmt: skip
@@ -268,8 +270,6 @@ def bench_gemm(m: int, n: int, k: int, schemes=GEMM_DEFAULT_SCHEMES, *, device: 
     the emulated GEMM and, where the device has it, the native one, against FP32 and BF16
     matmuls on the same operands, interleaved over `reps` rounds; medians. For native GEMMs
     also their agreement with emulated: ‖native − emulated‖ / ‖emulated‖."""
-    from minifloat.gemm import native_support, scaled_mm
-    from minifloat.schemes import get_scheme
 
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -287,13 +287,13 @@ def bench_gemm(m: int, n: int, k: int, schemes=GEMM_DEFAULT_SCHEMES, *, device: 
     for name in schemes:
         sa, sb = get_scheme(name), get_scheme(_GEMM_WEIGHT.get(name, name))
         qa, qb = quantize(a, sa), quantize(b, sb)
-        cases[f"emulated:{name}"] = timed(lambda qa=qa, qb=qb: scaled_mm(qa, qb, backend="emulated"))
-        why = native_support(sa, dev) or native_support(sb, dev)
+        cases[f"emulated:{name}"] = timed(lambda qa=qa, qb=qb: gemm.scaled_mm(qa, qb, backend="emulated"))
+        why = gemm.native_support(sa, dev) or gemm.native_support(sb, dev)
         err = None
         if why is None:
-            cases[f"native:{name}"] = timed(lambda qa=qa, qb=qb: scaled_mm(qa, qb, backend="native"))
-            ref = scaled_mm(qa, qb, backend="emulated").double()
-            err = ((scaled_mm(qa, qb, backend="native").double() - ref).norm() / ref.norm()).item()
+            cases[f"native:{name}"] = timed(lambda qa=qa, qb=qb: gemm.scaled_mm(qa, qb, backend="native"))
+            ref = gemm.scaled_mm(qa, qb, backend="emulated").double()
+            err = ((gemm.scaled_mm(qa, qb, backend="native").double() - ref).norm() / ref.norm()).item()
         info[name] = (sb.name, why, err)
     med = interleaved_medians(cases, reps)
     tflops = lambda t: 2 * m * n * k / t / 1e12  # noqa: E731
@@ -396,7 +396,6 @@ def bench_train(
     import contextlib
     import copy
 
-    from minifloat.nn.convert import convert
 
     torch.manual_seed(0)
     base = _mlp(layers, dim, hidden)

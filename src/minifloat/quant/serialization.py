@@ -27,11 +27,10 @@ from collections.abc import Mapping
 
 import torch
 
-from minifloat.atomic import atomic_path
 from minifloat.errors import MinifloatError
-from minifloat.quantize import check_parts
-from minifloat.schemes import Scheme
-from minifloat.tensor import QuantizedTensor
+from minifloat.io.atomic import atomic_path
+from minifloat.quant.tensor import QuantizedTensor, check_parts
+from minifloat.scaling.schemes import Scheme
 
 FORMAT_TAG = "minifloat/2"
 _OLD_TAG = "minifloat/1"  # entries with {"sha256": {part: digest}} and no digest of the metadata

@@ -13,8 +13,9 @@ import math
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.quantize import decode_scales, layout_for, quantize
-from minifloat.schemes import Scheme, get_scheme
+from minifloat.quant.api import quantize
+from minifloat.scaling.layout import layout_for
+from minifloat.scaling.schemes import Scheme, get_scheme
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -30,7 +31,7 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
 def _block_limits(q) -> torch.Tensor:
     """The largest magnitude each element's block can hold (element max × decode scale)."""
     lay = layout_for(q.shape, q.scheme)
-    lim = (decode_scales(q).double() * q.scheme.element_format.max)[:, None, :, None]
+    lim = (q.decode_scales().double() * q.scheme.element_format.max)[:, None, :, None]
     lim = lim.expand(*lay.tiles).reshape(lay.rows_pad, lay.cols_pad)
     return lim[: lay.rows, : lay.cols].reshape(q.shape)
 

@@ -27,7 +27,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from minifloat.errors import MinifloatError
-from minifloat.quantize import decode_scales, layout_for
+from minifloat.nn.linear import Linear
+from minifloat.scaling.layout import layout_for
 
 
 def _element_decode_scales(q, grid: torch.Tensor) -> torch.Tensor:
@@ -59,8 +60,6 @@ class Monitor:
     """
 
     def __init__(self, model: torch.nn.Module, *, every: int = 1, max_records: int = 100_000) -> None:
-        from minifloat.nn.linear import Linear
-
         if not isinstance(model, torch.nn.Module):
             raise MinifloatError(f"monitor() takes a torch.nn.Module, got {type(model).__name__}")
         if every < 1:
@@ -84,7 +83,7 @@ class Monitor:
                 )
         if not self._modules:
             warnings.warn(
-                "minifloat.monitor: the model has no minifloat Linear layers, so nothing will be "
+                "minifloat.nn.monitor: the model has no minifloat Linear layers, so nothing will be "
                 "recorded; convert it first (minifloat.convert(model, recipe))",
                 stacklevel=3,
             )
@@ -128,7 +127,7 @@ class Monitor:
             return
         fmt = q.scheme.element_format
         x2 = x.reshape(-1, x.shape[-1]).float()
-        grid = decode_scales(q).float()
+        grid = q.decode_scales().float()
         dec = _element_decode_scales(q, grid)
         values = q.dequantize(torch.float32).reshape(x2.shape)
         ax = x2.abs()

@@ -26,7 +26,7 @@ import operator
 from dataclasses import dataclass
 
 from minifloat.errors import MinifloatError
-from minifloat.formats import FloatFormat, get_format
+from minifloat.formats.registry import FloatFormat, get_format
 
 GRANULARITIES = ("tensor", "row", "block")
 SCALE_FORMATS = ("fp32", "e8m0", "e4m3")  # e4m3 = NVFP4's E4M3 block scale + FP32 tensor scale

@@ -7,7 +7,7 @@ arithmetic, ``(a T)(b T)ᵀ = a bᵀ``, while outliers are spread over their 16-
 before quantization, which makes block scales tighter (arXiv 2509.25149 §4.2).
 
 It is computed as a fast Walsh–Hadamard transform (log2 16 = 4 rounds of additions per
-value, in a fixed order: `rht_reference`), so it gives the same bits on every device, which a
+value, in a fixed order: `minifloat.kernels.reference.rht`), so it gives the same bits on every device, which a
 16×16 matrix product (summation order up to the BLAS) would not.
 
 Example:
@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from minifloat import kernels
 from minifloat.errors import MinifloatError
 
 
@@ -52,30 +53,11 @@ def hadamard_matrix(n: int = 16, seed: int = 0) -> torch.Tensor:
     return (_signs(n, seed).double()[:, None] * h / n**0.5).float()
 
 
-def rht_reference(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """`rht` of float32 `x` whose last dim is a multiple of n = len(signs), in pure PyTorch:
-    the fast Walsh–Hadamard transform in a fixed order, so every device computes the same bits.
-
-    Each group v (n values) becomes v ⊙ s; then for h = 1, 2, 4, ..., n/2 every pair (v[i],
-    v[i + h]) with i mod 2h < h becomes (v[i] + v[i + h], v[i] - v[i + h]); finally × 1/sqrt(n)
-    (a power of two for n = 4^k). In exact arithmetic that is ``v @ T`` (`hadamard_matrix`)."""
-    n = signs.numel()
-    y = x.reshape(-1, n) * signs.to(x.device)
-    h = 1
-    while h < n:
-        y = y.view(-1, n // (2 * h), 2, h)
-        a, b = y[:, :, 0], y[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2)
-        h *= 2
-    return (y.reshape(x.shape) * n**-0.5).to(torch.float32)
-
-
 def rht(x: torch.Tensor, seed: int = 0, n: int = 16) -> torch.Tensor:
     """Multiply each group of n along the last dim of `x` by ``T = diag(s) · H_n / sqrt(n)``,
     zero-padding it to a multiple of n (float32 out; the padded columns are kept so both
-    operands agree). The CPU kernel computes `rht_reference`'s bits."""
-    from minifloat import kernels
-
+    operands agree). Computed as `minifloat.kernels.reference.rht` (the fast Walsh–Hadamard
+    transform in a fixed order), by the CPU kernel where it applies."""
     _check_size(n)
     cols = x.shape[-1]
     pad = (-cols) % n

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.formats import E4M3, FloatFormat, get_format
+from minifloat.formats.codec import decode, encode_with_bits
+from minifloat.formats.registry import E4M3, E8M0, FloatFormat, get_format
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 NVFP4_GLOBAL_NUMERATOR = 448.0 * 6.0  # E4M3 max × E2M1 max
@@ -158,8 +157,6 @@ def nvfp4_global_scale_scalar(amax: float) -> float:
 
 def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """E4M3 codes of the NVFP4 block decode scales (saturating at 448; NaN amax → NaN code)."""
-    from minifloat.codec import encode_with_bits
-
     s = (block_amax.float() / 6.0) * global_scale
     return encode_with_bits(s.clamp_max(FLOAT32_MAX), E4M3, saturate=True, canonical_nan=True)
 
@@ -184,91 +181,16 @@ def scale_from_amax(
     return torch.where(keep, prev, fresh)
 
 
-AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
-
-
-def reduce_amax_window(seen: torch.Tensor, algo, percentile: float = 99.0) -> torch.Tensor:
-    """Reduce amax windows `seen` (..., n), newest first, to one amax each with `algo`:
-    ``"max"``, ``"most_recent"``, ``"percentile"`` or a callable ``window (n,) -> amax``.
+def decode_scales(scale: torch.Tensor, tensor_scale: torch.Tensor | None, scale_format: str) -> torch.Tensor:
+    """The float32 decode scale of every block from the stored scale grid (float32, or E8M0 /
+    E4M3 codes) and the NVFP4 tensor scale; NaN where a block is NaN.
 
     Example:
-        >>> reduce_amax_window(torch.tensor([[3.0, 5.0], [2.0, 1.0]]), "max").tolist()
-        [5.0, 2.0]
+        >>> decode_scales(torch.tensor([[127, 130]], dtype=torch.uint8), None, "e8m0").tolist()
+        [[1.0, 8.0]]
     """
-    if callable(algo):
-        rows = seen.reshape(-1, seen.shape[-1])
-        out = torch.stack([torch.as_tensor(algo(row), dtype=torch.float32) for row in rows])
-        return out.reshape(seen.shape[:-1])
-    if algo == "most_recent":
-        return seen[..., 0]
-    if algo == "percentile":
-        return torch.quantile(seen, percentile / 100.0, dim=-1)
-    return seen.amax(dim=-1)
-
-
-@dataclass
-class AmaxHistory:
-    """A rolling window of amax values (TE's ``amax_history``) and how to reduce it.
-
-    ``algo``: ``"max"`` (largest in the window), ``"most_recent"``, ``"ema"`` (exponential
-    moving average with weight `ema_decay` on the past), ``"percentile"`` (the `percentile`-th
-    percentile of the window), or a callable ``history (len,) -> amax``.
-
-    Example:
-        >>> h = AmaxHistory(length=3)
-        >>> for a in [9.0, 5.0, 2.0, 3.0]:  # 9.0 has left the window of 3
-        ...     h.update(torch.tensor(a))
-        >>> h.amax().item(), h.history.tolist()
-        (5.0, [3.0, 2.0, 5.0])
-    """
-
-    length: int = 1024
-    algo: str | Callable[[torch.Tensor], torch.Tensor] = "max"
-    ema_decay: float = 0.9
-    percentile: float = 99.0
-    history: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
-    steps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.length < 1:
-            raise MinifloatError(f"amax history length must be ≥ 1, got {self.length}")
-        if not callable(self.algo) and self.algo not in AMAX_ALGOS:
-            raise MinifloatError(f"unknown amax algorithm {self.algo!r}; use one of {', '.join(AMAX_ALGOS)} or a callable")
-        if not 0 <= self.ema_decay < 1:
-            raise MinifloatError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
-        if not 0 <= self.percentile <= 100:
-            raise MinifloatError(f"percentile must be in [0, 100], got {self.percentile}")
-        if self.history is None:
-            self.history = torch.zeros(self.length, dtype=torch.float32)
-        self._ema = torch.zeros((), dtype=torch.float32)
-
-    def update(self, amax: torch.Tensor) -> None:
-        """Record this step's amax (newest first, the oldest falls off)."""
-        amax = amax.detach().float().reshape(()).to(self.history.device)
-        self.history = torch.roll(self.history, 1)
-        self.history[0] = amax
-        self._ema = amax if self.steps == 0 else self.ema_decay * self._ema + (1 - self.ema_decay) * amax
-        self.steps += 1
-
-    def amax(self) -> torch.Tensor:
-        """The reduced amax the next scale is computed from."""
-        seen = self.history[: min(self.steps, self.length)]
-        if callable(self.algo):
-            return torch.as_tensor(self.algo(seen), dtype=torch.float32)
-        if self.steps == 0:
-            return torch.zeros((), dtype=torch.float32)
-        if self.algo == "ema":
-            return self._ema.clone()
-        return reduce_amax_window(seen, self.algo, self.percentile)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"history": self.history.clone(), "steps": torch.tensor(self.steps), "ema": self._ema.clone()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if state["history"].shape != self.history.shape:
-            raise MinifloatError(
-                f"amax history of length {state['history'].numel()} does not fit length {self.length}"
-            )
-        self.history = state["history"].clone().float()
-        self.steps = int(state["steps"])
-        self._ema = state["ema"].clone().float()
+    if scale_format == "fp32":
+        return scale
+    if scale_format == "e8m0":
+        return decode(scale, E8M0)
+    return decode(scale, E4M3) * tensor_scale

@@ -8,40 +8,15 @@ Example:
 
 from __future__ import annotations
 
-import functools
+import importlib.metadata
 import os
 import platform
 
 import torch
 
-from minifloat.gemm import choose_backend, native_support
+from minifloat.gemm.support import choose_backend, cpu_flags, native_support
+from minifloat.kernels import cpu
 from minifloat.recipes import RECIPES, ROLES
-
-CPUINFO = "/proc/cpuinfo"
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16")  # the ones we report
-
-
-def cpu_flags() -> list[str]:
-    """Which of `ISA_FLAGS` this CPU has (Linux ``/proc/cpuinfo``; elsewhere none known)."""
-    return list(_flags_in(CPUINFO))
-
-
-@functools.cache  # read once: the trainer asks for every micro-batch of a bf16 run
-def _flags_in(cpuinfo: str) -> tuple[str, ...]:
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return tuple(f for f in ISA_FLAGS if f in have)
-    except OSError:
-        pass
-    return ()
-
-
-def native_bf16_cpu() -> bool:
-    """Whether this CPU has BF16 matrix units (else BF16 GEMMs are emulated in FP32)."""
-    return any(f in cpu_flags() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def _recipes(device: torch.device) -> list[dict]:
@@ -56,9 +31,6 @@ def _recipes(device: torch.device) -> list[dict]:
 
 def describe() -> dict:
     """The devices, their capability, and the GEMM backend each recipe gets on each."""
-    from minifloat import __version__
-    from minifloat.kernels import cpu
-
     cpu_dev = torch.device("cpu")
     devices = [{
         "device": "cpu",
@@ -80,4 +52,4 @@ def describe() -> dict:
                 "fast_kernels": "reference PyTorch path (no CUDA quantize kernels yet)",
                 "recipes": _recipes(dev),
             })
-    return {"minifloat": __version__, "torch": torch.__version__, "devices": devices}
+    return {"minifloat": importlib.metadata.version("minifloat"), "torch": torch.__version__, "devices": devices}

@@ -4,10 +4,10 @@ Each precision trains in its own process (``python -m minifloat train --config .
 same seed, so the same initial weights and the same data order; a child that crashes or
 diverges does not take the others down, and its peak resident memory is its own (from
 ``wait4``). The parent reads each run's ``log.jsonl`` and derives the metrics below, then the
-report (`minifloat.report.compare`) draws the plots and writes ``report.md``.
+report (`minifloat.report.comparison`) draws the plots and writes ``report.md``.
 
 Metrics of one run (``metrics.json`` → ``runs[i]``; strict JSON, a non-finite figure such as
-a diverged run's loss written as the string ``"nan"`` / ``"inf"``, see `minifloat.jsonio`):
+a diverged run's loss written as the string ``"nan"`` / ``"inf"``, see `minifloat.io.jsonio`):
 
 - ``final_train_loss``: mean training loss of the last 10 % of steps (at least one step);
 - ``final_val_loss``: the validation loss after the last step (fixed held-out windows);
@@ -22,7 +22,7 @@ a diverged run's loss written as the string ``"nan"`` / ``"inf"``, see `minifloa
   or ``failed`` (the process exited with an error, whose last lines are in ``error``).
 
 Example:
-    >>> from minifloat.train.trainer import TrainConfig
+    >>> from minifloat.train import TrainConfig
     >>> weight_bytes(TrainConfig(precision="mxfp8", model="tiny", seq_len=32))["weight_bytes"] > 0
     True
 """
@@ -44,10 +44,19 @@ from pathlib import Path
 
 import torch
 
-from minifloat import jsonio
-from minifloat.atomic import atomic_path, remove
 from minifloat.errors import MinifloatError
-from minifloat.train.trainer import PRECISIONS, TrainConfig, read_log
+from minifloat.io import jsonio
+from minifloat.io.atomic import atomic_path
+from minifloat.nn import rounded
+from minifloat.nn.linear import Linear
+from minifloat.quant.api import quantize
+from minifloat.recipes import RECIPES
+from minifloat.report.comparison import write_report
+from minifloat.train.config import PRECISIONS, TrainConfig
+from minifloat.train.corpus import load_corpus
+from minifloat.train.loop import build_model
+from minifloat.train.runlog import clear_previous, read_log
+from minifloat.validate.devices import describe
 
 DEFAULT_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 HALF_PRECISIONS = ("bf16", "fp16")
@@ -69,10 +78,6 @@ def parse_precisions(text: str | Sequence[str]) -> list[str]:
 
 def weight_bytes(c: TrainConfig) -> dict[str, int]:
     """Bytes of the model's weights at rest in `c.precision` (see the module docstring)."""
-    from minifloat.nn.linear import Linear
-    from minifloat.quantize import quantize
-    from minifloat.train.trainer import build_model
-
     model = build_model(c)
     rest = 4 if c.precision == "fp32" else 2
     quantized, seen, total = 0, set(), 0
@@ -150,13 +155,10 @@ def _run_child(config_path: Path, out: Path, echo: Callable[[str], None]) -> tup
 
 def environment() -> dict:
     """Where the comparison ran: versions, CPU, threads, and each recipe's GEMM backend."""
-    from minifloat import __version__
-    from minifloat.devices import describe
-
     info = describe()
     cpu = info["devices"][0]
     return {
-        "minifloat": __version__, "torch": torch.__version__, "python": platform.python_version(),
+        "minifloat": info["minifloat"], "torch": torch.__version__, "python": platform.python_version(),
         "platform": platform.platform(), "cpu": cpu["name"], "cpu_detail": cpu["detail"],
         "fast_kernels": cpu["fast_kernels"], "threads": torch.get_num_threads(),
         "backends": {r["recipe"]: r["backend"] for r in cpu["recipes"]},
@@ -166,22 +168,9 @@ def environment() -> dict:
 
 def recipe_description(precision: str) -> dict:
     """The exact recipe of `precision` (its dataclass fields), or how a high precision runs."""
-    from minifloat.devices import native_bf16_cpu
-    from minifloat.recipes import RECIPES
-
     if precision in RECIPES:
         return RECIPES[precision].to_dict()
-    if precision == "fp32":
-        return {"recipe": "fp32", "gemm": "FP32 operands, FP32 accumulation"}
-    how = (
-        "torch.autocast"
-        if precision == "bf16" and native_bf16_cpu()
-        else "operands rounded to the dtype, FP32 accumulation"
-    )
-    return {
-        "recipe": precision,
-        "gemm": f"{precision.upper()} operands ({how}); weights, norms and optimizer in FP32",
-    }
+    return {"recipe": precision, "gemm": rounded.describe(precision)}
 
 
 def compare(
@@ -205,8 +194,6 @@ def compare(
     if out.exists() and not out.is_dir():
         raise MinifloatError(f"--out {out} is a file; give a folder for the report and the runs")
     if base.data is not None:  # a bad --data fails here once, not in every run
-        from minifloat.train.corpus import load_corpus
-
         load_corpus(base.data, base.max_bytes)
     _clear_previous(out, overwrite)
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -235,8 +222,6 @@ def compare(
     metrics["config"].pop("precision")
     with atomic_path(out / "metrics.json") as tmp:
         tmp.write_text(jsonio.dumps(metrics, indent=2))  # a diverged run's NaN loss as "nan"
-    from minifloat.report.compare import write_report
-
     write_report(metrics, out, plots=plots)
     return metrics
 
@@ -252,15 +237,8 @@ def _clear_previous(out: Path, overwrite: bool) -> None:
     found = [out / name for name in REPORT_FILES if (out / name).exists()]
     if runs.is_dir() and any(runs.iterdir()):
         found.append(runs)
-    if not found:
-        return
-    if not overwrite:
-        raise MinifloatError(
-            f"{out} already holds a comparison ({', '.join(p.name for p in found)}); pass --overwrite "
-            "to delete it and run again, or another --out"
-        )
-    for path in found:
-        remove(path)
+    clear_previous(found, overwrite, held=f"a comparison ({', '.join(p.name for p in found)})",
+                   remedy="--overwrite to delete it and run again, or another --out")  # fmt: skip
 
 
 def _relative_to_first(runs: list[dict]) -> None:

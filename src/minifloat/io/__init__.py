@@ -1,0 +1,1 @@
+"""Files that survive a crash and parse anywhere: atomic writes, strict JSON."""

@@ -1,0 +1,107 @@
+"""The readable references of the fast paths: pure PyTorch, by the published formulas.
+
+Each takes plain tensors and returns what its fast path returns — the quantizer the parts
+``(data, scale, tensor_scale)``, the dequantizer the values — and each fast path must equal
+its reference bit for bit (``tests/test_kernels.py``). They run wherever no fast path applies
+(another device, a build that failed, ``MINIFLOAT_KERNELS=reference``). The scale formulas
+are in `minifloat.scaling.rules`, the geometry in `minifloat.scaling.layout`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minifloat.formats.codec import decode, encode_with_bits, pow2, random_bits
+from minifloat.formats.packing import pack, unpack
+from minifloat.formats.registry import E4M3, E8M0
+from minifloat.scaling import rules
+from minifloat.scaling.layout import layout_for
+from minifloat.scaling.schemes import Scheme
+
+Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""``(data, scale, tensor_scale)``: packed codes, the stored scale grid, the NVFP4 tensor scale."""
+
+
+def quantize(
+    x: torch.Tensor,
+    scheme: Scheme,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> Parts:
+    """Quantize `x` by the published formulas.
+
+    `scale` (FP32 schemes) is the encode multiplier per block, `amax` the amax to derive it
+    from (FP32 schemes: per block; NVFP4: the tensor amax, 0-d), both float32 and already
+    broadcast to the scale grid (`minifloat.scaling.layout.to_grid`)."""
+    fmt = scheme.element_format
+    lay = layout_for(x.shape, scheme)
+    xp = F.pad(x.reshape(lay.rows, lay.cols).float(), (0, lay.cols_pad - lay.cols, 0, lay.rows_pad - lay.rows))
+    tiles = xp.view(lay.tiles)  # (grid rows, block rows, grid cols, block cols)
+    tensor_scale = None
+
+    if scheme.scale_format == "fp32":
+        if scale is not None:
+            enc = scale
+        else:
+            a = amax if amax is not None else rules.finite_amax(tiles, dim=(1, 3))
+            enc = rules.fp32_scale(a, fmt, scheme.margin)
+        stored = 1.0 / enc  # the decode scale (TE's scale_inv)
+        if fmt.nan_code is None:  # FP6 / FP4 codes cannot hold a NaN, nor can a given scale
+            stored = torch.where(torch.isnan(tiles).any(dim=(1, 3)), torch.nan, stored)
+    elif scheme.scale_format == "e8m0":
+        exp = rules.e8m0_exponent(rules.finite_amax(tiles, dim=(1, 3)), fmt, scheme.scale_rule)
+        enc = torch.where(torch.isnan(exp), torch.nan, pow2(-exp.nan_to_num().long()).float())
+        stored = torch.where(torch.isnan(exp), E8M0.nan_code, exp.nan_to_num() + E8M0.bias).to(torch.uint8)
+    else:  # NVFP4: E4M3 block scales under an FP32 tensor scale
+        g_amax = rules.finite_amax(xp, ignore_nan=True) if amax is None else amax
+        s_enc = rules.nvfp4_global_scale(g_amax.reshape(()))
+        tensor_scale = 1.0 / s_enc
+        stored = rules.nvfp4_block_scale_codes(rules.finite_amax(tiles, dim=(1, 3)), s_enc)
+        dec = decode(stored, E4M3) * tensor_scale
+        enc = torch.where(dec == 0, 0.0, 1.0 / dec)
+
+    y = tiles * enc[:, None, :, None]
+    bits = random_bits(y.shape, generator, y.device) if rounding == "stochastic" else None
+    codes = encode_with_bits(y, fmt, saturate=True, bits=bits, canonical_nan=True)
+    data = pack(codes.view(lay.rows_pad, lay.cols_pad), fmt).view(lay.rows_pad, lay.cols_pad * fmt.bits // 8)
+    return data, stored, tensor_scale
+
+
+def dequantize(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    tensor_scale: torch.Tensor | None,
+    shape: torch.Size,
+    scheme: Scheme,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``decode(codes) * decode_scale`` per block, cropped to `shape`, in `dtype`."""
+    lay = layout_for(shape, scheme)
+    fmt = scheme.element_format
+    codes = unpack(data.reshape(-1), fmt, lay.rows_pad * lay.cols_pad)
+    scales = rules.decode_scales(scale, tensor_scale, scheme.scale_format)
+    values = decode(codes, fmt).view(lay.tiles) * scales[:, None, :, None]
+    return values.view(lay.rows_pad, lay.cols_pad)[: lay.rows, : lay.cols].reshape(shape).to(dtype)
+
+
+def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """The random Hadamard transform (`minifloat.quant.hadamard.rht`) of float32 `x` whose
+    last dim is a multiple of n = len(signs): the fast Walsh–Hadamard transform in a fixed
+    order, so every device computes the same bits.
+
+    Each group v (n values) becomes v ⊙ s; then for h = 1, 2, 4, ..., n/2 every pair (v[i],
+    v[i + h]) with i mod 2h < h becomes (v[i] + v[i + h], v[i] - v[i + h]); finally × 1/sqrt(n)
+    (a power of two for n = 4^k). In exact arithmetic that is ``v @ T`` (`hadamard_matrix`)."""
+    n = signs.numel()
+    y = x.reshape(-1, n) * signs.to(x.device)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * n**-0.5).to(torch.float32)

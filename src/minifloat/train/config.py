@@ -1,0 +1,103 @@
+"""`TrainConfig`: everything one training run depends on, validated once; and its learning-rate
+schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from minifloat.errors import MinifloatError
+from minifloat.nn.rounded import HIGH_PRECISIONS
+from minifloat.recipes import RECIPES
+from minifloat.train.model import get_config
+
+PRECISIONS = HIGH_PRECISIONS + tuple(RECIPES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    precision: str = "fp32"
+    model: str = "small"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int | None = None  # None: 128, or the model's block size where that is smaller
+    lr: float = 1e-3  # 3e-3 trains the small GPT unstably (BF16 val loss 1.71 vs 1.31 at 600 steps)
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0: only at the end
+    compile: bool = False
+    activation_checkpointing: bool = False
+    data: str | None = None  # None: the embedded stdlib corpus
+    max_bytes: int = 4_000_000
+    quantize_head: bool = False
+    high_precision_last: int = 0  # keep the Linears of the last N blocks unquantized (NVFP4's advice)
+    fsdp: bool = False
+    telemetry_every: int = 10  # steps between amax/scale/saturation records (0: off)
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise MinifloatError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        block_size = get_config(self.model).block_size
+        if self.seq_len is None:
+            object.__setattr__(self, "seq_len", min(128, block_size))
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        if not 0 <= self.high_precision_last <= get_config(self.model).n_layer:
+            raise MinifloatError(
+                f"--high-precision-last {self.high_precision_last}: the {self.model} model has "
+                f"{get_config(self.model).n_layer} blocks"
+            )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MinifloatError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise MinifloatError(f"min_lr_ratio must be in [0, 1] (the final lr as a fraction of --lr), got {self.min_lr_ratio}")
+        for name in ("weight_decay", "grad_clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise MinifloatError(f"--{name.replace('_', '-')} must be a number ≥ 0 (0: off), got {getattr(self, name)}")
+        if self.warmup < 0 or self.max_bytes < 1:
+            raise MinifloatError(f"--warmup must be ≥ 0 and max_bytes ≥ 1, got {self.warmup} and {self.max_bytes}")
+        if self.telemetry_every < 0 or self.eval_every < 0 or self.checkpoint_every < 0:
+            raise MinifloatError(
+                "--eval-every, --checkpoint-every and --telemetry-every must be ≥ 0 (0: off)"
+            )
+        if self.seq_len > block_size:
+            raise MinifloatError(f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {block_size}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> TrainConfig:
+        """Read a config written by `to_dict` (e.g. by ``minifloat compare``)."""
+        try:
+            fields = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise MinifloatError(f"cannot read the train config {path}: {err}") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(fields, dict) or set(fields) - known:
+            extra = sorted(set(fields) - known) if isinstance(fields, dict) else type(fields).__name__
+            raise MinifloatError(
+                f"{path}: not a train config (unknown fields {extra}); known: {', '.join(sorted(known))}"
+            )
+        try:
+            return cls(**fields)
+        except TypeError as err:  # e.g. "steps": "10": the checks compare numbers
+            raise MinifloatError(f"{path}: a field has the wrong type ({err}); write numbers as numbers") from None
+
+
+def lr_at(step: int, c: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio · lr``."""
+    if step < c.warmup:
+        return c.lr * (step + 1) / c.warmup
+    progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+    return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
