@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml constraints.txt setup.py src/minifloat/kernels/_cpu.c
 demo: $(STAMP)
 	$(BIN)/minifloat compare --precisions bf16,fp8,mxfp8,nvfp4 --model small --steps 80 --eval-every 20 --out runs/demo --overwrite
 
+# The layer contract first (pyproject.toml [tool.importlinter]): an upward import fails here.
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from minifloat.errors import MinifloatError
+from minifloat.scaling.history import WINDOW_ALGOS
 from minifloat.scaling.schemes import Scheme, get_scheme, named
 
 ROLES = ("input", "weight", "grad_output")
 FP8_FORMATS = ("hybrid", "e4m3")
-AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,8 +106,8 @@ def _fp8_schemes(fmt: str, role: str, margin: int) -> Scheme:
 @dataclass(frozen=True, kw_only=True)
 class DelayedScaling(Recipe):
     """TE's FP8 delayed scaling: ``scale = max / amax / 2**margin`` with amax reduced over
-    the last `amax_history_len` steps (``"max"``, ``"most_recent"`` or a callable
-    ``history (L,) -> amax``); scales refresh every `interval` steps; a zero or non-finite
+    the last `amax_history_len` steps (``"max"``, ``"most_recent"``, ``"percentile"`` (99th) or a
+    callable ``history (L,) -> amax``: `minifloat.scaling.history.reduce_amax_window`); scales refresh every `interval` steps; a zero or non-finite
     amax keeps the previous scale."""
 
     kind: ClassVar[str] = "delayed"
@@ -123,9 +123,9 @@ class DelayedScaling(Recipe):
             raise MinifloatError(f"amax_history_len must be ≥ 1, got {self.amax_history_len}")
         if self.interval < 1:
             raise MinifloatError(f"interval must be ≥ 1 step, got {self.interval}")
-        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in WINDOW_ALGOS:
             raise MinifloatError(
-                f"unknown amax_compute_algo {self.amax_compute_algo!r}; use 'max', 'most_recent' or a callable"
+                f"unknown amax_compute_algo {self.amax_compute_algo!r}; use one of {', '.join(WINDOW_ALGOS)} or a callable"
             )
 
     def _scheme(self, role: str) -> Scheme:

@@ -8,6 +8,7 @@ import sys
 from minifloat.cli.defaults import keyword_defaults
 from minifloat.errors import MinifloatError
 from minifloat.io import jsonio
+from minifloat.report.table import cell
 from minifloat.validate import bench
 
 QUANTIZE, GEMM, TRAIN = (keyword_defaults(f) for f in (bench.bench_quantize, bench.bench_gemm, bench.bench_train))
@@ -30,8 +31,8 @@ def _dims(example: str, what: str):
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
-    """A table cell: `v` formatted, or '-' when there is no figure."""
-    return "-" if v is None else format(v, spec) + suffix
+    """A terminal table cell (`minifloat.report.table.cell`), '-' when there is no figure."""
+    return cell(v, spec, missing="-", suffix=suffix)
 
 
 _size = _dims(f"{QUANTIZE['rows']}x{QUANTIZE['cols']}", "size")

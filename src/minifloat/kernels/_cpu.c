@@ -314,8 +314,8 @@ static inline __attribute__((always_inline)) v8i enc8(v8f y, const vconst_t *k, 
  * too. kc = 0x4b000000 - (lim >> (23 - m)) folds the constant parts (lim's low 23 bits are zero).
  * inf and NaN come out above the clamp. The low byte is the code: store32s takes low bytes (VBMI
  * byte permutes), so the bias costs nothing. Checked equal to encp8_mag for every float32 |x| at
- * 2^emin and over 2^emin..2^127 limits for E4M3, E5M2, E3M2, E2M3 and E2M1. In L1, one thread:
- * 1.10-1.20x the encp8_mag loop for 8-bit codes. */
+ * 2^emin and over 2^emin..2^127 limits for E4M3, E5M2, E3M2, E2M3 and E2M1. One vector operation
+ * fewer per 8 codes than encp8_mag (timings: README, Performance). */
 static inline __attribute__((always_inline)) v8i encb_mag(v8i a, v8i lim, v8i kc, const vconst_t *k) {
     const v8i e = vmax(a & 0x7f800000, lim);
     const v8f add = (v8f)((v8i)((v8u)e >> k->shift) + kc);
@@ -390,8 +390,8 @@ static inline __attribute__((always_inline)) void store32s(v8i m0, v8i m1, v8i m
 }
 
 /* Encode 32 elements from x + j (loader LD) by encp8_mag (encb_mag where ENCB) into out, packed (store32s). SCALED: of y = x * the
- * block scales enc[(j / 8) >> lb], against l0 = 2^emin (one thread: 8-25% faster than separate
- * normal and subnormal paths and a select). Else of x itself, against the
+ * block scales enc[(j / 8) >> lb], against l0 = 2^emin (one path for normal and subnormal results:
+ * the clamp at 2^emin makes the FPU's rounding the subnormal one too). Else of x itself, against the
  * block's lim (E8M0 scales, blocks of 32 << k columns; no NaN lanes: a NaN makes its block's
  * scale NaN, and such chunks are SCALED). TRACK: the largest |bits| into top (to find NaN
  * lanes, which come out saturated). */
@@ -870,15 +870,13 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
      * either: such a block's decode scale becomes NaN (the fix-up pass finds the NaN lanes). */
     float *nan_dec = J->mode == SC_FP32_GIVEN && J->p.nan_code == J->p.sign_mask
                          ? (float *)J->scale_out + g * J->ngc + b0 : NULL;
-    /* Prefetch while encoding (8-25% faster than the hardware prefetcher alone). A chunk that reads
-     * x twice (amax, then encode) prefetches the next chunk, whose amax pass then finds it in cache:
-     * the same row cw columns on, or (chunks of whole rows) the same column br rows on. A chunk of
-     * whole rows that reads x once (scales given, or NVFP4's from its first pass) prefetches ONCE
-     * elements ahead in memory order: a row ahead (8192 columns) was 4-15% slower for per-tensor
-     * and per-row scales, and 5-17% for 16x16 and 128x128 blocks. A chunk of part rows that reads
-     * x once prefetches its own next row, and from its last row the next chunk's first: a whole
-     * chunk ahead, the lines left L2 before their use, 24% slower for 128x128 blocks with given
-     * scales. */
+    /* Prefetch while encoding, so that the next read finds its lines in L2 but not yet evicted. A
+     * chunk that reads x twice (amax, then encode) prefetches the next chunk, whose amax pass then
+     * finds it in cache: the same row cw columns on, or (chunks of whole rows) the same column br
+     * rows on. A chunk of whole rows that reads x once (scales given, or NVFP4's from its first
+     * pass) prefetches ONCE elements ahead in memory order (a row ahead is too far: the lines leave
+     * L2 before their use). A chunk of part rows that reads x once prefetches its own next row, and
+     * from its last row the next chunk's first. Distances measured: README, Performance. */
     enum { ONCE = 1024 };
     const int reads_once = J->mode == SC_FP32_GIVEN || J->tile_amax;
     const int64_t ahead = J->cw < J->Kp ? J->cw : reads_once ? ONCE : br * K;
@@ -944,20 +942,18 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
     }
 }
 
-/* Columns per 1-D chunk (blocks of one row): amax, scales and encode of 1024 columns back to back,
- * prefetching the next chunk. Against 2048 (paired rounds, 4096x8192 fp32, 2 threads): mxfp8
- * 1.14-1.20x, fp8_block128 1.11x, mxfp6 1.04-1.07x, mxfp4 1.06x, nvfp4 1.03x; 512 and 768 were
- * 0.90-0.99x of 1024, 1536 0.96-1.01x. */
+/* Columns per 1-D chunk (blocks of one row): amax, scales and encode of CW1D columns back to back,
+ * prefetching the next chunk; a chunk's input (4 KiB of fp32) and codes stay in L1 between the
+ * passes. The width was chosen by measurement (README, Performance). */
 #define CW1D 1024
 
 /* Columns per chunk: whole blocks; 1-D: CW1D columns or one block. */
 static int64_t chunk_width(int64_t br, int64_t bc, int64_t Rp, int64_t Kp, int nthreads) {
     if (br > 1) { /* 2-D: a band of br rows, read in order for the block maxima, then again (from L2/L3) to
                    * encode. Whole rows where the band holds at most 2^22 elements (16 MiB of fp32), so that
-                   * its first read is one contiguous stream: with 2048-column bands (8 KiB per row, 1 MiB
-                   * per band) the amax pass of 128x128 blocks on a 4096x8192 input ran at 5 Gelem/s, with
-                   * whole rows at 8.5, the speed of a plain sum, and the whole quantize 1.7x faster
-                   * (4096-column bands: no better than 2048). Wider rows: chunks of 2^22 / br columns. */
+                   * its first read is one contiguous stream, which runs at the speed of a plain sum (a
+                   * band of part rows reads br short strided runs). Wider rows: chunks of 2^22 / br
+                   * columns. */
         int64_t cw = (1 << 22) / br < CH * bc ? (1 << 22) / br : CH * bc;
         cw = cw / bc * bc;
         cw = cw >= Kp ? Kp : cw < bc ? bc : cw;
@@ -1176,8 +1172,9 @@ void mf_dequantize(const uint8_t *data, int64_t Kp, int64_t br, int64_t bc, int 
 }
 
 /* ---- Transpose: dst (C x R) = src (R x C)ᵀ, for the column-wise operands of training -------- */
-/* torch's copy of a transposed view runs at 5-7 GB/s here; tiles of 32 x 32 elements that stay
- * in L1, transposed 8 x 8 at a time in registers (4- and 2-byte elements), are 2-5x faster. */
+/* Tiles of 32 x 32 elements that stay in L1, transposed 8 x 8 at a time in registers (4- and
+ * 2-byte elements): every line of src and dst is touched once, where torch's copy of a transposed
+ * view strides through dst one element at a time. */
 #define TT 32
 #ifdef __AVX2__
 static inline void transpose8x8_f32(const float *s, int64_t ls, float *d, int64_t ld) {

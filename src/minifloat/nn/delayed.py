@@ -19,6 +19,11 @@ Semantics (Transformer Engine's ``DelayedScaling``):
 One deliberate difference from TE: before the first history entry exists, an operand is
 scaled from its own amax (current scaling) rather than with scale 1, which would flush most
 gradients to zero in the first step.
+
+Why not three `minifloat.AmaxHistory` objects: the histories must be buffers of the module —
+in its ``state_dict`` (checkpoints, resume), moved by ``.to()``, sharded and gathered by FSDP —
+and every module rolls at the optimizer step with one all-reduce for the whole model. The
+window reduction is the same function (`minifloat.scaling.history.reduce_amax_window`).
 """
 
 from __future__ import annotations

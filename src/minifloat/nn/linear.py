@@ -266,7 +266,7 @@ def _opaque():
     and the delayed-scaling state is updated in place; the rest of a compiled model still
     fuses. A traced forward would be compiled once per layer shape (past dynamo's limit of 8
     in a model with more). Made by the first Linear's __init__, outside any compiled region,
-    not on import: torch.compiler.disable imports torch._dynamo, 1.8 s here."""
+    not on import: torch.compiler.disable imports torch._dynamo, which takes seconds."""
     global _OPAQUE
     _OPAQUE = torch.compiler.disable(_forward)
     return _OPAQUE

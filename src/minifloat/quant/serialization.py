@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -29,6 +28,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.io.atomic import atomic_path
+from minifloat.io.checksum import sha256
 from minifloat.quant.tensor import QuantizedTensor, check_parts
 from minifloat.scaling.schemes import Scheme
 
@@ -41,12 +41,8 @@ class CorruptFileError(MinifloatError):
     """A file that is not a complete, unmodified minifloat safetensors file."""
 
 
-def _sha256(b: bytes) -> str:
-    return hashlib.sha256(b).hexdigest()
-
-
 def _digest(t: torch.Tensor) -> str:
-    return _sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -100,7 +96,7 @@ def save(path: str | os.PathLike[str], tensors: Mapping[str, QuantizedTensor | t
                 "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "sha256": _digest(flat[key])
             }
     text = json.dumps(entries, sort_keys=True)
-    metadata = {"format": FORMAT_TAG, "entries": text, "entries_sha256": _sha256(text.encode())}
+    metadata = {"format": FORMAT_TAG, "entries": text, "entries_sha256": sha256(text.encode())}
     with atomic_path(path) as tmp:
         save_file(flat, str(tmp), metadata=metadata)
 
@@ -127,7 +123,7 @@ def load(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> di
             "(no QuantizedTensors) loads with safetensors.torch.load_file"
         )
     text = metadata.get("entries")
-    if tag == FORMAT_TAG and (text is None or _sha256(text.encode()) != metadata.get("entries_sha256")):
+    if tag == FORMAT_TAG and (text is None or sha256(text.encode()) != metadata.get("entries_sha256")):
         raise CorruptFileError(f"{path}: the minifloat metadata does not match its checksum; the file was modified")
     try:
         entries = json.loads(text)

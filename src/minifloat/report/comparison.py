@@ -16,20 +16,11 @@ from pathlib import Path
 
 from minifloat.io.atomic import atomic_path
 from minifloat.report import require_matplotlib
+from minifloat.report.table import cell, mib
 from minifloat.train.runlog import read_log
 
 # Operands whose amax/scale history is drawn: one activation, one weight, one gradient.
 SCALE_OPERANDS = ("blocks.0.attn.qkv:input", "blocks.0.mlp.fc:weight", "blocks.0.mlp.proj:grad_output")
-
-
-def _fmt(v, spec: str, missing: str = "—") -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return missing if v is None else str(v)
-    return format(v, spec)
-
-
-def _mib(n) -> str:
-    return _fmt(None if n is None else n / 2**20, ".2f")
 
 
 def summary_table(metrics: dict) -> str:
@@ -40,10 +31,10 @@ def summary_table(metrics: dict) -> str:
     for m in metrics["runs"]:
         delta = m.get("val_loss_delta_pct")
         rows.append((
-            m["precision"], m["status"], _fmt(m.get("final_train_loss"), ".4f"), _fmt(m.get("final_val_loss"), ".4f"),
-            "—" if delta is None else f"{delta:+.2f} %", _fmt(m.get("step_time_s"), ".3f"),
-            _fmt(m.get("step_time_ratio"), ".2f"), _fmt(m.get("tokens_per_s"), ",.0f"), _mib(m.get("weight_bytes")),
-            _mib(m.get("peak_rss_bytes")), str(m.get("skipped_steps", "—")), str(m.get("nonfinite_steps", "—")),
+            m["precision"], m["status"], cell(m.get("final_train_loss"), ".4f"), cell(m.get("final_val_loss"), ".4f"),
+            "—" if delta is None else f"{delta:+.2f} %", cell(m.get("step_time_s"), ".3f"),
+            cell(m.get("step_time_ratio"), ".2f"), cell(m.get("tokens_per_s"), ",.0f"), mib(m.get("weight_bytes")),
+            mib(m.get("peak_rss_bytes")), str(m.get("skipped_steps", "—")), str(m.get("nonfinite_steps", "—")),
         ))  # fmt: skip
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
 
@@ -213,7 +204,7 @@ def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
         f"Δ val and × step time are relative to `{ref}`. Final train loss: mean of the last 10 % of steps. "
         "Step time: median after the first 10 % of steps. Weights: quantized Linear weights packed with "
         "their scales, the rest in BF16 (FP32 for fp32); every run also keeps an FP32 master copy "
-        f"({_mib(metrics['runs'][0].get('master_weight_bytes'))} MiB). Peak RSS: the whole training process.",
+        f"({mib(metrics['runs'][0].get('master_weight_bytes'))} MiB). Peak RSS: the whole training process.",
         "",
     ]
     bad = [m for m in metrics["runs"] if m["status"] != "ok"]
@@ -236,7 +227,7 @@ def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
     ]
     for m in metrics["runs"]:
         lines.append(
-            f"| {m['precision']} | {_fmt(m.get('max_saturated'), '.2e')} | {_fmt(m.get('max_flushed'), '.2e')} |"
+            f"| {m['precision']} | {cell(m.get('max_saturated'), '.2e')} | {cell(m.get('max_flushed'), '.2e')} |"
         )
     lines += ["", "## Recipes", ""]
     for m in metrics["runs"]:

@@ -17,7 +17,6 @@ exists names the new folder ``ckpt-<step>.1`` and removes the old one after ``la
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -29,17 +28,10 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.io.atomic import atomic_path, fsync_dir, make_dir_beside
+from minifloat.io.checksum import file_sha256
 from minifloat.quant.serialization import CorruptFileError, load, save
 
 _FILES = ("model.safetensors", "state.pt")  # what the manifest's checksums cover
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict, config: dict) -> Path:
@@ -58,7 +50,7 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
             "format": "minifloat-checkpoint-1",
             "step": step,
             "config": config,
-            "sha256": {name: _sha256(tmp / name) for name in _FILES},
+            "sha256": {name: file_sha256(tmp / name) for name in _FILES},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         for name in (*_FILES, "manifest.json"):
@@ -133,7 +125,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], di
         f = path / name
         if not f.exists():
             raise CorruptFileError(f"{f}: missing from the checkpoint")
-        if _sha256(f) != digest:
+        if file_sha256(f) != digest:
             raise CorruptFileError(f"{f}: checksum mismatch — the file is corrupted or was modified")
     weights = load(path / "model.safetensors")
     try:

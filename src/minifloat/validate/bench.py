@@ -114,8 +114,8 @@ def _bench_input(rows: int, cols: int) -> torch.Tensor:
 def wake(seconds: float = 0.01, kernels: bool = True) -> None:
     """Keep the thread pools busy with tiny parallel calls for `seconds`. A process that has
     waited (here, while the other process of `StockTorchao` ran) finds its threads asleep and,
-    in a VM, its virtual CPUs descheduled: the first call after a 0.1-1 s pause measured
-    0.3-9 ms slower here. Interleaved rounds run every other case back to back, as a training
+    in a VM, its virtual CPUs descheduled, and the first call after a pause pays for waking them
+    (milliseconds). Interleaved rounds run every other case back to back, as a training
     loop would, so a case timed after such a pause is woken first. `kernels`: also minifloat's
     kernels, whose OpenMP pool is not torch's."""
     small = torch.ones(2, 1 << 16)  # above torch's grain size (32768 elements): a parallel sum
@@ -326,7 +326,8 @@ def bench_gemm(m: int, n: int, k: int, schemes=GEMM_DEFAULT_SCHEMES, *, device: 
 TRAIN_DEFAULT_RECIPES = ("fp8", "fp8-current", "mxfp8", "nvfp4")
 
 # A BF16 matmul this many times slower than FP32 has no BF16 units under it (CPUs without
-# AVX512-BF16 / AMX convert element by element: ~100x here); native ones are 0.5-2x.
+# AVX512-BF16 / AMX convert element by element, orders of magnitude slower); native ones are
+# within a small factor of FP32.
 BF16_EMULATED_SLOWDOWN = 8.0
 
 
