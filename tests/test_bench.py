@@ -168,6 +168,23 @@ def test_bench_quantize_figures_from_the_rounds(monkeypatch):
     assert fp8["torchao_gelem_s"] is None and fp8["speedup_vs_torchao_stock"] is None
 
 
+def test_bench_train_figures_from_the_medians(monkeypatch):
+    """Step times are the medians as measured; the ratios and tokens/s come from them."""
+    import minifloat.validate.bench as bench
+
+    medians = {"bf16": 0.5, "fp32": 1.0, "fp8": 2.0, "mxfp8": 4.0}
+    monkeypatch.setattr(bench, "interleaved_medians", lambda cases, reps, progress=None: {k: medians[k] for k in cases})
+    out = bench.bench_train(("fp8", "mxfp8"), layers=1, dim=32, hidden=32, tokens=64, reps=1, baselines=("bf16", "fp32"))
+    rows = {r["model"]: r for r in out["results"]}
+    assert list(rows) == ["bf16", "fp32", "fp8", "mxfp8"]
+    assert [rows[m]["step_s"] for m in rows] == [0.5, 1.0, 2.0, 4.0]
+    assert [rows[m]["vs_bf16"] for m in rows] == [1.0, 2.0, 4.0, 8.0]
+    assert [rows[m]["vs_fp32"] for m in rows] == [0.5, 1.0, 2.0, 4.0]
+    assert [rows[m]["tokens_per_s"] for m in rows] == [128.0, 64.0, 32.0, 16.0]
+    no_baselines = bench.bench_train(("fp8",), layers=1, dim=32, hidden=32, tokens=64, reps=1, baselines=())
+    assert no_baselines["results"][0]["vs_bf16"] is None and no_baselines["results"][0]["vs_fp32"] is None
+
+
 def test_bench_gemm_figures_from_the_medians(monkeypatch):
     """TFLOP/s = 2·M·N·K / t, ratios to BF16 = t / t_bf16, and the native GEMM's error relative
     to the emulated one, with a native backend stood in for on the CPU (a copy of the emulated

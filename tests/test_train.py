@@ -189,22 +189,19 @@ def test_resume_rewinds_the_log_to_the_checkpoint(tmp_path):
 
 
 def test_telemetry_samples_the_trainers_steps_when_a_step_is_skipped(tmp_path, monkeypatch):
-    from minifloat.nn.loss_scaling import LossScaler
+    real_loss, calls = torch.nn.functional.cross_entropy, []
 
-    real_step = LossScaler.step
+    def inf_first(*args, **kwargs):  # an actual inf loss in step 0: its gradients are not finite
+        calls.append(None)
+        loss = real_loss(*args, **kwargs)
+        return loss * float("inf") if len(calls) == 1 else loss
 
-    def skip_the_first(self, optimizer, *args, **kwargs):  # as non-finite gradients would
-        if self.skipped_steps == 0:
-            self._found[id(optimizer)] = True
-            self.skipped_steps += 1
-            return False
-        return real_step(self, optimizer, *args, **kwargs)
-
-    monkeypatch.setattr(LossScaler, "step", skip_the_first)
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", inf_first)
     train(_cfg(precision="fp8-current", telemetry_every=2, steps=5, checkpoint_every=0), tmp_path, progress=False)
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in log] == [True, False, False, False, False]
-    assert [bool(r["telemetry"]) for r in log] == [True, False, True, False, True]  # steps 0, 2, 4
+    assert ["max_saturated" in r["telemetry"] for r in log] == [True, False, True, False, True]  # steps 0, 2, 4
+    assert log[0]["telemetry"]["first_nonfinite"]["step"] == 0  # the inf loss's gradients, seen
 
 
 def test_resume_in_another_precision_and_mismatch_errors(tmp_path):
