@@ -128,12 +128,6 @@ def train(
 
     A fresh run (not `resume`) refuses an `out` that holds an earlier run's log or checkpoints
     unless `overwrite`, which deletes them first."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
     rank, world, own_group = init_distributed(c)
     main = rank == 0
     out = Path(out)
@@ -145,50 +139,28 @@ def train(
     if not resume:
         _clear_previous_run(ckpt_root, log_path, overwrite, main)
     out.mkdir(parents=True, exist_ok=True)
+
+    # Data, model, optimizer; on resume, the checkpoint's weights, optimizer, scaler and RNGs.
     data = load_data(c)
     model = build_model(c)
     state = _resume_state(c, model, ckpt_root) if resume else None
     if c.fsdp:
         shard(model, world)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
-    )  # fmt: skip
+    opt = _optimizer(model, c)
     scaler = LossScaler(enabled=c.precision == "fp16")
     data_gen = torch.Generator().manual_seed(c.seed)
     start, last = 0, {}
     if state is not None:
-        try:
-            set_optimizer_state_dict(model, opt, state["optimizer"], options=state_options(c))
-        except (KeyError, ValueError, RuntimeError) as err:
-            raise MinifloatError(
-                f"{state['path']}: the optimizer state does not fit this model ({err})"
-            ) from None
-        scaler.load_state_dict(state["scaler"])
-        data_gen.set_state(state["data_rng"])
-        rngs = state.get("torch_rng_ranks") or [state["torch_rng"]]
-        torch.set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
-        start = int(state["step"])
-        if start > c.steps:
-            raise MinifloatError(
-                f"--resume: {state['path']} is at step {start}, past --steps {c.steps}; "
-                f"pass --steps {start} or more (equal: nothing left to train)"
-            )
+        start = _restore(state, c, model, opt, scaler, data_gen, rank, world)
         if main:
             last = rewind_log(log_path, start)
     if c.compile:
         model = torch.compile(model)
     if c.activation_checkpointing:
         _enable_activation_checkpointing(model)
-
-    mon = None
-    if monitor and c.telemetry_every and c.precision in RECIPES:
-        mon = Monitor(model, every=c.telemetry_every)
-        mon.step = start
+    mon = Monitor(model, every=c.telemetry_every) if monitor and c.telemetry_every and c.precision in RECIPES else None
     bar = _progress(c.steps, start, progress and main)
-    tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
+
     for step in range(start, c.steps):
         t0 = time.perf_counter()
         if mon is not None:
@@ -196,34 +168,12 @@ def train(
         lr = lr_at(step, c)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss_sum = 0.0
-        for _ in range(c.grad_accum):
-            x, y = get_batch(data.train, c.batch_size, c.seq_len, data_gen)
-            if world > 1:  # every rank drew the same global batch: take this rank's rows
-                per = c.batch_size // world
-                x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-            with rounded.autocast(c.precision):
-                logits = model(x)
-            loss = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
-            )
-            scaler.scale(loss / c.grad_accum).backward()
-            loss_sum += loss.item() / c.grad_accum
-        if world > 1:
-            loss_sum = mean_over_ranks(loss_sum, world)
-        scaler.unscale_(opt)
-        norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf")
-        )
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        stepped = scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+        loss, grad_norm, stepped = _step(model, opt, scaler, data.train, data_gen, c, rank, world)
         dt = time.perf_counter() - t0
         last = {
-            "step": step + 1, "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-            "tokens_per_s": tokens_per_step / dt, "skipped": not stepped, "skipped_steps": scaler.skipped_steps,
-            "nonfinite": not math.isfinite(loss_sum),
+            "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
+            "tokens_per_s": c.batch_size * c.seq_len * c.grad_accum / dt, "skipped": not stepped,
+            "skipped_steps": scaler.skipped_steps, "nonfinite": not math.isfinite(loss),
         }  # fmt: skip
         if mon is not None:
             last["telemetry"] = _telemetry(mon)
@@ -234,22 +184,8 @@ def train(
             append_record(log_path, last)
         bar(last)
         if (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0) or step + 1 == c.steps:
-            # Collective under FSDP: every rank gathers, rank 0 writes.
-            inner = _unwrap(model)
-            weights = get_model_state_dict(inner, options=state_options(c))
-            state = {
-                "optimizer": get_optimizer_state_dict(inner, opt, options=state_options(c)),
-                "scaler": scaler.state_dict(), "data_rng": data_gen.get_state(),
-                "torch_rng": torch.get_rng_state(), "step": step + 1,
-            }  # fmt: skip
-            if world > 1:
-                rngs = [None] * world
-                torch.distributed.all_gather_object(rngs, torch.get_rng_state())
-                state["torch_rng_ranks"] = rngs
-            if main:
-                checkpoint.save_checkpoint(ckpt_root, step + 1, _weights(weights), state, c.to_dict())
-            if world > 1:
-                torch.distributed.barrier()
+            _save(ckpt_root, step + 1, c, model, opt, scaler, data_gen, main, world)
+
     if mon is not None:
         mon.close()
     bar(None)
@@ -257,6 +193,87 @@ def train(
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": _unwrap(model).num_params()}
+
+
+def _optimizer(model: torch.nn.Module, c: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only (not on norms and biases)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
+    )  # fmt: skip
+
+
+def _step(model, opt, scaler: LossScaler, split: torch.Tensor, data_gen: torch.Generator, c: TrainConfig,
+          rank: int, world: int) -> tuple[float, float, bool]:  # fmt: skip
+    """One optimizer step over `grad_accum` micro-batches: (mean loss, gradient norm before
+    clipping, whether the optimizer stepped)."""
+    loss_sum = 0.0
+    for _ in range(c.grad_accum):
+        x, y = get_batch(split, c.batch_size, c.seq_len, data_gen)  # (B, T), (B, T)
+        if world > 1:  # every rank drew the same global batch: take this rank's rows
+            per = c.batch_size // world
+            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        with rounded.autocast(c.precision):
+            logits = model(x)  # (B, T, vocab)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        scaler.scale(loss / c.grad_accum).backward()
+        loss_sum += loss.item() / c.grad_accum
+    if world > 1:
+        loss_sum = mean_over_ranks(loss_sum, world)
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf"))
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    stepped = scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, stepped
+
+
+def _restore(state: dict, c: TrainConfig, model, opt, scaler: LossScaler, data_gen: torch.Generator,
+             rank: int, world: int) -> int:  # fmt: skip
+    """Load a checkpoint's optimizer, scaler and RNG states; returns the step it was saved at."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    try:
+        set_optimizer_state_dict(model, opt, state["optimizer"], options=state_options(c))
+    except (KeyError, ValueError, RuntimeError) as err:
+        raise MinifloatError(f"{state['path']}: the optimizer state does not fit this model ({err})") from None
+    scaler.load_state_dict(state["scaler"])
+    data_gen.set_state(state["data_rng"])
+    rngs = state.get("torch_rng_ranks") or [state["torch_rng"]]
+    torch.set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
+    start = int(state["step"])
+    if start > c.steps:
+        raise MinifloatError(
+            f"--resume: {state['path']} is at step {start}, past --steps {c.steps}; "
+            f"pass --steps {start} or more (equal: nothing left to train)"
+        )
+    return start
+
+
+def _save(ckpt_root: Path, step: int, c: TrainConfig, model, opt, scaler: LossScaler, data_gen: torch.Generator,
+          main: bool, world: int) -> None:  # fmt: skip
+    """Checkpoint after `step`: full weights and an FQN-keyed optimizer state. Collective under
+    FSDP: every rank gathers, rank 0 writes."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    inner = _unwrap(model)
+    weights = get_model_state_dict(inner, options=state_options(c))
+    state = {
+        "optimizer": get_optimizer_state_dict(inner, opt, options=state_options(c)),
+        "scaler": scaler.state_dict(), "data_rng": data_gen.get_state(),
+        "torch_rng": torch.get_rng_state(), "step": step,
+    }  # fmt: skip
+    if world > 1:
+        rngs = [None] * world
+        torch.distributed.all_gather_object(rngs, torch.get_rng_state())
+        state["torch_rng_ranks"] = rngs
+    if main:
+        checkpoint.save_checkpoint(ckpt_root, step, _weights(weights), state, c.to_dict())
+    if world > 1:
+        torch.distributed.barrier()
 
 
 def _clear_previous_run(ckpt_root: Path, log_path: Path, overwrite: bool, main: bool) -> None:
