@@ -2,6 +2,7 @@ import dataclasses
 import json
 import math
 import resource
+import sys
 from pathlib import Path
 
 import pytest
@@ -411,3 +412,11 @@ def test_relative_figures_are_left_out_where_the_reference_has_none():
     assert [r["weight_bytes_ratio"] for r in runs] == [1.0, None, 0.25]
     _relative_to_first(runs := [dict(ref, final_train_loss=2.0), dict(other, final_train_loss=3.0)])
     assert [r["train_loss_delta_pct"] for r in runs] == [0.0, 50.0]
+
+
+def test_compare_without_matplotlib_stops_before_it_trains(tmp_path, monkeypatch):
+    """Plots need matplotlib: a machine without it learns so before the runs, not after them."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` finds when it is not installed
+    with pytest.raises(minifloat.MinifloatError, match=r"pip install 'minifloat\[plot\]', or pass --no-plots"):
+        compare(["fp32"], _base(), tmp_path / "run", echo=lambda s: None)
+    assert not (tmp_path / "run").exists()

@@ -51,6 +51,7 @@ from minifloat.nn import rounded
 from minifloat.nn.linear import Linear
 from minifloat.quant.api import quantize
 from minifloat.recipes import RECIPES
+from minifloat.report import require_matplotlib
 from minifloat.report.comparison import write_report
 from minifloat.train.config import PRECISIONS, TrainConfig
 from minifloat.train.corpus import load_corpus
@@ -188,6 +189,11 @@ def compare(
     An `out` that holds an earlier comparison (its report or runs) is refused unless
     `overwrite`, which deletes that comparison first."""
     precisions = parse_precisions(precisions)
+    if plots:  # checked before minutes of training, not after
+        try:
+            require_matplotlib()
+        except MinifloatError as err:
+            raise MinifloatError(f"{err}, or pass --no-plots (plots=False)") from None
     if not base.eval_every:
         base = dataclasses.replace(base, eval_every=base.steps)  # a final val loss is needed
     out = Path(out)
