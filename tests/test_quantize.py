@@ -354,3 +354,8 @@ def test_missing_kernels_fall_back_to_reference_with_one_warning(monkeypatch):
 
 def oracle_values(x, name):
     return torch.from_numpy(oracle(x.numpy(), get_scheme(name)))
+
+
+def test_dequantize_refuses_what_is_not_a_quantized_tensor():
+    with pytest.raises(minifloat.MinifloatError, match="dequantize takes a QuantizedTensor .*, got Tensor"):
+        minifloat.dequantize(torch.ones(3))

@@ -97,8 +97,8 @@ def quantize(
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values of `q` in `dtype` (same as ``q.dequantize(dtype)``)."""
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise MinifloatError(f"dequantize returns floating-point values; got dtype={dtype!r}, use e.g. torch.float32")
+    if not isinstance(q, QuantizedTensor):
+        raise MinifloatError(f"dequantize takes a QuantizedTensor (what minifloat.quantize returns), got {type(q).__name__}")
     return q.dequantize(dtype)
 
 

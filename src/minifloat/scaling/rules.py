@@ -1,4 +1,5 @@
-"""Scales: amax → scale rules for every scale format, and amax histories for delayed scaling.
+"""Scales: the amax → scale rules of every scale format (the histories that delayed scaling
+reduces to an amax are in `minifloat.scaling.history`).
 
 Conventions (those of Transformer Engine): a *scale* multiplies high-precision values into the
 element format's range (``q = encode(x * scale)``); the *decode scale* (``scale_inv``)
