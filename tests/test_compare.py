@@ -328,6 +328,13 @@ def test_write_report_text(tmp_path):
     assert "did not finish" not in text and "Data: corpus.txt." in text
     assert "![Loss](loss.png)" in text and "![Speed and memory](speed_memory.png)" in text and "scales.png" not in text
     assert sorted(p.name for p in (tmp_path / "plotted").iterdir()) == ["loss.png", "report.md", "speed_memory.png"]
+    # A plot that cannot be written (here: a folder where loss.png goes) is named, with a
+    # warning; the text and the other plots are written all the same.
+    (tmp_path / "blocked" / "loss.png").mkdir(parents=True)
+    with pytest.warns(UserWarning, match=r"a plot was not drawn \(loss.png: MinifloatError: .* is a directory"):
+        text = write_report(metrics, tmp_path / "blocked").read_text()
+    assert "## Plots that were not drawn\n\n- loss.png: MinifloatError:" in text and "![Loss]" not in text
+    assert "![Speed and memory](speed_memory.png)" in text and (tmp_path / "blocked" / "speed_memory.png").exists()
 
 
 def test_summary_table_formats_each_figure_and_marks_missing_ones():
@@ -417,6 +424,6 @@ def test_relative_figures_are_left_out_where_the_reference_has_none():
 def test_compare_without_matplotlib_stops_before_it_trains(tmp_path, monkeypatch):
     """Plots need matplotlib: a machine without it learns so before the runs, not after them."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` finds when it is not installed
-    with pytest.raises(minifloat.MinifloatError, match=r"pip install 'minifloat\[plot\]', or pass --no-plots"):
+    with pytest.raises(minifloat.MinifloatError, match=r"pip install matplotlib, or pass --no-plots"):
         compare(["fp32"], _base(), tmp_path / "run", echo=lambda s: None)
     assert not (tmp_path / "run").exists()

@@ -1,4 +1,4 @@
-"""Reports: plots, Markdown and JSON writers. Plots need the `plot` extra (matplotlib)."""
+"""Reports: Markdown, plots (matplotlib, a core dependency) and table cells."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def require_matplotlib():
         import matplotlib
     except ImportError:
         raise MinifloatError(
-            "plots need matplotlib; install it with: pip install 'minifloat[plot]'"
+            "plots need matplotlib, a dependency of minifloat that is missing here; install it with: pip install matplotlib"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 from minifloat.io.atomic import atomic_path
@@ -180,16 +181,26 @@ def _save(fig, path: Path, plt) -> None:
 
 
 def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
-    """Write ``report.md`` (and the plots, unless `plots` is False) under `out`."""
+    """Write ``report.md`` (and the plots, unless `plots` is False) under `out`.
+
+    A plot that fails (matplotlib missing, a file that cannot be written) is named in the
+    report and in a warning; the report's text is written all the same, so that a long
+    comparison never ends without it."""
     out = Path(out)
-    figures = []
+    figures, failed = [], []
     if plots:
-        plot_loss(metrics, out / "loss.png")
-        figures.append(("Loss", "loss.png"))
-        if plot_scales(metrics, out / "scales.png"):
-            figures.append(("Amax and scales (first block)", "scales.png"))
-        plot_speed_memory(metrics, out / "speed_memory.png")
-        figures.append(("Speed and memory", "speed_memory.png"))
+        for title, name, draw in (
+            ("Loss", "loss.png", plot_loss),
+            ("Amax and scales (first block)", "scales.png", plot_scales),
+            ("Speed and memory", "speed_memory.png", plot_speed_memory),
+        ):
+            try:
+                if draw(metrics, out / name) is not False:  # plot_scales: False when there is nothing to draw
+                    figures.append((title, name))
+            except Exception as err:  # noqa: BLE001 - any failure: the text must still be written
+                failed.append(f"{name}: {type(err).__name__}: {err}")
+        for why in failed:
+            warnings.warn(f"minifloat compare: a plot was not drawn ({why}); report.md lists it", stacklevel=2)
     c, env = metrics["config"], metrics["env"]
     ref = metrics["runs"][0]["precision"]
     lines = [
@@ -219,6 +230,8 @@ def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
         lines.append("")
     for title, name in figures:
         lines += [f"## {title}", "", f"![{title}]({name})", ""]
+    if failed:
+        lines += ["## Plots that were not drawn", "", *(f"- {why}" for why in failed), ""]
     lines += [
         "## Quantization telemetry",
         "",
