@@ -427,3 +427,64 @@ def test_compare_without_matplotlib_stops_before_it_trains(tmp_path, monkeypatch
     with pytest.raises(minifloat.MinifloatError, match=r"pip install matplotlib, or pass --no-plots"):
         compare(["fp32"], _base(), tmp_path / "run", echo=lambda s: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_within_noise_is_the_95_percent_interval_of_the_paired_mean():
+    from minifloat.validate.compare import within_noise
+
+    # mean 2, standard deviation 1, 3 seeds: the interval is 2 ± 4.303 / sqrt(3) = 2 ± 2.484
+    assert within_noise([1.0, 2.0, 3.0]) is True
+    assert within_noise([2.0, 3.0, 4.0]) is False  # 3 > 2.484
+    assert within_noise([0.5, 0.5]) is False  # no spread: any non-zero mean is told apart
+    assert within_noise([1.0]) is None and within_noise([1.0, float("nan")]) is None  # one finite Δ: no verdict
+
+
+def test_figures_over_seeds_are_means_with_the_spread_of_the_paired_delta():
+    from minifloat.validate.compare import _over_seeds
+
+    per_seed = [
+        {"precision": "fp8", "status": "ok", "log": "a.jsonl", "recipe": {"recipe": "delayed"}, "final_val_loss": 2.0,
+         "val_loss_delta_pct": 1.0, "step_time_s": 0.5, "skipped_steps": 0, "first_nonfinite": None},
+        {"precision": "fp8", "status": "diverged", "log": "b.jsonl", "recipe": {"recipe": "delayed"}, "final_val_loss": 3.0,
+         "val_loss_delta_pct": 3.0, "step_time_s": 1.5, "skipped_steps": 2, "first_nonfinite": "blocks.0"},
+        {"precision": "fp8", "status": "failed", "log": "c.jsonl", "recipe": {"recipe": "delayed"}, "final_val_loss": 4.0,
+         "val_loss_delta_pct": 5.0, "step_time_s": 1.0, "skipped_steps": 1, "error": "RuntimeError: out of memory"},
+    ]  # fmt: skip
+    m = _over_seeds(per_seed, [7, 8, 9])
+    assert (m["final_val_loss"], m["val_loss_delta_pct"], m["step_time_s"], m["skipped_steps"]) == (3.0, 3.0, 1.0, 1.0)
+    assert m["val_loss_delta_pct_std"] == 2.0 and m["val_loss_delta_within_noise"] is True  # 3 ± 4.303 · 2 / √3 holds 0
+    assert m["status"] == "failed" and m["error"] == "seed 9: RuntimeError: out of memory"
+    assert m["logs"] == ["a.jsonl", "b.jsonl", "c.jsonl"] and [r["seed"] for r in m["per_seed"]] == [7, 8, 9]
+    assert m["per_seed"][1]["final_val_loss"] == 3.0
+
+
+def test_loss_curves_over_seeds_are_means_with_the_seeds_range(tmp_path):
+    from minifloat.report.comparison import loss_curves
+
+    def log(name, losses):
+        (tmp_path / name).write_text("".join(json.dumps({"step": i + 1, "loss": v}) + "\n" for i, v in enumerate(losses)))
+        return str(tmp_path / name)
+
+    run = {"precision": "fp8", "status": "ok", "log": log("a", [4.0, 3.0, 2.0]), "logs": [log("a", [4.0, 3.0, 2.0]),
+           log("b", [6.0, 1.0, 2.0, 9.0])]}  # fmt: skip  (b logged one step more: only the common steps count)
+    (curve,) = loss_curves({"runs": [run], "config": {"seeds": [0, 1]}})
+    assert curve["steps"] == [1, 2, 3] and curve["raw"] == [5.0, 2.0, 2.0]
+    assert curve["band"] == ([4.0, 1.0, 2.0], [6.0, 3.0, 2.0])  # 3 steps: no smoothing (half = 0)
+
+
+def test_compare_over_seeds_pairs_each_seed_with_the_reference(tmp_path):
+    metrics = compare(["fp32", "fp8"], _base(steps=3, eval_every=3), tmp_path, echo=lambda s: None, plots=False, seeds=2)
+    assert metrics["config"]["seeds"] == [0, 1]
+    ref, fp8 = metrics["runs"]
+    assert [r["seed"] for r in fp8["per_seed"]] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "runs" / "fp8").iterdir()) == ["seed0", "seed1"]
+    firsts = [r["first_train_loss"] for r in ref["per_seed"]]
+    assert firsts[0] != firsts[1]  # another seed: other initial weights and data
+    # each seed's Δ against the reference's run of the same seed, then their mean
+    deltas = [100 * (f["final_val_loss"] - r["final_val_loss"]) / r["final_val_loss"]
+              for f, r in zip(fp8["per_seed"], ref["per_seed"], strict=True)]  # fmt: skip
+    assert [r["val_loss_delta_pct"] for r in fp8["per_seed"]] == pytest.approx(deltas)
+    assert fp8["val_loss_delta_pct"] == pytest.approx(sum(deltas) / 2)
+    assert "±" in (tmp_path / "report.md").read_text()
+    with pytest.raises(minifloat.MinifloatError, match="--seeds must be a whole number ≥ 1, got 0"):
+        compare(["fp32"], _base(), tmp_path / "none", echo=lambda s: None, plots=False, seeds=0)

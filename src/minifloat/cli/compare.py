@@ -17,6 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default="runs/compare", help="output folder (metrics.json, report.md, *.png, runs/)"
     )
+    p.add_argument("--seeds", type=int, default=1,
+                   help="train every precision with this many seeds (--seed, --seed + 1, …) and report each Δ "
+                        "as mean ± std, marking those within noise")  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="delete an earlier comparison in --out first")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
@@ -29,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     precisions = parse_precisions(args.precisions)
     base = config_from_args(args, precision=precisions[0])
-    metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite)
+    metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite, seeds=args.seeds)
     if args.json:
         print(jsonio.dumps(metrics, indent=2))
     else:

@@ -29,11 +29,10 @@ def summary_table(metrics: dict) -> str:
     head = ("precision", "status", "final train", "final val", "Δ val vs " + metrics["runs"][0]["precision"],
             "step s", "× step time", "tokens/s", "weights MiB", "peak RSS MiB", "skipped", "non-finite")  # fmt: skip
     rows = []
-    for m in metrics["runs"]:
-        delta = m.get("val_loss_delta_pct")
+    for i, m in enumerate(metrics["runs"]):
         rows.append((
             m["precision"], m["status"], cell(m.get("final_train_loss"), ".4f"), cell(m.get("final_val_loss"), ".4f"),
-            "—" if delta is None else f"{delta:+.2f} %", cell(m.get("step_time_s"), ".3f"),
+            delta_cell(m, reference=i == 0), cell(m.get("step_time_s"), ".3f"),
             cell(m.get("step_time_ratio"), ".2f"), cell(m.get("tokens_per_s"), ",.0f"), mib(m.get("weight_bytes")),
             mib(m.get("peak_rss_bytes")), str(m.get("skipped_steps", "—")), str(m.get("nonfinite_steps", "—")),
         ))  # fmt: skip
@@ -44,6 +43,23 @@ def summary_table(metrics: dict) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(head), sep, *(line(r) for r in rows)])
+
+
+def delta_cell(m: dict, *, reference: bool = False) -> str:
+    """The Δ val cell: ``+0.23 %``; over several seeds ``+0.23 ± 0.10 %`` (mean ± standard
+    deviation of the paired Δ), with ``≈`` where it is within noise (not on the reference).
+
+    Example:
+        >>> delta_cell({"val_loss_delta_pct": 0.5, "val_loss_delta_pct_std": 0.25, "val_loss_delta_within_noise": True})
+        '+0.50 ± 0.25 % ≈'
+    """
+    delta = m.get("val_loss_delta_pct")
+    if delta is None:
+        return "—"
+    std = m.get("val_loss_delta_pct_std")
+    if std is None:
+        return f"{delta:+.2f} %"
+    return f"{delta:+.2f} ± {std:.2f} %" + (" ≈" if m.get("val_loss_delta_within_noise") and not reference else "")
 
 
 def _smooth(values: list[float], half: int) -> list[float]:
@@ -62,26 +78,37 @@ def loss_curves(metrics: dict) -> list[dict]:
     """What `plot_loss` draws, per run with a log: ``label`` (the precision, and its status
     unless ok), ``steps``, ``raw`` and ``smooth`` training losses, ``delta`` (smoothed loss
     minus the reference's over the steps both have; None when the reference, the first run,
-    has no log), and ``val`` as (step, loss) pairs."""
+    has no log), ``val`` as (step, loss) pairs, and ``band``: None for one seed; over several
+    seeds (a run's ``logs``) the curves are means over the seeds, over the steps every seed
+    logged, and ``band`` is the (lowest, highest) smoothed loss of the seeds at each step."""
     ref = None
     curves = []
     for i, m in enumerate(metrics["runs"]):
-        recs = read_log(Path(m["log"]))
-        if not recs:
+        logs = [read_log(Path(log)) for log in m.get("logs", [m["log"]])]
+        n = min(len(recs) for recs in logs)
+        if not n:
             continue
-        losses = [r["loss"] for r in recs]
-        smooth = _smooth(losses, len(losses) // 50)
+        raws = [[r["loss"] for r in recs[:n]] for recs in logs]
+        smooths = [_smooth(raw, n // 50) for raw in raws]
+        smooth = _mean_columns(smooths)
         if i == 0:
             ref = smooth
+        vals = [[(r["step"], r["val_loss"]) for r in recs[:n] if "val_loss" in r] for recs in logs]
         curves.append({
             "label": m["precision"] + ("" if m["status"] == "ok" else f" ({m['status']})"),
-            "steps": [r["step"] for r in recs],
-            "raw": losses,
+            "steps": [r["step"] for r in logs[0][:n]],
+            "raw": _mean_columns(raws),
             "smooth": smooth,
             "delta": None if ref is None else [a - b for a, b in zip(smooth, ref, strict=False)],
-            "val": [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r],
+            "val": list(zip([s for s, _ in vals[0]], _mean_columns([[v for _, v in vs] for vs in vals]), strict=True)),
+            "band": None if len(logs) == 1 else ([min(c) for c in zip(*smooths, strict=True)], [max(c) for c in zip(*smooths, strict=True)]),
         })  # fmt: skip
     return curves
+
+
+def _mean_columns(rows: list[list[float]]) -> list[float]:
+    """The mean of each column of equally long `rows` (one row: the row itself, bit for bit)."""
+    return list(rows[0]) if len(rows) == 1 else [sum(c) / len(c) for c in zip(*rows, strict=True)]
 
 
 def plot_loss(metrics: dict, path: Path) -> None:
@@ -90,11 +117,14 @@ def plot_loss(metrics: dict, path: Path) -> None:
     for c in loss_curves(metrics):
         (line,) = ax_t.plot(c["steps"], c["smooth"], lw=1.6, label=c["label"])
         ax_t.plot(c["steps"], c["raw"], lw=0.5, alpha=0.25, color=line.get_color())
+        if c["band"] is not None:  # the spread of the seeds
+            ax_t.fill_between(c["steps"], *c["band"], color=line.get_color(), alpha=0.15, lw=0)
         if c["delta"] is not None:
             ax_d.plot(c["steps"][: len(c["delta"])], c["delta"], lw=1.4, color=line.get_color(), label=c["label"])
         if c["val"]:
             ax_v.plot(*zip(*c["val"], strict=True), marker="o", ms=3, lw=1.4, color=line.get_color(), label=c["label"])
-    ax_t.set_title("training loss (smoothed; raw faint)")
+    seeds = metrics["config"].get("seeds")
+    ax_t.set_title("training loss (smoothed; raw faint)" + (f"; mean of {len(seeds)} seeds, band: their range" if seeds else ""))
     ax_v.set_title("validation loss (fixed held-out windows)")
     ax_d.set_title(f"smoothed training loss minus {metrics['runs'][0]['precision']}'s")
     ax_d.axhline(0.0, color="k", lw=0.6)
@@ -180,6 +210,17 @@ def _save(fig, path: Path, plt) -> None:
     plt.close(fig)
 
 
+def _seeds_text(config: dict) -> str:
+    seeds = config.get("seeds")
+    if not seeds:
+        return "with the same seed, initial weights and data order."
+    return (
+        f"once with each of the seeds {', '.join(map(str, seeds))}: a seed's initial weights and data order are the "
+        "same in every precision. Δ val is paired by seed, as mean ± standard deviation over the seeds; ≈ marks a Δ "
+        "within noise (its 95 % Student-t interval contains 0). The other figures are means over the seeds."
+    )
+
+
 def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
     """Write ``report.md`` (and the plots, unless `plots` is False) under `out`.
 
@@ -207,8 +248,8 @@ def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
         "# minifloat compare",
         "",
         f"The `{c['model']}` GPT trained for {c['steps']} steps of {c['batch_size']}×{c['seq_len']} tokens "
-        f"(×{c['grad_accum']} accumulation) in each precision, with the same seed, initial weights and data order. "
-        f"Data: {c['data'] or 'the Python standard library sources on this machine'}.",
+        f"(×{c['grad_accum']} accumulation) in each precision, " + _seeds_text(c)
+        + f" Data: {c['data'] or 'the Python standard library sources on this machine'}.",
         "",
         summary_table(metrics),
         "",

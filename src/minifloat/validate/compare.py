@@ -21,6 +21,13 @@ a diverged run's loss written as the string ``"nan"`` / ``"inf"``, see `minifloa
 - ``status``: ``ok``, ``diverged`` (a non-finite loss, or a final loss above the first step's)
   or ``failed`` (the process exited with an error, whose last lines are in ``error``).
 
+With ``seeds`` > 1 (``--seeds N``) each seed's runs are compared with the reference's run of
+the same seed (same initial weights, same data order), and a run's entry holds the mean of
+every figure over the seeds, ``val_loss_delta_pct_std`` (the sample standard deviation of the
+paired Δ val), ``val_loss_delta_within_noise`` (the 95 % Student-t interval of the mean Δ
+contains 0: `within_noise`), the worst ``status``, ``logs`` and ``per_seed`` (each seed's own
+figures).
+
 Example:
     >>> from minifloat.train import TrainConfig
     >>> weight_bytes(TrainConfig(precision="mxfp8", model="tiny", seq_len=32))["weight_bytes"] > 0
@@ -182,13 +189,21 @@ def compare(
     echo: Callable[[str], None] = print,
     plots: bool = True,
     overwrite: bool = False,
+    seeds: int = 1,
 ) -> dict:
     """Train `base` in each of `precisions` and write ``metrics.json``, ``report.md`` and the
     plots under `out`; returns the metrics. The first precision is the reference.
 
+    With `seeds` > 1 every precision trains with the seeds ``base.seed``, ``base.seed + 1``, …
+    (the same ones for every precision), and each run's entry holds the mean of every figure,
+    the Δ val's standard deviation over the seeds and whether it is within noise, and each
+    seed's own figures (module docstring).
+
     An `out` that holds an earlier comparison (its report or runs) is refused unless
     `overwrite`, which deletes that comparison first."""
     precisions = parse_precisions(precisions)
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise MinifloatError(f"--seeds must be a whole number ≥ 1, got {seeds!r}")
     if plots:  # checked before minutes of training, not after
         try:
             require_matplotlib()
@@ -203,33 +218,90 @@ def compare(
         load_corpus(base.data, base.max_bytes)
     _clear_previous(out, overwrite)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    runs = []
-    for i, precision in enumerate(precisions):
-        c = dataclasses.replace(base, precision=precision)
-        run_dir = out / "runs" / precision
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = run_dir / "config.json"
-        with atomic_path(config_path) as tmp:
-            tmp.write_text(json.dumps(c.to_dict(), indent=2))
-        echo(f"[{i + 1}/{len(precisions)}] {precision}: {c.model} model, {c.steps} steps")
-        t0 = time.perf_counter()
-        code, rss, last = _run_child(config_path, run_dir, lambda line, p=precision: echo(f"  [{p}] {line}"))
-        records = read_log(run_dir / "log.jsonl")
-        m = {"precision": precision, **run_metrics(records, c), **weight_bytes(c), "peak_rss_bytes": rss,
-             "wall_time_s": time.perf_counter() - t0, "log": str(run_dir / "log.jsonl"),
-             "recipe": recipe_description(precision)}  # fmt: skip
-        if code != 0 or m["steps_completed"] < c.steps:
-            m["status"], m["error"] = "failed", "\n".join(last[-8:]) or f"exit code {code}"
-        else:
-            m["status"] = "diverged" if _diverged(m) else "ok"
-        runs.append(m)
-    _relative_to_first(runs)
+    seed_list = [base.seed + k for k in range(seeds)]
+    by_seed: list[list[dict]] = []  # [seed][precision]
+    for k, seed in enumerate(seed_list):
+        runs = []
+        for i, precision in enumerate(precisions):
+            c = dataclasses.replace(base, precision=precision, seed=seed)
+            run_dir = out / "runs" / precision / (f"seed{seed}" if seeds > 1 else "")
+            of = f"[{k * len(precisions) + i + 1}/{seeds * len(precisions)}] {precision}"
+            echo(f"{of}: {c.model} model, {c.steps} steps" + (f", seed {seed}" if seeds > 1 else ""))
+            runs.append(_run(c, run_dir, lambda line, p=precision: echo(f"  [{p}] {line}")))
+        _relative_to_first(runs)
+        by_seed.append(runs)
+    runs = by_seed[0] if seeds == 1 else [_over_seeds(list(per), seed_list) for per in zip(*by_seed, strict=True)]
     metrics = {"runs": runs, "config": {**base.to_dict(), "precisions": precisions}, "env": environment()}
     metrics["config"].pop("precision")
+    if seeds > 1:
+        metrics["config"]["seeds"] = seed_list
     with atomic_path(out / "metrics.json") as tmp:
         tmp.write_text(jsonio.dumps(metrics, indent=2))  # a diverged run's NaN loss as "nan"
     write_report(metrics, out, plots=plots)
     return metrics
+
+
+def _run(c: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> dict:
+    """Train `c` in a child process in `run_dir`; its metrics (module docstring)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.json"
+    with atomic_path(config_path) as tmp:
+        tmp.write_text(json.dumps(c.to_dict(), indent=2))
+    t0 = time.perf_counter()
+    code, rss, last = _run_child(config_path, run_dir, echo)
+    records = read_log(run_dir / "log.jsonl")
+    m = {"precision": c.precision, **run_metrics(records, c), **weight_bytes(c), "peak_rss_bytes": rss,
+         "wall_time_s": time.perf_counter() - t0, "log": str(run_dir / "log.jsonl"),
+         "recipe": recipe_description(c.precision)}  # fmt: skip
+    if code != 0 or m["steps_completed"] < c.steps:
+        m["status"], m["error"] = "failed", "\n".join(last[-8:]) or f"exit code {code}"
+    else:
+        m["status"] = "diverged" if _diverged(m) else "ok"
+    return m
+
+
+# Student's t at 95 % (two-sided) by degrees of freedom; 2.0 past 10.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def within_noise(deltas: list[float]) -> bool | None:
+    """Whether the 95 % confidence interval of the mean of paired `deltas` (one per seed)
+    contains 0: the difference is not told apart from seed noise. None with fewer than two.
+
+    Example:
+        >>> within_noise([0.1, -0.2, 0.15]), within_noise([1.0, 1.2, 0.9])
+        (True, False)
+    """
+    d = [v for v in deltas if v is not None and math.isfinite(v)]
+    if len(d) < 2:
+        return None
+    half = T95.get(len(d) - 1, 2.0) * statistics.stdev(d) / math.sqrt(len(d))
+    return abs(statistics.fmean(d)) <= half
+
+
+def _over_seeds(per_seed: list[dict], seeds: list[int]) -> dict:
+    """One precision's entry over its seeds: the mean of every figure, the Δ val's standard
+    deviation and `within_noise`, the worst status, and each seed's own figures."""
+    first = per_seed[0]
+    m: dict = {"precision": first["precision"], "recipe": first["recipe"], "log": first["log"],
+               "logs": [r["log"] for r in per_seed]}  # fmt: skip
+    for key, value in first.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and key not in m:
+            values = [r.get(key) for r in per_seed]
+            mean = None if any(v is None for v in values) else statistics.fmean(values)
+            whole = mean is not None and all(isinstance(v, int) for v in values) and mean.is_integer()
+            m[key] = int(mean) if whole else mean  # counts that agree stay counts (0 skipped steps, not 0.0)
+    deltas = [r.get("val_loss_delta_pct") for r in per_seed]
+    finite = [d for d in deltas if d is not None and math.isfinite(d)]
+    m["val_loss_delta_pct_std"] = statistics.stdev(finite) if len(finite) >= 2 else None
+    m["val_loss_delta_within_noise"] = within_noise(deltas)
+    statuses = [r["status"] for r in per_seed]
+    m["status"] = next((s for s in ("failed", "diverged") if s in statuses), "ok")
+    errors = [f"seed {seed}: {r['error']}" for seed, r in zip(seeds, per_seed, strict=True) if r.get("error")]
+    if errors:
+        m["error"] = "\n".join(errors)
+    m["per_seed"] = [{"seed": seed, **r} for seed, r in zip(seeds, per_seed, strict=True)]
+    return m
 
 
 # What a comparison writes under its --out (besides runs/).
