@@ -24,10 +24,13 @@ def test_block_and_mx_recipes_quantize_along_blocks_of_the_published_sizes():
     block = get_recipe("fp8-block")
     assert block.scheme("input").block == (1, 128) and block.scheme("weight").block == (128, 128)
     assert block.weight_2d and block.block_multiple == 128
-    for name, element in [("mxfp8", "e4m3"), ("mxfp6", "e3m2"), ("mxfp6-e2m3", "e2m3"), ("mxfp4", "e2m1")]:
+    for name, element in [("mxfp8", "e4m3"), ("mxfp6", "e3m2"), ("mxfp6-e2m3", "e2m3"), ("mxfp6-e3m2", "e3m2"),
+                          ("mxfp4", "e2m1")]:  # fmt: skip
         s = get_recipe(name).scheme("grad_output")
         assert (s.element, s.block, s.scale_format) == (element, (1, 32), "e8m0")
     assert MXScaling(element="e2m3", grad_element="e3m2").scheme("grad_output").element == "e3m2"
+    hybrid = get_recipe("mxfp6-hybrid")  # FP8's hybrid, in FP6: precision forward, range for gradients
+    assert [hybrid.scheme(role).name for role in ("input", "weight", "grad_output")] == ["mxfp6_e2m3", "mxfp6_e2m3", "mxfp6_e3m2"]
 
 
 def test_what_linear_and_convert_read_off_each_recipe():
@@ -35,7 +38,7 @@ def test_what_linear_and_convert_read_off_each_recipe():
     # a layer's features; delayed: scales from an amax history kept in the module
     expect = {"fp8": (False, 1, True), "fp8-current": (False, 1, False), "fp8-block": (True, 128, False),
               "mxfp8": (False, 32, False), "mxfp6": (False, 32, False), "mxfp6-e2m3": (False, 32, False),
-              "mxfp4": (False, 32, False), "nvfp4": (True, 16, False)}  # fmt: skip
+              "mxfp6-e3m2": (False, 32, False), "mxfp6-hybrid": (False, 32, False), "mxfp4": (False, 32, False), "nvfp4": (True, 16, False)}  # fmt: skip
     assert set(expect) == set(RECIPES)
     for name, want in expect.items():
         r = get_recipe(name)

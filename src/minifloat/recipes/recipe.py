@@ -18,7 +18,8 @@ A recipe is a frozen value, built by name (`get_recipe("mxfp8")`) or by hand, JS
 - `CurrentScaling` (``"fp8-current"``): per-tensor scales from the tensor's own amax.
 - `Float8BlockScaling` (``"fp8-block"``): DeepSeek-V3 §3.3 — 1×128 blocks for activations and
   gradients, 128×128 blocks for weights, FP32 scales.
-- `MXScaling` (``"mxfp8"``, ``"mxfp6"``, ``"mxfp6-e2m3"``, ``"mxfp4"``): OCP MX, 32-element
+- `MXScaling` (``"mxfp8"``, ``"mxfp6"`` (E3M2), ``"mxfp6-e2m3"``, ``"mxfp6-e3m2"``, ``"mxfp6-hybrid"``
+  (E2M3 input and weight, E3M2 grad_output), ``"mxfp4"``): OCP MX, 32-element
   blocks along the reduction dimension with E8M0 scales, for every operand.
 - `NVFP4BlockScaling` (``"nvfp4"``): NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149):
   1×16 blocks with E4M3 scales and an FP32 tensor scale, 16×16 weight blocks, a 16-point
@@ -227,6 +228,8 @@ RECIPES: dict[str, Recipe] = {
     "mxfp8": MXScaling(element="e4m3"),
     "mxfp6": MXScaling(element="e3m2"),
     "mxfp6-e2m3": MXScaling(element="e2m3"),
+    "mxfp6-e3m2": MXScaling(element="e3m2"),
+    "mxfp6-hybrid": MXScaling(element="e2m3", grad_element="e3m2"),  # as FP8's hybrid: precision forward, range for gradients
     "mxfp4": MXScaling(element="e2m1"),
     "nvfp4": NVFP4BlockScaling(),
 }
