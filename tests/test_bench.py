@@ -319,7 +319,7 @@ def test_bench_train_and_gemm_tables(capsys, monkeypatch):
     assert lines[3].split() == ["fp32", "1.500", "-", "1.00", "1365"] and lines[4].split() == ["fp8", "2.250", "0.75", "1.50", "910"]
 
     gemm = {"shape": [1024, 1024, 1024], "device": "cpu", "device_name": "cpu", "threads": 2, "reps": 9,
-            "fp32_tflops": 0.123, "bf16_tflops": None,
+            "fp32_tflops": 0.123, "bf16_tflops": None, "bf16_native": False,
             "results": [{"scheme": "fp8", "emulated_tflops": 0.0456, "emulated_vs_bf16": None, "native_tflops": None,
                          "native_vs_bf16": None, "native_rel_error": None, "native_unavailable": "no GPU"},
                         {"scheme": "mxfp8", "emulated_tflops": 0.0312, "emulated_vs_bf16": 2.5, "native_tflops": 1.5,
@@ -334,7 +334,14 @@ def test_bench_train_and_gemm_tables(capsys, monkeypatch):
     assert lines[0] == "a·bᵀ 1024x1024 · (1024x1024)ᵀ on cpu (cpu), 2 threads, median of 9; FP32 0.12 TFLOP/s, BF16 - TFLOP/s"
     assert lines[2].split() == ["fp8", "0.046", "-", "-", "-", "-"]
     assert lines[3].split() == ["mxfp8", "0.031", "2.50", "1.500", "0.50", "1.2e-03"]
-    assert lines[4] == "no native GEMM for fp8: no GPU"
+    assert lines[4] == "no native GEMM for fp8: no GPU" and len(lines) == 5  # no BF16 timed: nothing to say of it
+    gemm.update(bf16_tflops=0.5)  # a BF16 time from a CPU without BF16 units is said to be torch's emulation
+    assert main(["bench", "gemm"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("BF16 here is torch's emulation: this CPU has no BF16 units")
+    gemm.update(bf16_native=True)
+    assert main(["bench", "gemm"]) == 0
+    assert "emulation" not in capsys.readouterr().out
+    calls.clear()
     assert main(["bench", "gemm", "--device", "cuda"]) == 2
     assert "--device cuda: this torch sees no CUDA device; use --device cpu" in capsys.readouterr().err
     assert main(["bench", "gemm", "--shape", "8x16x32", "--schemes", "nvfp4"]) == 0

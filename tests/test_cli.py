@@ -129,6 +129,7 @@ def test_bench_gemm_times_emulated_gemms_and_says_why_not_native(capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["shape"] == [32, 48, 256] and out["fp32_tflops"] > 0 and out["bf16_tflops"] > 0
+    assert out["bf16_native"] is minifloat.gemm.native_bf16_cpu()  # this CPU's own answer
     block, mx6 = out["results"]
     assert block["weight_scheme"] == "fp8_block128x128"  # DeepSeek-V3: 1×128 activations, 128×128 weights
     assert block["emulated_tflops"] > 0 and block["emulated_vs_bf16"] > 0

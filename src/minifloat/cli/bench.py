@@ -163,4 +163,7 @@ def _gemm(args: argparse.Namespace, reps: int) -> int:
             why.setdefault(r["native_unavailable"], []).append(r["scheme"])
     for reason, names in why.items():
         print(f"no native GEMM for {', '.join(names)}: {reason}")
+    if out["bf16_tflops"] is not None and not out["bf16_native"]:
+        print("BF16 here is torch's emulation: this CPU has no BF16 units (no avx512_bf16 or amx_bf16 in "
+              "`minifloat info`), so the x bf16 columns do not compare with a real BF16 GEMM")
     return 0

@@ -46,9 +46,18 @@ Example:
 from minifloat.gemm.api import scaled_mm
 from minifloat.gemm.emulated import autocast_dtype, operand_values, without_autocast
 from minifloat.gemm.native import native_args, swizzle_scales
-from minifloat.gemm.support import BACKENDS, choose_backend, device_capability, native_kind, native_support
+from minifloat.gemm.support import (
+    BACKENDS,
+    choose_backend,
+    cpu_flags,
+    device_capability,
+    native_bf16_cpu,
+    native_kind,
+    native_support,
+)
 
 __all__ = [
     "scaled_mm", "BACKENDS", "choose_backend", "native_support", "native_kind", "device_capability",
+    "cpu_flags", "native_bf16_cpu",
     "native_args", "swizzle_scales", "operand_values", "autocast_dtype", "without_autocast",
 ]  # fmt: skip

@@ -319,8 +319,15 @@ def bench_gemm(m: int, n: int, k: int, schemes=GEMM_DEFAULT_SCHEMES, *, device: 
         "reps": reps,
         "fp32_tflops": tflops(med["fp32"]),
         "bf16_tflops": tflops(med["bf16"]) if bf16 else None,
+        "bf16_native": bf16_native(dev),
         "results": rows,
     }
+
+
+def bf16_native(device: torch.device) -> bool:
+    """Whether `device` multiplies BF16 in hardware (BF16 units on a CPU; every CUDA GPU
+    minifloat supports), so that a BF16 baseline measured on it is the real one."""
+    return device.type == "cuda" or gemm.native_bf16_cpu()
 
 
 TRAIN_DEFAULT_RECIPES = ("fp8", "fp8-current", "mxfp8", "nvfp4")
