@@ -78,7 +78,7 @@ def test_block_accepts_integers_of_any_kind():
         ({"element": "e8m0"}, "e8m0 is a scale format, not an element format"),
         ({"element": "e4m3", "granularity": "channel"}, "unknown granularity 'channel'; use one of tensor, row, block"),
         ({"element": "e4m3", "scale_format": "bf16"}, "unknown scale format 'bf16'"),
-        ({"element": "e4m3", "scale_rule": "round"}, "unknown MX scale rule 'round'"),
+        ({"element": "e4m3", "scale_rule": "round"}, "unknown scale rule 'round'"),
         ({"element": "e4m3", "rounding": "down"}, "unknown rounding 'down'"),
         ({"element": "e4m3", "block": (1, 32)}, "block=\\(1, 32\\) only goes with granularity='block'"),
         ({"element": "e4m3", "scale_format": "e8m0"}, "e8m0 scales are per block"),

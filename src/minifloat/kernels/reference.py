@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from minifloat.formats.codec import decode, encode_with_bits, pow2, random_bits
 from minifloat.formats.packing import pack, unpack
-from minifloat.formats.registry import E4M3, E8M0
+from minifloat.formats.registry import E4M3, E8M0, get_format
 from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
 from minifloat.scaling.schemes import Scheme
@@ -57,18 +57,42 @@ def quantize(
         enc = torch.where(torch.isnan(exp), torch.nan, pow2(-exp.nan_to_num().long()).float())
         stored = torch.where(torch.isnan(exp), E8M0.nan_code, exp.nan_to_num() + E8M0.bias).to(torch.uint8)
     else:  # NVFP4: E4M3 block scales under an FP32 tensor scale
+        four_over_six = scheme.scale_rule == "4over6"
         g_amax = rules.finite_amax(xp, ignore_nan=True) if amax is None else amax
-        s_enc = rules.nvfp4_global_scale(g_amax.reshape(()))
+        numerator = rules.NVFP4_4OVER6_NUMERATOR if four_over_six else rules.NVFP4_GLOBAL_NUMERATOR
+        s_enc = rules.nvfp4_global_scale(g_amax.reshape(()), numerator)
         tensor_scale = 1.0 / s_enc
-        stored = rules.nvfp4_block_scale_codes(rules.finite_amax(tiles, dim=(1, 3)), s_enc)
-        dec = decode(stored, E4M3) * tensor_scale
-        enc = torch.where(dec == 0, 0.0, 1.0 / dec)
+        block_amax = rules.finite_amax(tiles, dim=(1, 3))
+        stored = rules.nvfp4_block_scale_codes(block_amax, s_enc)
+        if four_over_six:  # the candidate scaled to 4 where it quantizes the block better
+            stored = _four_over_six(tiles, stored, rules.nvfp4_block_scale_codes(block_amax, s_enc, 1.5), tensor_scale)
+        enc = _nvfp4_encode_scales(stored, tensor_scale)
 
     y = tiles * enc[:, None, :, None]
     bits = random_bits(y.shape, generator, y.device) if rounding == "stochastic" else None
     codes = encode_with_bits(y, fmt, saturate=True, bits=bits, canonical_nan=True)
     data = pack(codes.view(lay.rows_pad, lay.cols_pad), fmt).view(lay.rows_pad, lay.cols_pad * fmt.bits // 8)
     return data, stored, tensor_scale
+
+
+def _nvfp4_encode_scales(stored: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """The encode multiplier of each NVFP4 block: 1 / (E4M3 block scale × tensor scale), 0 for
+    a zero block scale."""
+    dec = decode(stored, E4M3) * tensor_scale
+    return torch.where(dec == 0, 0.0, 1.0 / dec)
+
+
+def _four_over_six(tiles: torch.Tensor, six: torch.Tensor, four: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """Per block, the E4M3 scale code of the candidate (amax to 6, or to 4) whose round-to-
+    nearest quantization has the smaller sum of squared errors; a tie keeps 6."""
+    fmt = get_format("e2m1")
+    errors = []
+    for stored in (six, four):
+        enc = _nvfp4_encode_scales(stored, tensor_scale)
+        codes = encode_with_bits(tiles * enc[:, None, :, None], fmt, saturate=True, canonical_nan=True)
+        dec = (decode(stored, E4M3) * tensor_scale)[:, None, :, None]
+        errors.append((decode(codes, fmt).double() * dec - tiles.double()).square().sum(dim=(1, 3)))
+    return torch.where(errors[1] < errors[0], four, six)
 
 
 def dequantize(

@@ -191,16 +191,20 @@ class MXScaling(Recipe):
 @dataclass(frozen=True, kw_only=True)
 class NVFP4BlockScaling(Recipe):
     """NVIDIA's NVFP4 training recipe; `rht`, `stochastic_rounding` and `weight_2d` switch
-    its three techniques. `rht_seed` fixes the Hadamard transform's random signs."""
+    its three techniques. `rht_seed` fixes the Hadamard transform's random signs.
+    `four_over_six` adds Four Over Six block scaling to every operand (arXiv 2512.02010;
+    off by default until it measures better here; the CPU kernels do not have it yet, so it
+    runs the readable reference)."""
 
     kind: ClassVar[str] = "nvfp4"
     rht: bool = True
     stochastic_rounding: bool = True
     weight_2d_blocks: bool = True
     rht_seed: int = 0
+    four_over_six: bool = False  # per block, scale the amax to 6 or 4, whichever errs less (Scheme.scale_rule)
 
     def __post_init__(self) -> None:
-        for name in ("rht", "stochastic_rounding", "weight_2d_blocks"):
+        for name in ("rht", "stochastic_rounding", "weight_2d_blocks", "four_over_six"):
             if not isinstance(getattr(self, name), bool):
                 raise MinifloatError(f"NVFP4BlockScaling({name}=...) takes True or False, got {getattr(self, name)!r}")
         if isinstance(self.rht_seed, bool) or not isinstance(self.rht_seed, int) or self.rht_seed < 0:
@@ -209,10 +213,14 @@ class NVFP4BlockScaling(Recipe):
     def _scheme(self, role: str) -> Scheme:
         role = _role(role)
         if role == "weight":
-            return get_scheme("nvfp4_2d" if self.weight_2d_blocks else "nvfp4")
-        if role == "grad_output" and self.stochastic_rounding:
-            return get_scheme("nvfp4").replace(name="nvfp4_sr", rounding="stochastic")
-        return get_scheme("nvfp4")
+            scheme = get_scheme("nvfp4_2d" if self.weight_2d_blocks else "nvfp4")
+        elif role == "grad_output" and self.stochastic_rounding:
+            scheme = get_scheme("nvfp4").replace(name="nvfp4_sr", rounding="stochastic")
+        else:
+            scheme = get_scheme("nvfp4")
+        if self.four_over_six:
+            scheme = scheme.replace(name=f"{scheme.name}_4over6", scale_rule="4over6")
+        return scheme
 
 
 def _role(role: str) -> str:

@@ -39,6 +39,9 @@ from minifloat.formats.registry import E4M3, E8M0, FloatFormat, get_format
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 NVFP4_GLOBAL_NUMERATOR = 448.0 * 6.0  # E4M3 max × E2M1 max
+# Four Over Six maps the tensor amax to 256 · 6, so that a block scaled to 4 (its scale × 1.5)
+# stays within E4M3 (at most 384 ≤ 448), as the authors' reference does.
+NVFP4_4OVER6_NUMERATOR = 256.0 * 6.0
 
 
 def finite_amax(x: torch.Tensor, dim=None, *, ignore_nan: bool = False) -> torch.Tensor:
@@ -101,7 +104,7 @@ def e8m0_exponent(amax: torch.Tensor, fmt: FloatFormat, rule: str = "floor") -> 
     return torch.where(torch.isnan(amax), torch.nan, exp)
 
 
-def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+def nvfp4_global_scale(amax: torch.Tensor, numerator: float = NVFP4_GLOBAL_NUMERATOR) -> torch.Tensor:
     """NVFP4 global encode scale ``S_enc = 448·6 / amax`` (float32), 1 for amax 0.
 
     Example:
@@ -109,7 +112,7 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
         1.0
     """
     amax = amax.float()
-    s = torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=amax.device) / amax
+    s = torch.tensor(numerator, dtype=torch.float32, device=amax.device) / amax
     s = s.clamp_max(FLOAT32_MAX)
     return torch.where((amax == 0) | (s == 0), 1.0, s)
 
@@ -156,9 +159,12 @@ def nvfp4_global_scale_scalar(amax: float) -> float:
     return 1.0 if s == 0 else s
 
 
-def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes of the NVFP4 block decode scales (saturating at 448; NaN amax → NaN code)."""
+def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor, expand: float = 1.0) -> torch.Tensor:
+    """E4M3 codes of the NVFP4 block decode scales (saturating at 448; NaN amax → NaN code);
+    `expand` 1.5 gives Four Over Six's second candidate, which maps the block amax to 4."""
     s = (block_amax.float() / 6.0) * global_scale
+    if expand != 1.0:
+        s = s * expand
     return encode_with_bits(s.clamp_max(FLOAT32_MAX), E4M3, saturate=True, canonical_nan=True)
 
 

@@ -30,7 +30,7 @@ from minifloat.formats.registry import FloatFormat, get_format
 
 GRANULARITIES = ("tensor", "row", "block")
 SCALE_FORMATS = ("fp32", "e8m0", "e4m3")  # e4m3 = NVFP4's E4M3 block scale + FP32 tensor scale
-SCALE_RULES = ("floor", "rceil")
+SCALE_RULES = ("floor", "rceil", "4over6")  # 4over6: NVFP4 only
 _SCALE_BITS = {"fp32": 32, "e8m0": 8, "e4m3": 8}
 MAX_MARGIN = 126  # 2**-margin stays a normal float32
 
@@ -45,7 +45,10 @@ class Scheme:
         granularity: ``"tensor"``, ``"row"`` or ``"block"``.
         block: ``(block_rows, block_cols)`` for ``granularity="block"``.
         scale_format: ``"fp32"``, ``"e8m0"`` (MX) or ``"e4m3"`` (NVFP4 two-level).
-        scale_rule: E8M0 rule, ``"floor"`` (OCP MX) or ``"rceil"`` (NVIDIA).
+        scale_rule: E8M0 rule, ``"floor"`` (OCP MX) or ``"rceil"`` (NVIDIA); for NVFP4,
+            ``"4over6"`` picks per block the block scale that maps the block's amax to 6 or
+            to 4, whichever quantizes the block with the smaller squared error ("Four Over
+            Six", arXiv 2512.02010); the default leaves NVFP4 as NVIDIA defines it.
         margin: FP32 scales only: ``scale = max / (amax · 2**margin)``.
         rounding: ``"nearest"`` or ``"stochastic"`` for the elements.
     """
@@ -69,7 +72,9 @@ class Scheme:
         if self.scale_format not in SCALE_FORMATS:
             raise MinifloatError(f"unknown scale format {self.scale_format!r}; use one of {', '.join(SCALE_FORMATS)}")
         if self.scale_rule not in SCALE_RULES:
-            raise MinifloatError(f"unknown MX scale rule {self.scale_rule!r}; use 'floor' or 'rceil'")
+            raise MinifloatError(f"unknown scale rule {self.scale_rule!r}; use 'floor' or 'rceil' (MX), or '4over6' (NVFP4)")
+        if self.scale_rule == "4over6" and self.scale_format != "e4m3":
+            raise MinifloatError("scale_rule='4over6' chooses NVFP4 block scales; it needs scale_format='e4m3'")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or abs(self.margin) > MAX_MARGIN:
             raise MinifloatError(
                 f"margin must be a whole number of binades in [-{MAX_MARGIN}, {MAX_MARGIN}] (scale / 2**margin), "
