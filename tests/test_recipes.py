@@ -24,7 +24,7 @@ def test_block_and_mx_recipes_quantize_along_blocks_of_the_published_sizes():
     block = get_recipe("fp8-block")
     assert block.scheme("input").block == (1, 128) and block.scheme("weight").block == (128, 128)
     assert block.weight_2d and block.block_multiple == 128
-    for name, element in [("mxfp8", "e4m3"), ("mxfp6", "e3m2"), ("mxfp6-e2m3", "e2m3"), ("mxfp6-e3m2", "e3m2"),
+    for name, element in [("mxfp8", "e4m3"), ("mxfp6", "e2m3"), ("mxfp6-e2m3", "e2m3"), ("mxfp6-e3m2", "e3m2"),
                           ("mxfp4", "e2m1")]:  # fmt: skip
         s = get_recipe(name).scheme("grad_output")
         assert (s.element, s.block, s.scale_format) == (element, (1, 32), "e8m0")

@@ -18,7 +18,7 @@ A recipe is a frozen value, built by name (`get_recipe("mxfp8")`) or by hand, JS
 - `CurrentScaling` (``"fp8-current"``): per-tensor scales from the tensor's own amax.
 - `Float8BlockScaling` (``"fp8-block"``): DeepSeek-V3 §3.3 — 1×128 blocks for activations and
   gradients, 128×128 blocks for weights, FP32 scales.
-- `MXScaling` (``"mxfp8"``, ``"mxfp6"`` (E3M2), ``"mxfp6-e2m3"``, ``"mxfp6-e3m2"``, ``"mxfp6-hybrid"``
+- `MXScaling` (``"mxfp8"``, ``"mxfp6"`` (E2M3, what measured best), ``"mxfp6-e2m3"``, ``"mxfp6-e3m2"``, ``"mxfp6-hybrid"``
   (E2M3 input and weight, E3M2 grad_output), ``"mxfp4"``): OCP MX, 32-element
   blocks along the reduction dimension with E8M0 scales, for every operand.
 - `NVFP4BlockScaling` (``"nvfp4"``): NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149):
@@ -234,7 +234,9 @@ RECIPES: dict[str, Recipe] = {
     "fp8-current": CurrentScaling(),
     "fp8-block": Float8BlockScaling(),
     "mxfp8": MXScaling(element="e4m3"),
-    "mxfp6": MXScaling(element="e3m2"),
+    # E2M3: the best mean Δ val and the smallest spread of the three MXFP6 variants over 3 seeds
+    # (600 steps, small GPT: E2M3 -0.42 ± 1.02 %, hybrid -0.15 ± 1.92 %, E3M2 +0.96 ± 1.13 %).
+    "mxfp6": MXScaling(element="e2m3"),
     "mxfp6-e2m3": MXScaling(element="e2m3"),
     "mxfp6-e3m2": MXScaling(element="e3m2"),
     "mxfp6-hybrid": MXScaling(element="e2m3", grad_element="e3m2"),  # as FP8's hybrid: precision forward, range for gradients
