@@ -88,9 +88,9 @@ def _four_over_six(tiles: torch.Tensor, six: torch.Tensor, four: torch.Tensor, t
     fmt = get_format("e2m1")
     errors = []
     for stored in (six, four):
-        enc = _nvfp4_encode_scales(stored, tensor_scale)
-        codes = encode_with_bits(tiles * enc[:, None, :, None], fmt, saturate=True, canonical_nan=True)
-        dec = (decode(stored, E4M3) * tensor_scale)[:, None, :, None]
+        dec = (decode(stored, E4M3) * tensor_scale)[:, None, :, None]  # as _nvfp4_encode_scales inverts it
+        enc = torch.where(dec == 0, 0.0, 1.0 / dec)
+        codes = encode_with_bits(tiles * enc, fmt, saturate=True, canonical_nan=True)
         errors.append((decode(codes, fmt).double() * dec - tiles.double()).square().sum(dim=(1, 3)))
     return torch.where(errors[1] < errors[0], four, six)
 
