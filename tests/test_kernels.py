@@ -177,6 +177,24 @@ def test_fast_equals_reference_stochastic(name):
     assert_same(a, b)
 
 
+@pytest.mark.parametrize("base", ["nvfp4", "nvfp4_2d"])
+@pytest.mark.parametrize("shape", [(7, 300), (130, 129), (33, 4500)])
+@pytest.mark.parametrize(("dtype", "rounding"), [(torch.float32, "nearest"), (torch.bfloat16, "nearest"),
+                                                 (torch.float32, "stochastic")])  # fmt: skip
+def test_four_over_six_fast_equals_reference(base, shape, dtype, rounding):
+    """Four Over Six's per-block choice in the kernel (zero, NaN, inf and subnormal blocks,
+    padding, bf16, stochastic rounding after a round-to-nearest choice) equals the reference's."""
+    scheme = get_scheme(base).replace(scale_rule="4over6")
+    x = special_input(shape, dtype, seed=sum(shape))
+    kw = dict(rounding=rounding)
+    a = fast(x, scheme, **kw, generator=torch.Generator().manual_seed(2))
+    b = ref(x, scheme, **kw, generator=torch.Generator().manual_seed(2))
+    assert_same(a, b)
+    finite = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert_same(fast(finite, scheme), ref(finite, scheme))
+    assert_same(fast(finite, scheme, amax=torch.tensor(7.0)), ref(finite, scheme, amax=torch.tensor(7.0)))
+
+
 def test_stochastic_rounding_does_not_depend_on_the_thread_count():
     """The random bits are a function of (seed, element index), not of the thread schedule."""
     x = torch.randn(512, 640)

@@ -386,6 +386,11 @@ def test_high_precision_last_blocks_and_head_stay_unquantized():
     assert isinstance(build_model(_cfg(precision="nvfp4", quantize_head=True)).lm_head, minifloat.nn.Linear)
     with pytest.raises(minifloat.MinifloatError, match="has 2 blocks"):
         _cfg(high_precision_last=3)
+    first = build_model(_cfg(precision="nvfp4", high_precision_first=1))
+    assert not isinstance(first.blocks[0].attn.qkv, minifloat.nn.Linear)
+    assert isinstance(first.blocks[1].mlp.fc, minifloat.nn.Linear) and not isinstance(first.blocks[0].mlp.fc, minifloat.nn.Linear)
+    with pytest.raises(minifloat.MinifloatError, match="--high-precision-first 3: the tiny model has 2 blocks"):
+        _cfg(high_precision_first=3)
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,10 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
         "--quantize-head", action="store_true", help="quantize the LM head too (default: high precision)"
     )
     p.add_argument(
+        "--high-precision-first", type=int, default=DEFAULTS["high_precision_first"], metavar="N",
+        help="keep the first N transformer blocks in high precision",
+    )  # fmt: skip
+    p.add_argument(
         "--high-precision-last", type=int, default=DEFAULTS["high_precision_last"], metavar="N",
         help="keep the last N transformer blocks in high precision (the NVFP4 recipe's advice)",
     )  # fmt: skip
@@ -79,7 +83,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup=args.warmup, grad_accum=args.grad_accum, grad_clip=args.grad_clip, seed=args.seed,
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
-        data=args.data, quantize_head=args.quantize_head, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
+        data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
     )  # fmt: skip
     for name in ("precision", "checkpoint_every", "fsdp"):
         if hasattr(args, name):

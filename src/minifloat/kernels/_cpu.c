@@ -735,6 +735,48 @@ static inline __attribute__((always_inline)) void nvfp4_scales(const job_t *J, c
     for (int64_t b = 8 * n8; b < nb; b++) enc[b] = block_scale(J, amax[b], t + b);
 }
 
+/* Four Over Six (NVFP4 with rule 1, arXiv 2512.02010): per block, the E4M3 scale code that maps
+ * the amax to 4 (amax / 6 * s_enc * 1.5) replaces nvfp4_scales' code (amax to 6) where the block's
+ * round-to-nearest E2M1 codes under it have the smaller sum of squared errors; a tie keeps 6. Each
+ * error is decode(code) * dec - x in double, summed over the rows, then the columns, in order:
+ * reference._four_over_six's sum, bit for bit (-ffp-contract=off: no fused multiply-add). Padding
+ * adds exact zeros and is skipped. A NaN block or tensor scale keeps its NaN code. */
+static void four_over_six(const job_t *J, int64_t g, int64_t c0, int64_t nb, const float *amax, int64_t t0,
+                          float *enc) {
+    static const float E2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const int64_t br = J->br, bc = J->bc, K = J->K, r0 = g * br, r1 = r0 + br < J->R ? r0 + br : J->R;
+    uint8_t *stored = (uint8_t *)J->scale_out + t0;
+    for (int64_t b = 0; b < nb; b++) {
+        float s = (amax[b] / 6.0f) * J->s_enc;
+        s = s * 1.5f;
+        if (s != s) continue;
+        if (s > FLT_MAX) s = FLT_MAX;
+        const uint32_t code[2] = {stored[b], enc_rne(s, &J->e4m3)};
+        if (code[1] == code[0]) continue;
+        float dec[2], en[2];
+        double err[2] = {0.0, 0.0};
+        for (int k = 0; k < 2; k++) {
+            dec[k] = J->e4m3_lut[code[k]] * J->s_dec;
+            en[k] = dec[k] == 0.0f ? 0.0f : 1.0f / dec[k];
+        }
+        const int64_t cb = c0 + b * bc, len = cb >= K ? 0 : (cb + bc < K ? bc : K - cb);
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t j = 0; j < len; j++) {
+                const float x = load(J->x, J->dt, r * K + cb + j);
+                for (int k = 0; k < 2; k++) {
+                    const uint32_t c = enc_rne(x * en[k], &J->p);
+                    const float q = (c & J->p.sign_mask) ? -E2M1[c & 7] : E2M1[c & 7];
+                    const double d = (double)q * (double)dec[k] - (double)x;
+                    err[k] = err[k] + d * d;
+                }
+            }
+        if (err[1] < err[0]) {
+            stored[b] = (uint8_t)code[1];
+            enc[b] = en[1];
+        }
+    }
+}
+
 /* The block amax from the largest |x| bits `top` of its rows [r0, r1) and columns [cb, cb + len):
  * top itself when finite, else the exact pass (largest finite |x|, NaN when the block holds a
  * NaN). The block's largest finite |x| also raises *all. */
@@ -845,9 +887,10 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
         const int64_t t0 = g * J->ngc + b0;
         const float *amax = J->tile_amax ? J->tile_amax + t0 : buf;
         if (!J->tile_amax) block_amaxes(J, g, c0, nb, AM, dt, esize, buf);
-        if (J->mode == SC_NVFP4)
+        if (J->mode == SC_NVFP4) {
             nvfp4_scales(J, amax, nb, t0, enc);
-        else {
+            if (J->rule) four_over_six(J, g, c0, nb, amax, t0, enc);
+        } else {
             int64_t b = 0;
             for (; b + 8 <= nb; b += 8) {
                 v8f a;

@@ -216,7 +216,8 @@ def quantize(x, scheme, *, scale=None, amax=None, rounding="nearest", generator=
                                   tile_amax.data_ptr(), threads)  # fmt: skip
         else:
             g = float(amax)
-        s_enc = rules.nvfp4_global_scale_scalar(g)
+        four_over_six = scheme.scale_rule == "4over6"  # rule 1 in the kernel's NVFP4 mode
+        s_enc = rules.nvfp4_global_scale_scalar(g, rules.NVFP4_4OVER6_NUMERATOR if four_over_six else rules.NVFP4_GLOBAL_NUMERATOR)
         s_dec = rules.as_float32(1.0 / s_enc)
         tensor_scale = torch.tensor(s_dec, dtype=torch.float32)
     grid = (rows_pad // br, cols_pad // bc)

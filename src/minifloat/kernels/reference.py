@@ -84,14 +84,21 @@ def _nvfp4_encode_scales(stored: torch.Tensor, tensor_scale: torch.Tensor) -> to
 
 def _four_over_six(tiles: torch.Tensor, six: torch.Tensor, four: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
     """Per block, the E4M3 scale code of the candidate (amax to 6, or to 4) whose round-to-
-    nearest quantization has the smaller sum of squared errors; a tie keeps 6."""
+    nearest quantization has the smaller sum of squared errors; a tie keeps 6. Each error is
+    ``decode(code) · dec - x`` in float64, summed over the block's rows, then its columns, one
+    by one in that order (the CPU kernel's order, so that both choose alike on near-ties)."""
     fmt = get_format("e2m1")
     errors = []
     for stored in (six, four):
         dec = (decode(stored, E4M3) * tensor_scale)[:, None, :, None]  # as _nvfp4_encode_scales inverts it
         enc = torch.where(dec == 0, 0.0, 1.0 / dec)
         codes = encode_with_bits(tiles * enc, fmt, saturate=True, canonical_nan=True)
-        errors.append((decode(codes, fmt).double() * dec - tiles.double()).square().sum(dim=(1, 3)))
+        sq = (decode(codes, fmt).double() * dec - tiles.double()).square()
+        sq = sq.permute(0, 2, 1, 3).flatten(2)  # (grid rows, grid cols, block elements in row-major order)
+        total = torch.zeros(sq.shape[:2], dtype=torch.float64)
+        for i in range(sq.shape[2]):
+            total = total + sq[:, :, i]
+        errors.append(total)
     return torch.where(errors[1] < errors[0], four, six)
 
 

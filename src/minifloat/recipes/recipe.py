@@ -242,6 +242,7 @@ RECIPES: dict[str, Recipe] = {
     "mxfp6-hybrid": MXScaling(element="e2m3", grad_element="e3m2"),  # as FP8's hybrid: precision forward, range for gradients
     "mxfp4": MXScaling(element="e2m1"),
     "nvfp4": NVFP4BlockScaling(),
+    "nvfp4-4over6": NVFP4BlockScaling(four_over_six=True),
 }
 """Named recipes (what ``--precision`` accepts besides fp32/bf16/fp16)."""
 

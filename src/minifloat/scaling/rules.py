@@ -145,7 +145,7 @@ def fp32_scale_scalar(amax: float, fmt: FloatFormat, margin: int = 0) -> float:
     return FLOAT32_MAX if math.isinf(s) else s
 
 
-def nvfp4_global_scale_scalar(amax: float) -> float:
+def nvfp4_global_scale_scalar(amax: float, numerator: float = NVFP4_GLOBAL_NUMERATOR) -> float:
     """`nvfp4_global_scale` of one float32 amax without tensor operations.
 
     Example:
@@ -154,7 +154,7 @@ def nvfp4_global_scale_scalar(amax: float) -> float:
     """
     if amax == 0 or math.isinf(amax):
         return 1.0
-    s = as_float32(NVFP4_GLOBAL_NUMERATOR / amax)
+    s = as_float32(numerator / amax)
     s = FLOAT32_MAX if s > FLOAT32_MAX else s  # NaN stays NaN, as clamp_max keeps it
     return 1.0 if s == 0 else s
 

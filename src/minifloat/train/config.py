@@ -39,6 +39,7 @@ class TrainConfig:
     data: str | None = None  # None: the embedded stdlib corpus
     max_bytes: int = 4_000_000
     quantize_head: bool = False
+    high_precision_first: int = 0  # keep the Linears of the first N blocks unquantized
     high_precision_last: int = 0  # keep the Linears of the last N blocks unquantized (NVFP4's advice)
     fsdp: bool = False
     telemetry_every: int = 10  # steps between amax/scale/saturation records (0: off)
@@ -52,11 +53,12 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
             if getattr(self, name) < 1:
                 raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
-        if not 0 <= self.high_precision_last <= get_config(self.model).n_layer:
-            raise MinifloatError(
-                f"--high-precision-last {self.high_precision_last}: the {self.model} model has "
-                f"{get_config(self.model).n_layer} blocks"
-            )
+        for end in ("first", "last"):
+            n = getattr(self, f"high_precision_{end}")
+            if not 0 <= n <= get_config(self.model).n_layer:
+                raise MinifloatError(
+                    f"--high-precision-{end} {n}: the {self.model} model has {get_config(self.model).n_layer} blocks"
+                )
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise MinifloatError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -46,7 +46,7 @@ def build_model(c: TrainConfig) -> GPT:
     torch.manual_seed(c.seed)
     model = GPT(get_config(c.model))
     n_layer = get_config(c.model).n_layer
-    high = {f"blocks.{i}." for i in range(n_layer - c.high_precision_last, n_layer)}
+    high = {f"blocks.{i}." for i in range(n_layer) if i < c.high_precision_first or i >= n_layer - c.high_precision_last}
 
     def keep(fqn: str, m) -> bool:  # True: quantize this Linear
         return (c.quantize_head or fqn != "lm_head") and not any(fqn.startswith(h) for h in high)
