@@ -38,7 +38,7 @@ def test_what_linear_and_convert_read_off_each_recipe():
     # a layer's features; delayed: scales from an amax history kept in the module
     expect = {"fp8": (False, 1, True), "fp8-current": (False, 1, False), "fp8-block": (True, 128, False),
               "mxfp8": (False, 32, False), "mxfp6": (False, 32, False), "mxfp6-e2m3": (False, 32, False),
-              "mxfp6-e3m2": (False, 32, False), "mxfp6-hybrid": (False, 32, False), "mxfp4": (False, 32, False), "nvfp4": (True, 16, False)}  # fmt: skip
+              "mxfp6-e3m2": (False, 32, False), "mxfp6-hybrid": (False, 32, False), "mxfp4": (False, 32, False), "nvfp4": (True, 16, False), "nvfp4-4over6": (True, 16, False)}  # fmt: skip
     assert set(expect) == set(RECIPES)
     for name, want in expect.items():
         r = get_recipe(name)
