@@ -40,6 +40,7 @@ from minifloat.formats import (
     unpack,
     value_table,
 )
+from minifloat.infer import QuantizedLinear, calibrate, quantize_model
 from minifloat.nn import Linear, LossScaler, Monitor, autocast, convert, monitor
 from minifloat.quant import CorruptFileError, QuantizedTensor, dequantize, fake_quantize, load, quantize, save
 from minifloat.recipes import (
@@ -102,6 +103,10 @@ __all__ = [
     "LossScaler",
     "monitor",
     "Monitor",
+    # inference
+    "quantize_model",
+    "calibrate",
+    "QuantizedLinear",
     # errors
     "MinifloatError",
     "UnknownFormatError",

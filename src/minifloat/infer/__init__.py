@@ -1,0 +1,35 @@
+"""Inference: post-training quantization of trained models, and the checkpoints serving tools read.
+
+- `config`: `QuantConfig` and the named configs (``fp8-dynamic``, ``fp8-block``, ``nvfp4`` …).
+- `linear`: `QuantizedLinear`, a Linear whose weight is a packed `QuantizedTensor`.
+- `ptq`: `calibrate` and `quantize_model`, with its per-layer `QuantizeSummary`.
+- `export` / `load`: compressed-tensors and hf-fp8 checkpoints (`export`, `load_quantized`).
+"""
+
+from minifloat.infer.config import QUANT_CONFIGS, QuantConfig, get_quant_config
+from minifloat.infer.export import export
+from minifloat.infer.linear import QuantizedLinear
+from minifloat.infer.load import load_quantized
+from minifloat.infer.ptq import (
+    Calibration,
+    LayerSummary,
+    QuantizeSummary,
+    calibrate,
+    model_bytes,
+    quantize_model,
+)
+
+__all__ = [
+    "QUANT_CONFIGS",
+    "QuantConfig",
+    "get_quant_config",
+    "QuantizedLinear",
+    "Calibration",
+    "LayerSummary",
+    "QuantizeSummary",
+    "calibrate",
+    "model_bytes",
+    "quantize_model",
+    "export",
+    "load_quantized",
+]

@@ -1,0 +1,149 @@
+"""Post-training quantization configs: which scheme quantizes a Linear's weight, and its input.
+
+A config is a frozen value, built by name (`get_quant_config("fp8-dynamic")`, the names the
+command line takes) or by hand. The weight is quantized once, along K (in_features), and its
+high-precision copy dropped; the input (activation) is quantized at every forward along K too,
+per token / block from its own values (``dynamic``), or per tensor from an amax measured on
+calibration data (``static``), or not at all (weight-only).
+
+==================  ======================  ============================  ============================
+name                weight                  input                         matches
+==================  ======================  ============================  ============================
+fp8-weight-only     E4M3 per row            high precision                torchao Float8WeightOnly
+fp8-dynamic         E4M3 per row            E4M3 per token, dynamic       compressed-tensors FP8_DYNAMIC
+fp8-static          E4M3 per tensor         E4M3 per tensor, calibrated   compressed-tensors FP8
+fp8-block           E4M3 128×128            E4M3 1×128, dynamic           DeepSeek-V3, HF fine-grained FP8
+mxfp8/mxfp6/mxfp4   MX 1×32, E8M0           the same, dynamic             OCP MX
+mxfp4-weight-only   MXFP4                   high precision                W4A16
+nvfp4-weight-only   NVFP4 1×16              high precision                W4A16
+nvfp4               NVFP4 1×16, E4M3 + FP32 NVFP4, calibrated global      compressed-tensors NVFP4
+==================  ======================  ============================  ============================
+
+``mxfp6`` is E2M3, as the training recipe of that name (what measured best), and as
+compressed-tensors packs MXFP6.
+
+Example:
+    >>> c = get_quant_config("fp8-static")
+    >>> c.weight, c.activation, c.needs_calibration
+    ('fp8', 'fp8', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from minifloat.errors import MinifloatError
+from minifloat.scaling.schemes import Scheme, get_scheme
+
+MIN_FEATURES = 16  # smaller layers stay in high precision: nothing to gain, and native GEMMs need 16
+
+
+def block_k(scheme: Scheme) -> int:
+    """The width along K (the last dim) of `scheme`'s blocks; 1 for tensor and row scales."""
+    return scheme.block[1] if scheme.granularity == "block" else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    """How `quantize_model` quantizes each Linear.
+
+    Attributes:
+        name: what reports and checkpoints call it.
+        weight: the weight's scheme (a `minifloat.SCHEMES` name), quantized along K.
+        activation: the input's scheme, or None for weight-only (the input stays in high
+            precision and multiplies the exactly dequantized weight).
+        static: the input's scale comes from a calibrated amax (per-tensor FP8; NVFP4's
+            global scale), not from each input's own values.
+    """
+
+    name: str
+    weight: str
+    activation: str | None = None
+    static: bool = False
+
+    def __post_init__(self) -> None:
+        for role in ("weight", "activation"):
+            value = getattr(self, role)
+            if value is None and role == "activation":
+                continue
+            scheme = get_scheme(value)  # an unknown name: the scheme registry's error
+            if scheme.rounding != "nearest":
+                raise MinifloatError(
+                    f"{role} scheme {value!r} rounds stochastically; inference rounds to nearest"
+                )
+        if self.static and self.activation is None:
+            raise MinifloatError(f"config {self.name!r}: static=True needs an activation scheme")
+        if self.static and not (
+            self.activation_scheme.granularity == "tensor" or self.activation_scheme.is_nvfp4
+        ):
+            raise MinifloatError(
+                f"config {self.name!r}: a calibrated (static) input scale is one per tensor; "
+                f"{self.activation} scales each block from its own values (use static=False)"
+            )
+        if self.activation is not None:
+            w, a = block_k(self.weight_scheme), block_k(self.activation_scheme)
+            if w != 1 and a != 1 and w != a:
+                raise MinifloatError(
+                    f"config {self.name!r}: the weight's and input's blocks along K differ ({w} vs {a})"
+                )
+
+    @property
+    def weight_scheme(self) -> Scheme:
+        return get_scheme(self.weight)
+
+    @property
+    def activation_scheme(self) -> Scheme | None:
+        return None if self.activation is None else get_scheme(self.activation)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.static
+
+    @property
+    def block_k(self) -> int:
+        """The width of the blocks along K that both operands share (1: no blocks along K)."""
+        return max(block_k(s) for s in (self.weight_scheme, self.activation_scheme) if s is not None)
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+QUANT_CONFIGS: dict[str, QuantConfig] = {
+    c.name: c
+    for c in (
+        QuantConfig(name="fp8-weight-only", weight="fp8_rowwise"),
+        QuantConfig(name="fp8-dynamic", weight="fp8_rowwise", activation="fp8_rowwise"),
+        QuantConfig(name="fp8-static", weight="fp8", activation="fp8", static=True),
+        QuantConfig(name="fp8-block", weight="fp8_block128x128", activation="fp8_block128"),
+        QuantConfig(name="mxfp8", weight="mxfp8", activation="mxfp8"),
+        QuantConfig(name="mxfp6", weight="mxfp6_e2m3", activation="mxfp6_e2m3"),
+        QuantConfig(name="mxfp4", weight="mxfp4", activation="mxfp4"),
+        QuantConfig(name="mxfp4-weight-only", weight="mxfp4"),
+        QuantConfig(name="nvfp4-weight-only", weight="nvfp4"),
+        QuantConfig(name="nvfp4", weight="nvfp4", activation="nvfp4", static=True),
+    )
+}
+"""Named PTQ configs (what ``--scheme`` accepts)."""
+
+
+def get_quant_config(config: str | QuantConfig | dict) -> QuantConfig:
+    """A named config, a config itself, or one rebuilt from `QuantConfig.to_dict()`.
+
+    Example:
+        >>> get_quant_config("fp8-block").weight
+        'fp8_block128x128'
+    """
+    if isinstance(config, QuantConfig):
+        return config
+    if isinstance(config, str):
+        key = config.strip().lower().replace("_", "-")
+        if key in QUANT_CONFIGS:
+            return QUANT_CONFIGS[key]
+        raise MinifloatError(f"unknown quantization config {config!r}; known: {', '.join(QUANT_CONFIGS)}")
+    if isinstance(config, dict):
+        try:
+            return QuantConfig(**config)
+        except TypeError as err:
+            raise MinifloatError(f"not a QuantConfig description: {err}") from None
+    raise MinifloatError(f"expected a config name, QuantConfig or dict, got {type(config).__name__}")

@@ -1,0 +1,134 @@
+"""`QuantizedLinear`: a Linear for inference whose weight is held packed, as a `QuantizedTensor`.
+
+Its parts are buffers (``weight_data``, ``weight_scale``, ``weight_tensor_scale`` for NVFP4,
+``input_amax`` for a calibrated input), so ``module.to(device)`` and ``state_dict()`` carry them;
+the high-precision weight is gone. The forward quantizes the input as its config says (or not:
+weight-only), multiplies with `minifloat.gemm.scaled_mm` — on a CPU the exact emulation (the
+dequantized operands, FP32 accumulation), on a GPU that has the format the native
+``torch._scaled_mm`` — adds the bias in FP32 and returns the input's dtype. The same result on
+every backend up to summation order.
+
+Example:
+    >>> layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 32), "fp8-dynamic")
+    >>> layer(torch.randn(2, 64)).shape, layer.weight.scheme.name
+    (torch.Size([2, 32]), 'fp8_rowwise')
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from minifloat.errors import MinifloatError
+from minifloat.gemm import scaled_mm
+from minifloat.infer.config import QuantConfig, get_quant_config
+from minifloat.quant import QuantizedTensor, quantize
+from minifloat.scaling import rules
+from minifloat.scaling.layout import layout_for
+
+
+def pow2_global_amax(w: torch.Tensor) -> torch.Tensor | None:
+    """For an NVFP4 weight: the tensor amax that makes its global encode scale S = 448·6 / amax
+    the power of two at or below the one of w's own amax (None for a NaN or inf amax).
+
+    A power-of-two S makes every reader's decode agree bit for bit: compressed-tensors (and
+    vLLM) divide the E4M3 block scale by S, minifloat multiplies by 1/S; with S = 2^k both are
+    exact. The block scales stay ≤ 448 (S only shrinks), using up to one binade less of E4M3's
+    range at the top."""
+    a = w.float().abs().max()
+    if not torch.isfinite(a):
+        return None
+    s = rules.nvfp4_global_scale(a)
+    s = torch.exp2(torch.floor(torch.log2(s)))
+    return torch.tensor(rules.NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32) / s
+
+
+class QuantizedLinear(torch.nn.Module):
+    """``y = x · Wᵀ + b`` with W packed in `config.weight`'s scheme; see the module docstring."""
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, config: QuantConfig, *,
+                 input_amax: torch.Tensor | None = None, backend: str = "auto") -> None:  # fmt: skip
+        super().__init__()
+        config = get_quant_config(config)
+        if not isinstance(weight, QuantizedTensor) or weight.dim() != 2:
+            raise MinifloatError(
+                "QuantizedLinear takes a 2-D QuantizedTensor weight (out_features, in_features)"
+            )
+        if weight.scheme != config.weight_scheme:
+            raise MinifloatError(
+                f"the weight is {weight.scheme.name}, config {config.name!r} says {config.weight}"
+            )
+        self.config = config
+        self.out_features, self.in_features = weight.shape
+        self.backend = backend
+        self._weight_meta = (weight.shape, weight.scheme, weight.orig_dtype)
+        # the codes of the N real rows only: 128×128 blocks pad N up to the block, which the
+        # format does not store (the padding is rebuilt, as zeros, where the weight is read)
+        self.register_buffer("weight_data", weight.data[: self.out_features].clone())
+        self.register_buffer("weight_scale", weight.scale)
+        self.register_buffer("weight_tensor_scale", weight.tensor_scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        if config.static and input_amax is None:
+            raise MinifloatError(
+                f"config {config.name!r} quantizes the input with a calibrated scale: pass input_amax "
+                f"(minifloat.infer.calibrate measures it)"
+            )
+        amax = None
+        if config.static:
+            amax = torch.as_tensor(input_amax, dtype=torch.float32).detach().clone().reshape(())
+            if not (torch.isfinite(amax) and amax > 0):
+                raise MinifloatError(f"input_amax must be a finite number > 0, got {float(amax)}")
+        self.register_buffer("input_amax", amax)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, config: str | QuantConfig, *,
+                    input_amax: torch.Tensor | float | None = None, backend: str = "auto") -> QuantizedLinear:  # fmt: skip
+        """Quantize `linear`'s weight (round to nearest) and keep its bias in its dtype."""
+        config = get_quant_config(config)
+        w = linear.weight.detach()
+        with torch.no_grad():
+            amax = pow2_global_amax(w) if config.weight_scheme.is_nvfp4 else None
+            weight = quantize(w, config.weight_scheme, amax=amax)
+        return cls(weight, linear.bias, config, input_amax=input_amax, backend=backend)
+
+    _EXACT = ("weight_scale", "weight_tensor_scale", "input_amax")  # float32 by the formats' definition
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves every part; ``.half()`` / ``.to(bf16)`` converts only the bias:
+        rounding a float32 scale would change the values the codes stand for."""
+        kept = {k: self._buffers[k] for k in self._EXACT if self._buffers.get(k) is not None}
+        super()._apply(fn, recurse)
+        for k, old in kept.items():
+            if self._buffers[k].dtype != old.dtype:
+                self._buffers[k] = old.to(self._buffers[k].device)
+        return self
+
+    @property
+    def weight(self) -> QuantizedTensor:
+        """The packed weight (its parts are this module's buffers, so it follows ``.to()``)."""
+        shape, scheme, dtype = self._weight_meta
+        data = self.weight_data
+        rows_pad = layout_for(shape, scheme).rows_pad
+        if rows_pad != data.shape[0]:
+            data = torch.cat((data, data.new_zeros(rows_pad - data.shape[0], data.shape[1])))
+        return QuantizedTensor(data, self.weight_scale, self.weight_tensor_scale, shape, scheme, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise MinifloatError(f"input has {x.shape[-1]} features, the layer takes {self.in_features}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(math.prod(lead), self.in_features)
+        c = self.config
+        if c.activation is None:  # weight-only: the high-precision input times the exact weight
+            y = F.linear(x2.float(), self.weight.dequantize(torch.float32))
+        else:
+            qx = quantize(x2, c.activation_scheme, amax=self.input_amax if c.static else None)
+            y = scaled_mm(qx, self.weight, out_dtype=torch.float32, backend=self.backend)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, config={self.config.name}"

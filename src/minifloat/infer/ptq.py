@@ -1,0 +1,252 @@
+"""Post-training quantization of a whole model: `calibrate`, then `quantize_model`.
+
+`quantize_model` swaps every eligible Linear — ``torch.nn.Linear``, ``minifloat.nn.Linear``, the
+Linears inside a Hugging Face transformers model — for a `QuantizedLinear`, in place, and returns
+a `QuantizeSummary`: per layer the scheme, the bytes before and after (measured from the tensors
+held), or why it stayed in high precision. A layer stays when its name matches ``ignore``, when
+it is too small (a dimension below 16), when its in_features is not a multiple of the blocks
+along K, or when calibration never reached it — never an exception.
+
+Example:
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    >>> summary = quantize_model(model, "fp8-dynamic", ignore=())
+    >>> [(layer.name, layer.scheme, layer.reason) for layer in summary.layers]
+    [('0', 'fp8_rowwise', None), ('2', None, 'out_features=10 is below 16')]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.formats.packing import codes_per_group
+from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config
+from minifloat.infer.linear import QuantizedLinear
+from minifloat.nn.convert import swap_modules
+
+CALIBRATION_METHODS = ("max", "percentile")
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    name: str
+    shape: tuple[int, int]  # (out_features, in_features)
+    scheme: str | None  # the weight's scheme; None: kept in high precision
+    activation: str | None
+    bytes_before: int
+    bytes_after: int
+    reason: str | None = None  # why it stayed in high precision
+
+
+@dataclass
+class QuantizeSummary:
+    """What `quantize_model` did; ``str()`` is a table."""
+
+    config: QuantConfig
+    layers: list[LayerSummary] = field(default_factory=list)
+    model_bytes_before: int = 0
+    model_bytes_after: int = 0
+
+    @property
+    def quantized(self) -> list[LayerSummary]:
+        return [layer for layer in self.layers if layer.scheme is not None]
+
+    @property
+    def skipped(self) -> list[LayerSummary]:
+        return [layer for layer in self.layers if layer.scheme is None]
+
+    def to_dict(self) -> dict:
+        return {
+            "config": self.config.to_dict(),
+            "layers": [vars(layer) | {"shape": list(layer.shape)} for layer in self.layers],
+            "model_bytes_before": self.model_bytes_before,
+            "model_bytes_after": self.model_bytes_after,
+        }
+
+    def __str__(self) -> str:
+        rows = [("layer", "shape", "weight", "input", "bytes before", "bytes after", "note")]
+        for s in self.layers:
+            rows.append((s.name, "×".join(map(str, s.shape)), s.scheme or "—", s.activation or "—",
+                         f"{s.bytes_before:,}", f"{s.bytes_after:,}", s.reason or ""))  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        ratio = self.model_bytes_before / self.model_bytes_after if self.model_bytes_after else float("nan")
+        lines.append(
+            f"{self.config.name}: {len(self.quantized)} of {len(self.layers)} Linears quantized; model "
+            f"{self.model_bytes_before:,} → {self.model_bytes_after:,} bytes ({ratio:.2f}× smaller)"
+        )
+        return "\n".join(lines)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer of `model` (a tensor shared by two names counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.device.type != "meta" else (id(t), 0)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes
+    return total
+
+
+def matches(name: str, patterns: Sequence[str]) -> str | None:
+    """The first of `patterns` (globs) that `name` matches, whole or as its last components."""
+    for p in patterns:
+        if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}"):
+            return p
+    return None
+
+
+def why_not(linear: torch.nn.Linear, config: QuantConfig) -> str | None:
+    """Why `linear` cannot be quantized with `config`, or None."""
+    for attr in ("in_features", "out_features"):
+        n = getattr(linear, attr)
+        if n < MIN_FEATURES:
+            return f"{attr}={n} is below {MIN_FEATURES}"
+    k = linear.in_features
+    multiple = max(
+        config.block_k,
+        *(codes_per_group(s.element_format) for s in (config.weight_scheme, config.activation_scheme) if s),
+    )
+    if k % multiple:
+        return f"in_features={k} is not a multiple of {multiple} (the blocks along K)"
+    if linear.weight.device.type == "meta":
+        return "its weight is on the meta device (not loaded)"
+    return None
+
+
+class Calibration(dict):
+    """Per layer name, the amax of its input (a float32 0-d tensor); see `calibrate`."""
+
+    method: str = "max"
+
+
+def calibrate(
+    model: torch.nn.Module, batches: Iterable, *, method: str = "max", percentile: float = 99.99
+) -> Calibration:
+    """Run `model` on `batches` (token-id tensors, or dicts of model inputs) without gradients and
+    record the amax of every Linear's input: ``"max"``, the largest |x| seen; ``"percentile"``,
+    per batch the `percentile`-th percentile of |x|, the largest over batches (clips outliers).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+        >>> float(calibrate(model, [torch.ones(4, 32)])["0"])
+        1.0
+    """
+    if method not in CALIBRATION_METHODS:
+        raise MinifloatError(
+            f"unknown calibration method {method!r}; use one of {', '.join(CALIBRATION_METHODS)}"
+        )
+    if not 0 < percentile <= 100:
+        raise MinifloatError(f"percentile must be in (0, 100], got {percentile}")
+    result = Calibration()
+    result.method = method
+
+    def hook(name):
+        def record(module, args):
+            x = args[0].detach()
+            if not x.is_floating_point() or x.numel() == 0:
+                return
+            a = x.abs().float().flatten()
+            if torch.isnan(a).any():
+                raise MinifloatError(
+                    f"calibration: the input of {name} holds a NaN; check the model and data"
+                )
+            if method == "max":
+                v = a.max()
+            else:
+                sample = (
+                    a if a.numel() <= 1 << 24 else a[torch.randperm(a.numel(), device=a.device)[: 1 << 24]]
+                )
+                v = torch.quantile(sample, percentile / 100.0)
+            result[name] = torch.maximum(result[name], v.cpu()) if name in result else v.cpu()
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)]  # fmt: skip
+    n = 0
+    try:
+        with torch.no_grad(), _eval(model):
+            for batch in batches:
+                model(**batch) if isinstance(batch, Mapping) else model(batch)
+                n += 1
+    finally:
+        for h in handles:
+            h.remove()
+    if n == 0:
+        raise MinifloatError("calibrate got no batches; pass an iterable of token-id tensors")
+    return result
+
+
+@contextlib.contextmanager
+def _eval(model: torch.nn.Module):
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def quantize_model(
+    model: torch.nn.Module,
+    config: str | QuantConfig,
+    *,
+    calibration: Mapping[str, torch.Tensor] | Iterable | None = None,
+    ignore: Sequence[str] = ("lm_head",),
+    backend: str = "auto",
+) -> QuantizeSummary:
+    """Replace every eligible Linear of `model` (in place) by a `QuantizedLinear` in `config`.
+
+    `calibration`: what `calibrate` returned, or batches to calibrate on (method ``"max"``);
+    configs with a calibrated input scale (``fp8-static``, ``nvfp4``) need it. `ignore`: globs of
+    layer names kept in high precision. Returns the `QuantizeSummary`."""
+    if not isinstance(model, torch.nn.Module):
+        raise MinifloatError(f"quantize_model takes a torch.nn.Module, got {type(model).__name__}")
+    config = get_quant_config(config)
+    if isinstance(ignore, str):
+        ignore = (ignore,)
+    if config.needs_calibration:
+        if calibration is None:
+            raise MinifloatError(
+                f"config {config.name!r} quantizes inputs with calibrated scales: pass calibration= "
+                f"(minifloat.infer.calibrate(model, batches), or the batches themselves)"
+            )
+        if not isinstance(calibration, Mapping):
+            calibration = calibrate(model, calibration)
+    summary = QuantizeSummary(config, model_bytes_before=model_bytes(model))
+    swaps: dict[str, QuantizedLinear] = {}
+    by_old: dict[int, QuantizedLinear] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or not name:
+            continue
+        before = m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
+        reason = f"ignored (matches {p!r})" if (p := matches(name, ignore)) else why_not(m, config)
+        amax = None
+        if reason is None and config.needs_calibration:
+            amax = calibration.get(name)
+            if amax is None:
+                reason = "calibration never reached it"
+            elif not float(amax) > 0:
+                reason = f"its calibrated input amax is {float(amax)}"
+        if reason is not None:
+            summary.layers.append(
+                LayerSummary(name, tuple(m.weight.shape), None, None, before, before, reason)
+            )
+            continue
+        q = QuantizedLinear.from_linear(m, config, input_amax=amax, backend=backend)
+        after = sum(b.nbytes for b in q.buffers())
+        summary.layers.append(
+            LayerSummary(name, tuple(m.weight.shape), config.weight, config.activation, before, after)
+        )
+        swaps[name] = by_old[id(m)] = q
+    swap_modules(model, list(swaps), lambda old: by_old[id(old)])
+    summary.model_bytes_after = model_bytes(model)
+    return summary

@@ -1,0 +1,224 @@
+"""Serving checkpoints, proven with the real readers: transformers + compressed-tensors (and
+transformers' fine-grained FP8) load every exported folder; each weight they dequantize equals
+minifloat's bit for bit, and their logits equal those of the model run on those weights."""
+
+import copy
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import minifloat
+from minifloat.infer import QUANT_CONFIGS, QuantizedLinear, export, load_quantized, quantize_model
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+
+def tiny_llama(hidden=256, inter=384, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    # built in its dtype, as from_pretrained builds it (the rotary frequencies stay float32)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def dequantized_copy(model):
+    """The model with every QuantizedLinear replaced by a plain Linear holding its dequantized weight."""
+    plain = copy.deepcopy(model)
+    for name, m in list(plain.named_modules()):
+        if isinstance(m, QuantizedLinear):
+            lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=m.weight.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(m.weight.dequantize(torch.float32))
+                if m.bias is not None:
+                    lin.bias.copy_(m.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(plain.get_submodule(parent), child, lin)
+    return plain
+
+
+def read_with_transformers(folder, fmt):
+    if fmt == "hf-fp8":
+        qc = transformers.FineGrainedFP8Config(dequantize=True)
+    else:
+        qc = transformers.utils.quantization_config.CompressedTensorsConfig(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=qc).eval()
+
+
+@pytest.mark.parametrize("name", list(QUANT_CONFIGS))
+def test_compressed_tensors_export_is_read_bit_exactly_by_transformers(name, tmp_path):
+    model = tiny_llama()
+    quantize_model(model, name, calibration=[IDS])
+    out = export(model, tmp_path / "ckpt")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["ignore"] == ["lm_head"]
+    hf = read_with_transformers(out, "compressed-tensors")
+    sd = hf.state_dict()
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(layers) == 14
+    for n, m in layers.items():
+        assert torch.equal(sd[f"{n}.weight"].float(), m.weight.dequantize(torch.float32)), n
+    with torch.no_grad():
+        want = dequantized_copy(model)(IDS).logits
+        assert torch.equal(hf(IDS).logits, want)
+        # and minifloat's own reader gives back the same quantized model
+        back = load_quantized(out)
+        assert torch.equal(back(IDS).logits, model(IDS).logits)
+    assert sum(isinstance(m, QuantizedLinear) for m in back.modules()) == 14
+
+
+def test_the_tensors_follow_compressed_tensors_conventions(tmp_path):
+    """NVFP4 as compressed-tensors defines it, checked against ml_dtypes: weight_packed with the
+    even column in the low nibble, weight_scale E4M3 (N, K/16), weight_global_scale stored
+    inverted (value = e2m1 × e4m3 / global)."""
+    from safetensors.torch import load_file
+
+    model = tiny_llama(hidden=128, inter=256)
+    quantize_model(model, "nvfp4", calibration=[IDS])
+    out = export(model, tmp_path / "nv")
+    t = load_file(str(out / "model.safetensors"))
+    p = "model.layers.0.mlp.down_proj"
+    packed, scale, g = t[f"{p}.weight_packed"], t[f"{p}.weight_scale"], t[f"{p}.weight_global_scale"]
+    assert packed.dtype == torch.uint8 and packed.shape == (128, 128)
+    assert scale.dtype == torch.float8_e4m3fn and scale.shape == (128, 16)
+    assert g.dtype == torch.float32 and g.shape == (1,) and f"{p}.input_global_scale" in t
+    nib = packed.numpy()
+    codes = np.stack([nib & 0xF, nib >> 4], axis=-1).reshape(128, 256)
+    vals = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    block = scale.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    want = vals * np.repeat(block, 16, axis=1) / float(g)
+    got = model.get_submodule(p).weight.dequantize().double().numpy()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_fp8_export_is_read_by_transformers_fine_grained_fp8(dtype, tmp_path):
+    model = tiny_llama(dtype=dtype)
+    quantize_model(model, "fp8-block")
+    out = export(model, tmp_path / "fp8", format="hf-fp8")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    hf = read_with_transformers(out, "hf-fp8")
+    sd = hf.state_dict()
+    for n, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            assert torch.equal(sd[f"{n}.weight"], m.weight.dequantize(torch.float32).to(sd[f"{n}.weight"].dtype)), n
+    with torch.no_grad():
+        assert torch.equal(hf(IDS).logits, dequantized_copy(model)(IDS).logits)
+        assert torch.equal(load_quantized(out)(IDS).logits, model(IDS).logits)
+
+
+def deepseek_style_checkpoint(folder, *, drop=None, bad_shape=None, bad_dtype=None):
+    """An FP8 checkpoint written the way DeepSeek-V3's are, without minifloat: per Linear
+    ``weight`` float8_e4m3fn and ``weight_scale_inv`` float32 per 128×128 block (multiplied on
+    dequantize), quantized here with ml_dtypes; returns the float64 weights they stand for."""
+    from safetensors.torch import save_file
+
+    model = tiny_llama(hidden=256, inter=384, seed=5)
+    tensors, want = {}, {}
+    for name, t in model.state_dict().items():
+        mod = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and isinstance(model.get_submodule(mod), torch.nn.Linear) and mod != "lm_head":
+            w = t.double().numpy()
+            n, k = w.shape
+            gr, gc = -(-n // 128), -(-k // 128)
+            amax = np.abs(np.pad(w, ((0, gr * 128 - n), (0, gc * 128 - k)))).reshape(gr, 128, gc, 128).max(axis=(1, 3))
+            sinv = (amax / 448.0).astype(np.float32)
+            full = np.repeat(np.repeat(sinv, 128, 0), 128, 1)[:n, :k].astype(np.float64)
+            codes = (w / full).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+            tensors[name] = torch.from_numpy(codes.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+            tensors[f"{mod}.weight_scale_inv"] = torch.from_numpy(sinv)
+            want[mod] = (codes.astype(np.float64) * full).astype(np.float32)  # one float32 rounding of the product
+        else:
+            tensors[name] = t.contiguous()
+    if drop:
+        tensors.pop(drop)
+    if bad_shape:
+        tensors[bad_shape] = tensors[bad_shape][:1].contiguous()
+    if bad_dtype:
+        tensors[bad_dtype] = tensors[bad_dtype].double()
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = model.config.to_dict() | {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                       "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, default=str))
+    return want
+
+
+def test_import_of_a_deepseek_style_fp8_checkpoint(tmp_path):
+    want = deepseek_style_checkpoint(tmp_path / "ds")
+    model = load_quantized(tmp_path / "ds")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert set(layers) == set(want)
+    for n, m in layers.items():
+        assert m.config.name == "fp8-block"
+        np.testing.assert_array_equal(m.weight.dequantize().numpy(), want[n])
+    with torch.no_grad():
+        assert torch.isfinite(model(IDS).logits).all()
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [(dict(drop="model.layers.0.mlp.up_proj.weight_scale_inv"), "'model.layers.0.mlp.up_proj.weight_scale_inv' is missing"),
+     (dict(bad_shape="model.layers.1.self_attn.q_proj.weight_scale_inv"),
+      r"'model.layers.1.self_attn.q_proj.weight_scale_inv' has shape \(1, 2\); expected \(2, 2\)"),
+     (dict(bad_dtype="model.layers.0.mlp.down_proj.weight_scale_inv"),
+      "'model.layers.0.mlp.down_proj.weight_scale_inv' is torch.float64; expected torch.float32")],
+)  # fmt: skip
+def test_malformed_checkpoints_name_the_tensor(tmp_path, kw, message):
+    deepseek_style_checkpoint(tmp_path / "bad", **kw)
+    with pytest.raises(minifloat.MinifloatError, match=message):
+        load_quantized(tmp_path / "bad")
+
+
+def test_unknown_formats_are_clear_errors(tmp_path):
+    model = tiny_llama(hidden=128, inter=256)
+    quantize_model(model, "mxfp8")
+    out = export(model, tmp_path / "m")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 3
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(minifloat.MinifloatError, match="no minifloat config matches the checkpoint's scheme"):
+        load_quantized(out)
+    config["quantization_config"] = {"quant_method": "gptq"}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(minifloat.MinifloatError, match="quant_method='gptq'"):
+        load_quantized(out)
+    with pytest.raises(minifloat.MinifloatError, match="no config.json"):
+        load_quantized(tmp_path)
+
+
+def test_sharded_export_has_an_index_and_loads(tmp_path):
+    model = tiny_llama(hidden=128, inter=256)
+    quantize_model(model, "fp8-dynamic")
+    out = export(model, tmp_path / "sharded", max_shard_bytes=100_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    hf = read_with_transformers(out, "compressed-tensors")
+    with torch.no_grad():
+        assert torch.equal(hf(IDS).logits, dequantized_copy(model)(IDS).logits)
+        assert torch.equal(load_quantized(out)(IDS).logits, model(IDS).logits)
+
+
+def test_export_is_atomic_and_does_not_overwrite_by_accident(tmp_path):
+    model = tiny_llama(hidden=128, inter=256)
+    with pytest.raises(minifloat.MinifloatError, match="no QuantizedLinear: run minifloat.quantize_model"):
+        export(model, tmp_path / "a")
+    quantize_model(model, "mxfp8")
+    export(model, tmp_path / "a")
+    with pytest.raises(minifloat.MinifloatError, match="exists; pass overwrite=True"):
+        export(model, tmp_path / "a")
+    export(model, tmp_path / "a", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no temporary folder left behind
+    with pytest.raises(minifloat.MinifloatError, match="format 'hf-fp8' holds fp8-block layers"):
+        export(model, tmp_path / "b", format="hf-fp8")
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(minifloat.MinifloatError, match="unknown export format 'gguf'"):
+        export(model, tmp_path / "c", format="gguf")

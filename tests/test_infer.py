@@ -1,0 +1,208 @@
+"""Post-training quantization: QuantizedLinear against a float64 product of the dequantized
+operands, bytes at rest against the formats' formulas, calibration, and the skip reasons."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import minifloat
+from minifloat.infer import QUANT_CONFIGS, QuantizedLinear, calibrate, get_quant_config, quantize_model
+from minifloat.train.model import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = list(QUANT_CONFIGS)
+
+
+def tiny_llama(hidden=128, inter=256, layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def tiny_gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=128)).eval()
+
+
+def heavy_tailed(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape, generator=g))
+
+
+def expected(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """float64 product of the operands the layer multiplies: its input as the activation scheme
+    quantizes it (or as it is, weight-only) and its weight, dequantized; plus the bias."""
+    c = layer.config
+    x2 = x.reshape(-1, x.shape[-1])
+    if c.activation is not None:
+        x2 = minifloat.quantize(x2, c.activation_scheme, amax=layer.input_amax if c.static else None).dequantize()
+    y = x2.double() @ layer.weight.dequantize().double().t()
+    if layer.bias is not None:
+        y = y + layer.bias.double()
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def fp32_bound(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """FP32 accumulation error bound of each output: K · 2^-23 · Σ|a||b| (plus the bias' rounding)."""
+    x2 = x.reshape(-1, x.shape[-1]).abs().double() * 2  # a quantized |x| is at most ~2× |x| (saturation aside)
+    s = x2 @ layer.weight.dequantize().abs().double().t()
+    return (layer.in_features * 2.0**-23 * s + 1e-30).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_quantized_linear_equals_float64_product_of_dequantized_operands(name):
+    lin = torch.nn.Linear(256, 96)
+    x = heavy_tailed(3, 5, 256, seed=1)
+    layer = QuantizedLinear.from_linear(lin, name, input_amax=x.abs().max() if get_quant_config(name).static else None)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (3, 5, 96)
+    err = (y.double() - expected(layer, x)).abs()
+    assert (err <= fp32_bound(layer, x) + 2.0**-24 * expected(layer, x).abs()).all(), name
+    # the high-precision weight is gone: only packed parts remain
+    assert not any(p.dtype == torch.float32 and p.shape == (96, 256) for p in layer.buffers())
+    assert list(layer.parameters()) == []
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("which", ["gpt", "llama"])
+def test_quantized_models_forward_matches_float64_reference_per_layer(name, which):
+    model = tiny_gpt() if which == "gpt" else tiny_llama()
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    summary = quantize_model(model, name, calibration=[ids])
+    assert len(summary.quantized) == (8 if which == "gpt" else 14)
+    seen = []
+
+    def check(module, args, out):
+        x = args[0]
+        err = (out.double() - expected(module, x)).abs()
+        assert (err <= fp32_bound(module, x) + 2.0**-24 * expected(module, x).abs()).all()
+        seen.append(module)
+
+    handles = [m.register_forward_hook(check) for m in model.modules() if isinstance(m, QuantizedLinear)]
+    with torch.no_grad():
+        out = model(ids)
+    for h in handles:
+        h.remove()
+    logits = out if which == "gpt" else out.logits
+    assert len(seen) == len(summary.quantized) and torch.isfinite(logits).all()
+
+
+def _scale_bytes(name: str, n: int, k: int) -> int:
+    """The weight's scale bytes by each format's definition."""
+    return {
+        "fp8-weight-only": 4 * n, "fp8-dynamic": 4 * n, "fp8-static": 4,
+        "fp8-block": 4 * math.ceil(n / 128) * math.ceil(k / 128),
+        "mxfp8": n * k // 32, "mxfp6": n * k // 32, "mxfp4": n * k // 32, "mxfp4-weight-only": n * k // 32,
+        "nvfp4-weight-only": n * k // 16 + 4, "nvfp4": n * k // 16 + 4,
+    }[name]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_bytes_at_rest_equal_the_formats_formula(name):
+    model = tiny_llama(hidden=128, inter=384)
+    ids = torch.randint(0, 256, (1, 16))
+    before = minifloat.infer.model_bytes(model)
+    summary = quantize_model(model, name, calibration=[ids])
+    bits = get_quant_config(name).weight_scheme.element_format.bits
+    for layer in summary.quantized:
+        n, k = layer.shape
+        want = n * k * bits // 8 + _scale_bytes(name, n, k) + (4 if get_quant_config(name).static else 0)
+        assert layer.bytes_after == want, layer.name
+        assert layer.bytes_before == n * k * 4
+    saved = sum(layer.bytes_before - layer.bytes_after for layer in summary.quantized)
+    assert summary.model_bytes_before == before
+    assert summary.model_bytes_after == minifloat.infer.model_bytes(model) == before - saved
+
+
+def test_calibration_max_and_percentile():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    batches = [heavy_tailed(8, 32, seed=s) for s in range(3)]
+    cal = calibrate(model, batches)
+    assert float(cal["0"]) == max(float(b.abs().max()) for b in batches)
+    with torch.no_grad():
+        hidden = [torch.relu(model[0](b)) for b in batches]
+    assert float(cal["2"]) == max(float(h.abs().max()) for h in hidden)
+    pct = calibrate(model, batches, method="percentile", percentile=90.0)
+    want = max(float(torch.quantile(b.abs().flatten(), 0.9)) for b in batches)
+    assert float(pct["0"]) == pytest.approx(want, rel=1e-6) and float(pct["0"]) < float(cal["0"])
+    with pytest.raises(minifloat.MinifloatError, match="unknown calibration method 'mean'"):
+        calibrate(model, batches, method="mean")
+    with pytest.raises(minifloat.MinifloatError, match="got no batches"):
+        calibrate(model, [])
+
+
+@pytest.mark.parametrize("name", ["fp8-static", "nvfp4"])
+def test_static_configs_need_calibration_and_use_it(name):
+    model = tiny_llama()
+    with pytest.raises(minifloat.MinifloatError, match=f"config '{name}' quantizes inputs with calibrated scales"):
+        quantize_model(copy.deepcopy(model), name)
+    ids = torch.randint(0, 256, (2, 16))
+    cal = calibrate(model, [ids])
+    quantize_model(model, name, calibration=cal)
+    layer = model.model.layers[0].mlp.up_proj
+    assert float(layer.input_amax) == float(cal["model.layers.0.mlp.up_proj"])
+
+
+def test_layers_that_do_not_fit_stay_in_high_precision_with_the_reason():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fits = torch.nn.Linear(64, 64)
+            self.odd = torch.nn.Linear(40, 64)  # K = 40: not a multiple of the 32-wide MX blocks
+            self.small = torch.nn.Linear(64, 8)
+            self.unused = torch.nn.Linear(64, 64)
+            self.lm_head = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.lm_head(self.fits(x)) + self.odd(x[..., :40]).sum() + self.small(x).sum()
+
+    net = Net()
+    x = torch.randn(4, 64)
+    reasons = {s.name: s.reason for s in quantize_model(copy.deepcopy(net), "mxfp8").layers}
+    assert reasons == {"fits": None, "odd": "in_features=40 is not a multiple of 32 (the blocks along K)",
+                       "small": "out_features=8 is below 16", "unused": None, "lm_head": "ignored (matches 'lm_head')"}  # fmt: skip
+    static = {s.name: s.reason for s in quantize_model(copy.deepcopy(net), "fp8-static", calibration=[x], ignore=()).layers}
+    assert static["unused"] == "calibration never reached it" and static["lm_head"] is None
+    assert static["odd"] is None  # per-tensor FP8 has no blocks along K
+    q = copy.deepcopy(net)
+    quantize_model(q, "mxfp8", ignore=("f*",))
+    assert isinstance(q.fits, torch.nn.Linear) and isinstance(q.lm_head, QuantizedLinear)
+    assert torch.isfinite(q(x)).all()
+
+
+def test_configs_by_name_and_their_errors():
+    assert get_quant_config("FP8_Dynamic") is QUANT_CONFIGS["fp8-dynamic"]
+    assert get_quant_config(QUANT_CONFIGS["nvfp4"].to_dict()) == QUANT_CONFIGS["nvfp4"]
+    with pytest.raises(minifloat.MinifloatError, match="unknown quantization config 'fp9'; known: fp8-weight-only"):
+        get_quant_config("fp9")
+    with pytest.raises(minifloat.MinifloatError, match="one per tensor"):
+        minifloat.infer.QuantConfig(name="x", weight="mxfp8", activation="mxfp8", static=True)
+    with pytest.raises(minifloat.MinifloatError, match="pass input_amax"):
+        QuantizedLinear.from_linear(torch.nn.Linear(32, 32), "fp8-static")
+    with pytest.raises(minifloat.MinifloatError, match="input_amax must be a finite number > 0"):
+        QuantizedLinear.from_linear(torch.nn.Linear(32, 32), "fp8-static", input_amax=float("nan"))
+
+
+def test_nvfp4_weights_use_a_power_of_two_global_scale():
+    layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 32), "nvfp4-weight-only")
+    ts = float(layer.weight.tensor_scale)
+    assert math.log2(ts) == int(math.log2(ts))
+    assert int(layer.weight.scale.max()) <= 0x7E  # the E4M3 block scales stay ≤ 448
+
+
+def test_bf16_models_keep_their_dtype_and_move_with_to():
+    model = tiny_llama().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 8))
+    quantize_model(model, "fp8-dynamic")
+    assert model(ids).logits.dtype == torch.bfloat16
+    layer = model.model.layers[0].mlp.up_proj
+    assert layer.weight.dtype == torch.bfloat16 and layer.bias is None
+    assert model.to(torch.device("cpu")) is model and layer.weight_data.dtype == torch.uint8
+    scales = layer.weight_scale.clone()
+    model.half()  # converts the bias and the rest, never the float32 scales
+    assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scales)
+    assert model(ids).logits.dtype == torch.float16
