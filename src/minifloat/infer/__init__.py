@@ -4,12 +4,16 @@
 - `linear`: `QuantizedLinear`, a Linear whose weight is a packed `QuantizedTensor`.
 - `ptq`: `calibrate` and `quantize_model`, with its per-layer `QuantizeSummary`.
 - `export` / `load`: compressed-tensors and hf-fp8 checkpoints (`export`, `load_quantized`).
+- `models`: the built-in GPT and transformers models (`load_model`, `gpt_to_transformers`).
+- `metrics`: `evaluate`, perplexity, KL and top-1 against the reference, bytes, tokens/s.
 """
 
 from minifloat.infer.config import QUANT_CONFIGS, QuantConfig, get_quant_config
 from minifloat.infer.export import export
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.infer.load import load_quantized
+from minifloat.infer.metrics import evaluate, token_batches, weight_bytes
+from minifloat.infer.models import gpt_to_transformers, load_gpt, load_model
 from minifloat.infer.ptq import (
     Calibration,
     LayerSummary,
@@ -32,4 +36,10 @@ __all__ = [
     "quantize_model",
     "export",
     "load_quantized",
+    "load_model",
+    "load_gpt",
+    "gpt_to_transformers",
+    "evaluate",
+    "token_batches",
+    "weight_bytes",
 ]

@@ -84,15 +84,25 @@ class QuantizeSummary:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` (a tensor shared by two names counted once)."""
-    seen: set[tuple[int, int]] = set()
+    """Bytes of every parameter and buffer of `model` (a tensor shared by two names counted once;
+    a tensor subclass, such as torchao's quantized weights, by the tensors it holds)."""
+    seen: set = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.device.type != "meta" else (id(t), 0)
-        if key not in seen:
-            seen.add(key)
-            total += t.nbytes
+        total += tensor_bytes(t, seen)
     return total
+
+
+def tensor_bytes(t: torch.Tensor, seen: set) -> int:
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n), seen) for n in names if isinstance(getattr(t, n), torch.Tensor))
+    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.device.type != "meta" else id(t)
+    if key in seen:
+        return 0
+    seen.add(key)
+    return t.nbytes
 
 
 def matches(name: str, patterns: Sequence[str]) -> str | None:

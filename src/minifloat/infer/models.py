@@ -1,0 +1,122 @@
+"""The models inference works on: minifloat's built-in GPT (a `minifloat train` output folder or
+one of its checkpoints) and transformers causal LMs (a local model folder, quantized or not).
+
+The built-in GPT is GPT-2's architecture with ``nn.Linear`` layers; `gpt_to_transformers` writes
+the same network as a transformers ``OPTForCausalLM`` (pre-norm LayerNorm blocks, exact GELU,
+learned positions, tied embeddings; its fused qkv split into q_proj / k_proj / v_proj), whose
+logits equal the GPT's. That is the model the serving checkpoints hold: every reader of OPT
+(transformers, vLLM) can run it.
+
+Example:
+    >>> from minifloat.train.model import GPT, GPTConfig
+    >>> gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=64)).eval()
+    >>> opt = gpt_to_transformers(gpt)
+    >>> ids = torch.randint(0, 256, (1, 8))
+    >>> bool((opt(ids).logits - gpt(ids)).abs().max() < 1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.infer.load import load_quantized
+from minifloat.train import checkpoint
+from minifloat.train.model import GPT, GPTConfig, get_config
+
+
+def is_transformers(model: torch.nn.Module) -> bool:
+    """Whether `model` is a transformers model (it has a config that serialises)."""
+    return hasattr(getattr(model, "config", None), "to_dict") and hasattr(model, "can_generate")
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits of a forward's output: the built-in GPT returns them, transformers wraps them."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - an optional integration
+        raise MinifloatError("this needs transformers: pip install transformers") from None
+    return transformers
+
+
+def gpt_to_transformers(gpt: GPT) -> torch.nn.Module:
+    """The built-in GPT as a transformers ``OPTForCausalLM`` with the same weights (copies)."""
+    transformers = _transformers()
+    c: GPTConfig = gpt.config
+    cfg = transformers.OPTConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer, ffn_dim=4 * c.n_embd,
+        num_attention_heads=c.n_head, max_position_embeddings=c.block_size, do_layer_norm_before=True,
+        word_embed_proj_dim=c.n_embd, activation_function="gelu", dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, layerdrop=0.0, enable_bias=True, layer_norm_elementwise_affine=True,
+        tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    dtype = gpt.wte.weight.dtype
+    opt = transformers.OPTForCausalLM(cfg).to(dtype)
+    g, C = {k: v.detach() for k, v in gpt.state_dict().items()}, c.n_embd
+    sd = {
+        "model.decoder.embed_tokens.weight": g["wte.weight"],
+        # OPT's learned positions start at index 2 (its offset for padding); rows 0-1 are never read
+        "model.decoder.embed_positions.weight": torch.cat([torch.zeros(2, C, dtype=dtype), g["wpe.weight"]]),
+        "model.decoder.final_layer_norm.weight": g["ln_f.weight"],
+        "model.decoder.final_layer_norm.bias": g["ln_f.bias"],
+    }
+    pairs = [("ln1", "self_attn_layer_norm"), ("ln2", "final_layer_norm"), ("attn.proj", "self_attn.out_proj"),
+             ("mlp.fc", "fc1"), ("mlp.proj", "fc2")]  # fmt: skip
+    for i in range(c.n_layer):
+        src, dst = f"blocks.{i}.", f"model.decoder.layers.{i}."
+        for a, b in pairs:
+            for t in ("weight", "bias"):
+                sd[f"{dst}{b}.{t}"] = g[f"{src}{a}.{t}"]
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):  # qkv's rows: q, then k, then v
+            for t in ("weight", "bias"):
+                sd[f"{dst}self_attn.{name}.{t}"] = g[f"{src}attn.qkv.{t}"][j * C : (j + 1) * C]
+    missing, unexpected = opt.load_state_dict(sd, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected, (missing, unexpected)  # lm_head is tied
+    opt.tie_weights()
+    return opt.eval()
+
+
+def load_gpt(path: str | os.PathLike[str]) -> GPT:
+    """The built-in GPT of a `minifloat train` output folder (its latest checkpoint) or of a
+    checkpoint folder, with its FP32 master weights; in eval mode."""
+    path = Path(path)
+    ckpt = checkpoint.latest_checkpoint(path / "checkpoints") if (path / "checkpoints").is_dir() else path
+    if ckpt is None or not (ckpt / "manifest.json").is_file():
+        raise MinifloatError(f"{path}: no checkpoint (a `minifloat train` output folder, or a ckpt-* folder in it)")
+    manifest, weights, _ = checkpoint.load_checkpoint(ckpt)
+    model = GPT(get_config(manifest["config"]["model"]))
+    missing, _ = model.load_state_dict(weights, strict=False)  # extra entries: a converted Linear's buffers
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing:
+        raise MinifloatError(f"{ckpt}: the checkpoint lacks {missing[:5]}")
+    return model.eval()
+
+
+def load_model(path: str | os.PathLike[str]) -> torch.nn.Module:
+    """A model folder: a `minifloat train` output or checkpoint (the built-in GPT), a
+    transformers model folder, or a quantized checkpoint (`load_quantized`)."""
+    path = Path(path)
+    if not path.exists():
+        raise MinifloatError(f"{path}: no such model folder")
+    config = path / "config.json"
+    if (path / "checkpoints").is_dir() or (path / "manifest.json").is_file():
+        return load_gpt(path)
+    if config.is_file():
+        raw = json.loads(config.read_text())
+        if "model_type" in raw:
+            if raw.get("quantization_config"):
+                return load_quantized(path)
+            return _transformers().AutoModelForCausalLM.from_pretrained(path).eval()
+    raise MinifloatError(
+        f"{path}: neither a `minifloat train` output (checkpoints/), a checkpoint (manifest.json), "
+        f"nor a transformers model folder (config.json with model_type)"
+    )

@@ -1,0 +1,157 @@
+"""`minifloat ptq-compare`: quantize one trained model with several configs and measure each.
+
+Every config quantizes a fresh copy of the model (the built-in GPT as the transformers OPT that
+its checkpoints hold; static configs calibrate on the corpus' training split) and is evaluated
+on the same held-out batches against the unquantized model: Δ perplexity, KL, top-1 agreement,
+bytes of the weights at rest, bits per weight, tokens/s. torchao's post-training quantization of
+the same model runs beside it where torchao has the scheme on this device (`TORCHAO_PEERS`);
+where it does not, the reason is recorded instead of a figure.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.infer import QUANT_CONFIGS, get_quant_config, quantize_model
+from minifloat.infer.metrics import evaluate, weight_bytes
+from minifloat.infer.models import load_model
+from minifloat.infer.pipeline import TextSource, batches_for, servable, tokenizer_for
+from minifloat.infer.ptq import calibrate
+from minifloat.io import jsonio
+from minifloat.io.atomic import atomic_path
+from minifloat.report.ptq import write_ptq_report
+from minifloat.validate.bench import _quiet_torchao_import
+from minifloat.validate.compare import environment
+
+DEFAULT_SCHEMES = ("fp8-dynamic", "fp8-block", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
+
+
+def linear_weight_count(model: torch.nn.Module) -> int:
+    """Elements of every Linear weight that is not an embedding tied to it."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    total = 0
+    for m in model.modules():
+        if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, torch.nn.Embedding):
+            w = getattr(m, "weight", None)
+            if w is not None and id(w) not in embeddings:
+                total += m.in_features * m.out_features
+    return total
+
+
+def torchao_peer(name: str) -> tuple[Callable[[], object] | None, str, torch.dtype]:
+    """(a factory of torchao's config for minifloat config `name`, or None; why not / what it is;
+    the dtype torchao's path needs the model in)."""
+    try:
+        with _quiet_torchao_import():
+            import torchao.prototype.mx_formats as mx
+            from torchao.quantization import Float8WeightOnlyConfig
+            from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    except Exception:  # noqa: BLE001 - any import failure means "not installed"
+        return None, "torchao is not installed (pip install 'minifloat[bench]')", torch.float32
+    cuda_only = {
+        "fp8-dynamic": "Float8DynamicActivationFloat8WeightConfig(PerRow) needs CUDA capability ≥ 8.9",
+        "fp8-static": "torchao has no calibrated per-tensor FP8 activation config",
+        "fp8-block": "Float8DynamicActivationFloat8WeightConfig with 128×128 blocks needs CUDA",
+        "nvfp4": "NVFP4DynamicActivationNVFP4WeightConfig needs CUDA capability ≥ 10.0",
+        "mxfp6": "torchao's MX inference config has no FP6 element",
+    }
+    emulated = KernelPreference.EMULATED
+    peers = {
+        "fp8-weight-only": (lambda: Float8WeightOnlyConfig(), "Float8WeightOnlyConfig", torch.float32),
+        "mxfp8": (lambda: mx.MXDynamicActivationMXWeightConfig(activation_dtype=torch.float8_e4m3fn,
+                  weight_dtype=torch.float8_e4m3fn, kernel_preference=emulated),
+                  "MXDynamicActivationMXWeightConfig(e4m3, emulated; bf16 model)", torch.bfloat16),
+        "mxfp4": (lambda: mx.MXDynamicActivationMXWeightConfig(activation_dtype=torch.float4_e2m1fn_x2,
+                  weight_dtype=torch.float4_e2m1fn_x2, kernel_preference=emulated),
+                  "MXDynamicActivationMXWeightConfig(e2m1, emulated; bf16 model)", torch.bfloat16),
+        "mxfp4-weight-only": (None, "torchao's MX weight-only inference config was removed", torch.float32),
+        "nvfp4-weight-only": (lambda: mx.NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=True),
+                              "NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=True)", torch.float32),
+    }  # fmt: skip
+    if name in peers:
+        return peers[name]
+    return None, cuda_only.get(name, f"torchao has no config matching {name}"), torch.float32
+
+
+def _torchao_run(model, name: str, reference, batches, ignore: Sequence[str]) -> dict:
+    make, what, dtype = torchao_peer(name)
+    if make is None:
+        return {"config": name, "status": "not run", "why": what}
+    from torchao.quantization import quantize_
+
+    m = copy.deepcopy(model).to(dtype)
+    skip = tuple(ignore)
+
+    def want(module, fqn):
+        return isinstance(module, torch.nn.Linear) and not any(fqn == p or fqn.endswith("." + p) for p in skip)
+
+    try:
+        with _quiet_torchao_import():
+            quantize_(m, make(), filter_fn=want)
+        metrics = evaluate(m, reference, batches)
+    except Exception as err:  # noqa: BLE001 - a peer that fails is reported, not fatal
+        return {"config": name, "status": "failed", "why": f"{what}: {type(err).__name__}: {err}"[:300]}
+    return {"config": name, "status": "ok", "what": what, **metrics}
+
+
+def ptq_compare(
+    model_path: str | os.PathLike[str],
+    schemes: Sequence[str] = DEFAULT_SCHEMES,
+    out: str | os.PathLike[str] = "runs/ptq",
+    *,
+    source: TextSource = TextSource(),  # noqa: B008 - frozen
+    torchao: bool = True,
+    plots: bool = True,
+    ignore: Sequence[str] = ("lm_head",),
+    echo: Callable[[str], None] = print,
+) -> dict:
+    """Quantize the model at `model_path` with each of `schemes`, evaluate each against the
+    unquantized model (and torchao's where it runs), write ``metrics.json`` and ``report.md``
+    (with ``quality.png``) under `out`; returns the metrics."""
+    configs = [get_quant_config(s) for s in schemes]  # unknown names fail before any work
+    if not configs:
+        raise MinifloatError(f"--schemes needs at least one of {', '.join(QUANT_CONFIGS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    reference = servable(load_model(model_path))
+    tokenizer = tokenizer_for(model_path)
+    batches = batches_for(reference, source, "val", tokenizer)
+    calib = batches_for(reference, source, "train", tokenizer)
+    n_weights = linear_weight_count(reference)
+    echo(f"reference: {type(reference).__name__}, {n_weights:,} Linear weights, {len(batches)} × {tuple(batches[0].shape)} tokens")
+    base = evaluate(reference, None, batches)
+    base_row = {"config": "reference", "status": "ok", **base, "bits_per_weight": 8 * weight_bytes(reference) / n_weights}
+    runs, peers = [], []
+    calibration = calibrate(reference, calib) if any(c.needs_calibration for c in configs) else None
+    for c in configs:
+        model = copy.deepcopy(reference)
+        summary = quantize_model(model, c, calibration=calibration, ignore=ignore)
+        m = evaluate(model, reference, batches)
+        row = {"config": c.name, "status": "ok", **m, "bits_per_weight": 8 * m["weight_bytes"] / n_weights,
+               "quantized_layers": len(summary.quantized), "skipped": {s.name: s.reason for s in summary.skipped}}  # fmt: skip
+        runs.append(row)
+        echo(f"  {c.name:<18} Δppl {row['delta_ppl_pct']:+.2f} %  KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  "
+             f"{row['bits_per_weight']:.2f} bits/weight  {row['tokens_per_s']:,.0f} tok/s")  # fmt: skip
+        if torchao:
+            p = _torchao_run(reference, c.name, reference, batches, ignore)
+            if p["status"] == "ok":
+                p["bits_per_weight"] = 8 * p["weight_bytes"] / n_weights
+                echo(f"  {'torchao ' + c.name:<18} Δppl {p['delta_ppl_pct']:+.2f} %  KL {p['kl']:.2e}  top-1 "
+                     f"{p['top1']:.4f}  {p['tokens_per_s']:,.0f} tok/s")  # fmt: skip
+            peers.append(p)
+    metrics = {
+        "model": str(model_path), "reference": base_row, "runs": runs, "torchao": peers,
+        "data": {**dataclasses.asdict(source), "tokens": base["tokens"]}, "env": environment(),
+    }  # fmt: skip
+    with atomic_path(out / "metrics.json") as tmp:
+        tmp.write_text(jsonio.dumps(metrics, indent=2))
+    write_ptq_report(metrics, out, plots=plots)
+    return metrics
+

@@ -1,0 +1,120 @@
+"""The built-in GPT for serving (as transformers' OPT), `evaluate` against a float64 oracle, and
+the `quantize` / `eval` / `ptq-compare` commands on a model minifloat trained."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import minifloat
+from minifloat.cli import main
+from minifloat.infer import QuantizedLinear, evaluate, gpt_to_transformers, load_gpt, quantize_model, token_batches
+from minifloat.train.config import TrainConfig
+from minifloat.train.loop import train
+from minifloat.train.model import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny GPT trained for a few steps by `minifloat train` (its output folder)."""
+    out = tmp_path_factory.mktemp("run")
+    c = TrainConfig(model="tiny", steps=4, batch_size=4, seq_len=32, eval_every=0, eval_batches=1, max_bytes=200_000, warmup=1)
+    train(c, out, progress=False)
+    return out
+
+
+def test_the_gpt_as_opt_gives_the_same_logits():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=128)).eval()
+    opt = gpt_to_transformers(gpt)
+    ids = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        assert torch.allclose(opt(ids).logits, gpt(ids), rtol=0, atol=1e-5)
+    assert opt.lm_head.weight.data_ptr() == opt.model.decoder.embed_tokens.weight.data_ptr()  # tied, as the GPT's
+
+
+def test_a_trained_gpt_is_exported_and_read_by_transformers(trained, tmp_path):
+    gpt = load_gpt(trained)
+    assert isinstance(gpt, GPT) and not gpt.training
+    opt = gpt_to_transformers(gpt)
+    quantize_model(opt, "mxfp8")
+    out = minifloat.infer.export(opt, tmp_path / "ckpt")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.utils.quantization_config.CompressedTensorsConfig(dequantize=True))  # fmt: skip
+    sd = hf.state_dict()
+    for n, m in opt.named_modules():
+        if isinstance(m, QuantizedLinear):
+            assert torch.equal(sd[f"{n}.weight"], m.weight.dequantize()), n
+
+
+def _log_softmax64(logits: torch.Tensor) -> np.ndarray:
+    x = logits.double().numpy()
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_evaluate_against_a_float64_oracle():
+    torch.manual_seed(1)
+    ref = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=64)).eval()
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=64)).eval()
+    model.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        model.blocks[0].mlp.fc.weight.add_(0.05 * torch.randn_like(model.blocks[0].mlp.fc.weight))
+    batches = token_batches(bytes(range(256)) * 20, batch_size=3, seq_len=40, n_batches=2)
+    m = evaluate(model, ref, batches)
+    nll = nll_ref = kl = agree = n = 0.0
+    for b in batches:
+        with torch.no_grad():
+            lq, lr = _log_softmax64(model(b[:, :-1])), _log_softmax64(ref(b[:, :-1]))
+        t = b[:, 1:].numpy()
+        nll -= np.take_along_axis(lq, t[..., None], -1).sum()
+        nll_ref -= np.take_along_axis(lr, t[..., None], -1).sum()
+        kl += (np.exp(lr) * (lr - lq)).sum()
+        agree += (lq.argmax(-1) == lr.argmax(-1)).sum()
+        n += t.size
+    assert m["tokens"] == n == 2 * 3 * 40
+    assert m["ppl"] == pytest.approx(np.exp(nll / n), rel=1e-5)
+    assert m["delta_ppl_pct"] == pytest.approx(100 * (np.exp((nll - nll_ref) / n) - 1), abs=1e-3)
+    assert m["kl"] == pytest.approx(kl / n, rel=1e-3) and m["kl"] > 0
+    assert m["top1"] == agree / n
+    assert m["weight_bytes"] == 4 * sum(lin.weight.numel() for lin in model.modules()
+                                        if isinstance(lin, torch.nn.Linear) and lin is not model.lm_head)  # fmt: skip
+    with pytest.raises(minifloat.MinifloatError, match="need at least"):
+        token_batches(b"short", batch_size=2, seq_len=8, n_batches=2)
+
+
+def test_quantize_eval_and_ptq_compare_commands(trained, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", str(trained), "--scheme", "nvfp4", "--out", str(out), "--calib-batches", "2",
+                 "--batch-size", "2", "--seq-len", "32"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "model.decoder.layers.0.fc1" in printed and "ignored (matches 'lm_head')" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "opt" and config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    # a second run does not overwrite by accident, and says so before any work
+    assert main(["quantize", str(trained), "--scheme", "nvfp4", "--out", str(out)]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+
+    assert main(["eval", str(out), "--reference", str(trained), "--eval-batches", "2", "--batch-size", "2",
+                 "--seq-len", "32", "--json"]) == 0  # fmt: skip
+    m = json.loads(capsys.readouterr().out)
+    assert m["delta_ppl_pct"] > -50 and 0 <= m["top1"] <= 1 and m["kl"] > 0
+
+    report = tmp_path / "ptq"
+    assert main(["ptq-compare", str(trained), "--schemes", "fp8-dynamic,mxfp8", "--eval-batches", "2", "--batch-size", "2",
+                 "--seq-len", "32", "--out", str(report)]) == 0  # fmt: skip
+    metrics = json.loads((report / "metrics.json").read_text())
+    assert [r["config"] for r in metrics["runs"]] == ["fp8-dynamic", "mxfp8"]
+    assert {p["config"]: p["status"] for p in metrics["torchao"]}["fp8-dynamic"] == "not run"
+    text = (report / "report.md").read_text()
+    assert "| mxfp8" in text and "torchao configs that did not run here" in text and (report / "quality.png").is_file()
+
+    assert main(["quantize", str(trained), "--scheme", "fp8-block", "--out", str(tmp_path / "b")]) == 0
+    printed = capsys.readouterr().out  # the tiny model's K = 64 is below the 128-wide blocks, fc2's 256 is not
+    assert "fp8-block: 2 of 13 Linears quantized" in printed and "in_features=64 is not a multiple of 128" in printed
+    assert main(["quantize", str(trained), "--scheme", "mxfp8", "--format", "hf-fp8", "--out", str(tmp_path / "c")]) == 2
+    assert "format 'hf-fp8' holds fp8-block weights" in capsys.readouterr().err
