@@ -9,7 +9,14 @@ import torch
 
 import minifloat
 from minifloat.cli import main
-from minifloat.infer import QuantizedLinear, evaluate, gpt_to_transformers, load_gpt, quantize_model, token_batches
+from minifloat.infer import (
+    QuantizedLinear,
+    evaluate,
+    gpt_to_transformers,
+    load_gpt,
+    quantize_model,
+    token_batches,
+)
 from minifloat.train.config import TrainConfig
 from minifloat.train.loop import train
 from minifloat.train.model import GPT, GPTConfig

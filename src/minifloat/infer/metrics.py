@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from minifloat.errors import MinifloatError
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.infer.models import logits_of
-from minifloat.infer.ptq import tensor_bytes, model_bytes
+from minifloat.infer.ptq import model_bytes, tensor_bytes
 
 
 def token_batches(
