@@ -207,6 +207,26 @@ def test_sharded_export_has_an_index_and_loads(tmp_path):
         assert torch.equal(load_quantized(out)(IDS).logits, model(IDS).logits)
 
 
+def test_tokenizer_files_and_config_fields_come_along(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "tokenizer.json").write_text('{"version": "1.0"}')
+    (source / "tokenizer_config.json").write_text("{}")
+    model = tiny_llama(hidden=128, inter=256)
+    model.config._name_or_path = str(source)
+    model.config.my_field = "kept"
+    quantize_model(model, "fp8-dynamic")
+    out = export(model, tmp_path / "out")
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}' and (out / "tokenizer_config.json").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["my_field"] == "kept" and config["hidden_size"] == 128
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:  # what stays dense keeps the model's dtype
+        assert f.get_slice("model.norm.weight").get_dtype() == "F32"
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "F8_E4M3"
+
+
 def test_export_is_atomic_and_does_not_overwrite_by_accident(tmp_path):
     model = tiny_llama(hidden=128, inter=256)
     with pytest.raises(minifloat.MinifloatError, match="no QuantizedLinear: run minifloat.quantize_model"):
