@@ -125,3 +125,22 @@ def test_quantize_eval_and_ptq_compare_commands(trained, tmp_path, capsys):
     assert "fp8-block: 2 of 13 Linears quantized" in printed and "in_features=64 is not a multiple of 128" in printed
     assert main(["quantize", str(trained), "--scheme", "mxfp8", "--format", "hf-fp8", "--out", str(tmp_path / "c")]) == 2
     assert "format 'hf-fp8' holds fp8-block weights" in capsys.readouterr().err
+
+
+def test_a_transformers_model_folder_goes_through_the_commands(tmp_path, capsys):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    out = tmp_path / "q"
+    assert main(["quantize", str(tmp_path / "llama"), "--scheme", "fp8-static", "--out", str(out),
+                 "--calib-batches", "1", "--batch-size", "2", "--seq-len", "32"]) == 0  # fmt: skip
+    assert "fp8-static: 14 of 15 Linears quantized" in capsys.readouterr().out
+    model = minifloat.infer.load_model(out)
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 14
+    assert all(float(m.input_amax) > 0 for m in model.modules() if isinstance(m, QuantizedLinear))
+    assert main(["eval", str(tmp_path / "llama"), "--scheme", "mxfp4", "--eval-batches", "1", "--batch-size", "2",
+                 "--seq-len", "32"]) == 0  # fmt: skip
+    assert "reference perplexity" in capsys.readouterr().out
+    with pytest.raises(minifloat.MinifloatError, match="neither a `minifloat train` output"):
+        minifloat.infer.load_model(tmp_path)
