@@ -206,3 +206,14 @@ def test_bf16_models_keep_their_dtype_and_move_with_to():
     model.half()  # converts the bias and the rest, never the float32 scales
     assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scales)
     assert model(ids).logits.dtype == torch.float16
+
+
+def test_models_trained_with_minifloat_linears_are_quantized_from_their_master_weights():
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    minifloat.convert(net, "nvfp4")
+    assert isinstance(net[0], minifloat.Linear)
+    master = net[0].weight.detach().clone()
+    summary = quantize_model(net, "fp8-dynamic", ignore=())
+    assert len(summary.quantized) == 2 and isinstance(net[0], QuantizedLinear)
+    want = minifloat.quantize(master, "fp8_rowwise").dequantize()
+    assert torch.equal(net[0].weight.dequantize(), want)
