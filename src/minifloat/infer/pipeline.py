@@ -118,8 +118,8 @@ def evaluate_paths(
     """`evaluate` the model at `model_path` on `source`'s held-out split against the one at
     `reference_path`; with `scheme`, quantize it first, and compare with itself unquantized
     when no reference is given."""
-    model = servable(load_model(model_path))
-    reference = servable(load_model(reference_path)) if reference_path else None
+    model = load_model(model_path)  # the built-in GPT as it is: evaluation needs no transformers
+    reference = load_model(reference_path) if reference_path else None
     tokenizer = tokenizer_for(model_path)
     if scheme is not None:
         config = get_quant_config(scheme)

@@ -1,7 +1,8 @@
 """`minifloat ptq-compare`: quantize one trained model with several configs and measure each.
 
-Every config quantizes a fresh copy of the model (the built-in GPT as the transformers OPT that
-its checkpoints hold; static configs calibrate on the corpus' training split) and is evaluated
+Every config quantizes a fresh copy of the model as it was trained (the built-in GPT with its
+fused qkv: a per-tensor scale spans q, k and v, where the exported OPT has one each; static
+configs calibrate on the corpus' training split) and is evaluated
 on the same held-out batches against the unquantized model: Δ perplexity, KL, top-1 agreement,
 bytes of the weights at rest, bits per weight, tokens/s. torchao's post-training quantization of
 the same model runs beside it where torchao has the scheme on this device (`TORCHAO_PEERS`);
@@ -22,7 +23,7 @@ from minifloat.errors import MinifloatError
 from minifloat.infer import QUANT_CONFIGS, get_quant_config, quantize_model
 from minifloat.infer.metrics import evaluate, weight_bytes
 from minifloat.infer.models import load_model
-from minifloat.infer.pipeline import TextSource, batches_for, servable, tokenizer_for
+from minifloat.infer.pipeline import TextSource, batches_for, tokenizer_for
 from minifloat.infer.ptq import calibrate
 from minifloat.io import jsonio
 from minifloat.io.atomic import atomic_path
@@ -120,7 +121,7 @@ def ptq_compare(
         raise MinifloatError(f"--schemes needs at least one of {', '.join(QUANT_CONFIGS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    reference = servable(load_model(model_path))
+    reference = load_model(model_path)
     tokenizer = tokenizer_for(model_path)
     batches = batches_for(reference, source, "val", tokenizer)
     calib = batches_for(reference, source, "train", tokenizer)
