@@ -5,11 +5,14 @@
 - `ptq`: `calibrate` and `quantize_model`, with its per-layer `QuantizeSummary`.
 - `export` / `load`: compressed-tensors and hf-fp8 checkpoints (`export`, `load_quantized`).
 - `models`: the built-in GPT and transformers models (`load_model`, `gpt_to_transformers`).
+- `kvcache` / `decoding`: packed KV caches, decoding, speculative decoding with an FP4 draft.
 - `metrics`: `evaluate`, perplexity, KL and top-1 against the reference, bytes, tokens/s.
 """
 
 from minifloat.infer.config import QUANT_CONFIGS, QuantConfig, get_quant_config
+from minifloat.infer.decoding import Generation, generate
 from minifloat.infer.export import export
+from minifloat.infer.kvcache import KV_FORMATS, KVCache
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.infer.load import load_quantized
 from minifloat.infer.metrics import evaluate, token_batches, weight_bytes
@@ -42,4 +45,8 @@ __all__ = [
     "evaluate",
     "token_batches",
     "weight_bytes",
+    "KV_FORMATS",
+    "KVCache",
+    "Generation",
+    "generate",
 ]

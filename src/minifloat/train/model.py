@@ -54,11 +54,18 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd)
         self.proj = nn.Linear(c.n_embd, c.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)  # (B, T, C) each
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:  # incremental decoding: the cache returns every position's K and V, these T last
+            past = cache.length(layer)
+            k, v = cache.update(layer, k, v)  # (B, nh, past + T, hs)
+            # query i (at position past + i) sees keys 0 .. past + i
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -78,8 +85,8 @@ class Block(nn.Module):
         self.ln1, self.attn = nn.LayerNorm(c.n_embd), CausalSelfAttention(c)
         self.ln2, self.mlp = nn.LayerNorm(c.n_embd), MLP(c)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache=None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache, layer)
         return x + self.mlp(self.ln2(x))
 
 
@@ -105,13 +112,17 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+        """Logits (B, T, vocab) of `idx` (B, T). With `cache` (an object with ``length(layer)``
+        and ``update(layer, k, v) -> (K, V)``, as `minifloat.infer.KVCache`), `idx` continues the
+        sequence the cache holds: its positions start at the cache's length."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise MinifloatError(f"sequence of {T} tokens exceeds the model's block_size {self.config.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        past = 0 if cache is None else cache.length(0)
+        if past + T > self.config.block_size:
+            raise MinifloatError(f"sequence of {past + T} tokens exceeds the model's block_size {self.config.block_size}")
+        x = self.wte(idx) + self.wpe(torch.arange(past, past + T, device=idx.device))  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache, i)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
     def num_params(self) -> int:

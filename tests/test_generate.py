@@ -1,0 +1,144 @@
+"""Decoding with KV caches: cached equals uncached, each format stores what the reference
+quantizer gives, speculative greedy equals plain greedy, and the rejection sampler keeps the
+target's distribution (a statistical test that can fail)."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import minifloat
+from minifloat.infer import KV_FORMATS, KVCache, generate
+from minifloat.infer.decoding import probabilities
+from minifloat.kernels import reference
+from minifloat.train.model import GPT, GPTConfig
+
+
+def gpt(seed=0, n_embd=128, n_head=2, n_layer=2):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=128, n_layer=n_layer, n_head=n_head, n_embd=n_embd)).eval()
+
+
+def prompt(seed, n=12):
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_cached_decoding_equals_the_uncached_logits(fmt):
+    model = gpt()
+    seq = prompt(1, 40)
+    with torch.no_grad():
+        full = model(seq)[0]
+        cache = KVCache(2, fmt)
+        steps = [model(seq[:, :10], cache)[0]]
+        for t in range(10, 40):
+            steps.append(model(seq[:, t : t + 1], cache)[0])
+    cached = torch.cat(steps)
+    tol = 1e-5 if fmt == "fp32" else 2e-2  # bf16: K and V rounded to 8 significant bits
+    assert torch.allclose(cached, full, rtol=0, atol=tol)
+    assert cache.length() == 40 and cache.nbytes() == 2 * 2 * 40 * 128 * (4 if fmt == "fp32" else 2)
+
+
+@pytest.mark.parametrize("fmt", [f for f in KV_FORMATS if f not in ("fp32", "bf16")])
+def test_each_format_stores_what_the_reference_quantizer_gives(fmt):
+    cache = KVCache(1, fmt)
+    k = torch.randn(2, 4, 7, 64) * torch.exp(torch.randn(2, 4, 7, 64))
+    v = torch.randn(2, 4, 7, 64)
+    K, V = cache.update(0, k, v)
+    (kq, vq), = cache.stored(0)
+    scheme = KV_FORMATS[fmt]
+    for stored, x, full in ((kq, k, K), (vq, v, V)):
+        rows = x.permute(2, 0, 1, 3).reshape(-1, 64)  # token-major rows of one head's values
+        data, scale, ts = reference.quantize(rows, scheme)
+        assert torch.equal(stored.data, data) and torch.equal(stored.scale.view(torch.uint8), scale.view(torch.uint8))
+        assert (ts is None) == (stored.tensor_scale is None) and (ts is None or torch.equal(ts, stored.tensor_scale))
+        want = reference.dequantize(data, scale, ts, rows.shape, scheme).reshape(7, 2, 4, 64).permute(1, 2, 0, 3)
+        assert torch.equal(full, want)
+    bits = scheme.element_format.bits
+    per_row = 64 * bits // 8 + {"row": 4}.get(scheme.granularity, 0) + (64 // scheme.block[1] if scheme.granularity == "block" else 0)
+    assert cache.nbytes() == 2 * (7 * 2 * 4 * per_row + (4 if scheme.is_nvfp4 else 0))
+
+
+def test_truncation_keeps_whole_tokens_exactly():
+    cache = KVCache(1, "nvfp4")
+    k = torch.randn(1, 2, 6, 32)
+    K, _ = cache.update(0, k, k)
+    K2, _ = cache.update(0, k[:, :, :3], k[:, :, :3])
+    cache.truncate(8)
+    assert cache.length() == 8 and torch.equal(cache._work[0][0], K2[:, :, :8])
+    (a, _), (b, _) = cache.stored(0)
+    assert b.shape == (2 * 2, 32) and torch.equal(b.dequantize().reshape(2, 1, 2, 32).permute(1, 2, 0, 3), K2[:, :, 6:8])
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+@pytest.mark.parametrize("draft", ["nvfp4", "mxfp4"])
+def test_speculative_greedy_equals_plain_greedy(kv, draft):
+    model = gpt(seed=3)
+    for seed in range(3):
+        ids = prompt(seed)
+        plain = generate(model, ids, 40, kv_cache=kv)
+        for k in (1, 3, 5):
+            spec = generate(model, ids, 40, kv_cache=kv, draft=draft, draft_tokens=k)
+            assert torch.equal(spec.tokens, plain.tokens), (seed, k)
+            assert spec.new_tokens == 40 and spec.target_forwards <= 40 and len(spec.accepted_per_position) == k
+
+
+def test_greedy_with_another_draft_model_still_equals_the_target():
+    model, other = gpt(seed=3), gpt(seed=4)  # a draft that disagrees often
+    ids = prompt(7)
+    spec = generate(model, ids, 30, kv_cache="fp32", draft=other, draft_tokens=3)
+    assert torch.equal(spec.tokens, generate(model, ids, 30, kv_cache="fp32").tokens)
+    assert spec.mean_accepted < 3
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """The first new token of speculative sampling, over many seeds, against the target's own
+    distribution: a chi-square test at significance 1e-3 (fails for a sampler that keeps
+    drafts too often, or resamples from p instead of the residual)."""
+    model = gpt(seed=5, n_embd=64)
+    other = copy.deepcopy(model)  # a draft sharper than the target: q > p on its favourite, so it must be rejected sometimes
+    other.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 3.0)
+    ids = prompt(2, 8)
+    with torch.no_grad():
+        p = probabilities(model(ids)[0, -1], 1.0, 6, None)
+    support = torch.nonzero(p).flatten().tolist()
+    counts = dict.fromkeys(support, 0)
+    n = 1500
+    for s in range(n):
+        out = generate(model, ids, 2, kv_cache="fp32", temperature=1.0, top_k=6, seed=s, draft=other, draft_tokens=1)
+        counts[int(out.tokens[0, ids.shape[1]])] += 1
+    chi2 = sum((counts[t] - n * float(p[t])) ** 2 / (n * float(p[t])) for t in support)
+    # 5 degrees of freedom: P(chi2 > 20.52) = 0.001
+    assert chi2 < 20.52, (chi2, counts, [round(float(p[t]), 3) for t in support])
+
+
+def test_sampling_controls():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    p = probabilities(logits, 1.0, None, None)
+    assert torch.allclose(p, torch.softmax(logits.double(), 0))
+    assert (probabilities(logits, 1.0, 2, None)[2:] == 0).all()
+    top_p = probabilities(logits, 1.0, None, 0.7)  # 0.64 + 0.24 reaches 0.7: two tokens
+    assert (top_p[2:] == 0).all() and math.isclose(float(top_p.sum()), 1.0)
+    model = gpt()
+    a = generate(model, prompt(0), 10, temperature=0.8, top_p=0.9, seed=1)
+    assert torch.equal(a.tokens, generate(model, prompt(0), 10, temperature=0.8, top_p=0.9, seed=1).tokens)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [(dict(kv_cache="fp7"), "unknown KV-cache format 'fp7'"),
+     (dict(max_new_tokens=200), "exceeds the model's context of 128 tokens"),
+     (dict(temperature=-1.0), "temperature must be ≥ 0"),
+     (dict(draft="int4"), "unknown draft 'int4'")],
+)  # fmt: skip
+def test_bad_input_is_a_clear_error(kw, message):
+    args = dict(max_new_tokens=5) | kw
+    with pytest.raises(minifloat.MinifloatError, match=message):
+        generate(gpt(), prompt(0), **args)
+
+
+def test_a_head_dim_the_blocks_do_not_divide_is_a_clear_error():
+    model = gpt(n_embd=96, n_head=2)  # head_dim 48: not a multiple of MX's 32
+    with pytest.raises(minifloat.MinifloatError, match="blocks of 32 values of a head; the model's head_dim is 48"):
+        generate(model, prompt(0), 3, kv_cache="mxfp8")
