@@ -144,3 +144,15 @@ def test_a_transformers_model_folder_goes_through_the_commands(tmp_path, capsys)
     assert "reference perplexity" in capsys.readouterr().out
     with pytest.raises(minifloat.MinifloatError, match="neither a `minifloat train` output"):
         minifloat.infer.load_model(tmp_path)
+
+
+def test_generate_command_streams_and_reports(trained, capsys):
+    assert main(["generate", str(trained), "--prompt", "def f(", "--max-new-tokens", "12", "--kv-cache", "fp8",
+                 "--draft", "nvfp4", "--draft-tokens", "3"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.startswith("def f(") and "12 tokens in" in out and "KV cache fp8" in out and "acceptance per position" in out
+    assert main(["generate", str(trained), "--prompt", "x", "--max-new-tokens", "5", "--json", "--temperature", "0.7"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["new_tokens"] == 5 and stats["kv_cache"] == "bf16"
+    assert main(["generate", str(trained), "--prompt", "x" * 60, "--max-new-tokens", "10"]) == 2
+    assert "exceeds the model's context of 64 tokens" in capsys.readouterr().err

@@ -1,0 +1,70 @@
+"""`minifloat generate`: stream a continuation of a prompt from a trained built-in GPT, with a
+(quantized) KV cache and optionally an FP4 draft; then the statistics."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minifloat.io import jsonio
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from minifloat.infer.decoding import DRAFTS
+    from minifloat.infer.kvcache import KV_FORMATS
+
+    p = sub.add_parser("generate", help="generate text with a KV cache (FP8 / FP4 caches, FP4 self-speculative drafts)")
+    p.add_argument("model", help="a `minifloat train` output folder or checkpoint (the built-in GPT)")
+    p.add_argument("--prompt", required=True, help="the text to continue (its UTF-8 bytes are the tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    p.add_argument("--kv-cache", default="bf16", choices=list(KV_FORMATS), help="KV-cache format")
+    p.add_argument("--draft", default=None, choices=list(DRAFTS), help="speculative decoding with this FP4 copy as draft")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per verification")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set holding this probability")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON (no streaming)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from minifloat.errors import MinifloatError
+    from minifloat.infer import generate, load_gpt
+
+    data = args.prompt.encode("utf-8")
+    if not data:
+        raise MinifloatError("--prompt is empty; give some text to continue")
+    model = load_gpt(args.model)
+    ids = torch.tensor([list(data)])
+    pending = bytearray()
+
+    def stream(tok: int) -> None:  # bytes may split a UTF-8 character: print what decodes
+        pending.append(tok)
+        try:
+            sys.stdout.write(pending.decode("utf-8"))
+            sys.stdout.flush()
+            pending.clear()
+        except UnicodeDecodeError:
+            if len(pending) >= 4:
+                sys.stdout.write(pending.decode("utf-8", "replace"))
+                pending.clear()
+
+    if not args.json:
+        sys.stdout.write(args.prompt)
+    g = generate(model, ids, args.max_new_tokens, kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, seed=args.seed, draft=args.draft, draft_tokens=args.draft_tokens,
+                 stream=None if args.json else stream)  # fmt: skip
+    stats = g.to_dict()
+    if args.json:
+        print(jsonio.dumps({"text": bytes(g.tokens[0, ids.shape[1]:].tolist()).decode("utf-8", "replace"), **stats}, indent=2))
+        return 0
+    print(f"\n\n{g.new_tokens} tokens in {g.seconds:.2f} s ({g.tokens_per_s:,.1f} tokens/s); KV cache {args.kv_cache}: "
+          f"{g.kv_bytes:,} bytes; {stats['target_forwards_per_token']:.2f} target forwards per token")  # fmt: skip
+    if args.draft:
+        rates = ", ".join(f"{r:.2f}" for r in g.accepted_per_position)
+        print(f"draft {args.draft}, k = {args.draft_tokens}: acceptance per position {rates}; "
+              f"mean accepted {g.mean_accepted:.2f}")  # fmt: skip
+    return 0
