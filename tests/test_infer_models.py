@@ -156,3 +156,16 @@ def test_generate_command_streams_and_reports(trained, capsys):
     assert stats["new_tokens"] == 5 and stats["kv_cache"] == "bf16"
     assert main(["generate", str(trained), "--prompt", "x" * 60, "--max-new-tokens", "10"]) == 2
     assert "exceeds the model's context of 64 tokens" in capsys.readouterr().err
+
+
+def test_bench_decode_reports_kv_formats_and_drafts(trained, capsys):
+    assert main(["bench", "decode", str(trained), "--kv-formats", "fp32,fp8,nvfp4", "--contexts", "40", "--windows", "2",
+                 "--draft-tokens", "2", "--drafts", "nvfp4", "--new-tokens", "8", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    kv = {r["format"]: r for r in out["kv"]}
+    assert kv["fp32"]["kl"] == 0.0 and kv["fp32"]["top1"] == 1.0  # the reference against itself
+    assert kv["fp8"]["kv_bytes"] < kv["fp32"]["kv_bytes"] / 3 and kv["nvfp4"]["kv_bytes"] < kv["fp8"]["kv_bytes"]
+    (run,) = out["speculative"]["runs"]
+    assert run["draft"] == "nvfp4" and run["k"] == 2 and 0 <= run["token_acceptance"] <= 1
+    assert main(["bench", "decode", str(trained), "--contexts", "500"]) == 2
+    assert "must be in (17, 64]" in capsys.readouterr().err

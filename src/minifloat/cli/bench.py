@@ -41,7 +41,14 @@ _mnk = _dims("4096x4096x4096", "shape (MxNxK)")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
-    p.add_argument("what", choices=["quantize", "gemm", "train"], help="what to time")
+    p.add_argument("what", choices=["quantize", "gemm", "train", "decode"], help="what to time")
+    p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint")
+    p.add_argument("--kv-formats", default=None, help="decode: comma-separated KV-cache formats (default: all)")
+    p.add_argument("--contexts", default="128", help="decode: comma-separated window lengths (≤ the model's context)")
+    p.add_argument("--drafts", default="nvfp4,mxfp4", help="decode: FP4 drafts for speculative decoding ('' for none)")
+    p.add_argument("--draft-tokens", default="2,4,8", help="decode: comma-separated k")
+    p.add_argument("--new-tokens", type=int, default=64, help="decode: tokens per speculative generation")
+    p.add_argument("--windows", type=int, default=4, help="decode: held-out windows (or prompts) per context")
     p.add_argument("--size", type=_size, default=(QUANTIZE["rows"], QUANTIZE["cols"]),
                    help=f"quantize: input ROWSxCOLS (default {QUANTIZE['rows']}x{QUANTIZE['cols']})")
     p.add_argument("--schemes", default=None,
@@ -67,6 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.what == "decode":
+        return _decode(args)
     reps = args.reps if args.reps is not None else {"quantize": QUANTIZE, "gemm": GEMM, "train": TRAIN}[args.what]["reps"]
     if reps < 1:
         raise MinifloatError(f"--reps must be ≥ 1, got {reps}")
@@ -166,4 +175,33 @@ def _gemm(args: argparse.Namespace, reps: int) -> int:
     if out["bf16_tflops"] is not None and not out["bf16_native"]:
         print("BF16 here is torch's emulation: this CPU has no BF16 units (no avx512_bf16 or amx_bf16 in "
               "`minifloat info`), so the x bf16 columns do not compare with a real BF16 GEMM")
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from minifloat.infer import load_gpt
+    from minifloat.train.corpus import stdlib_corpus
+    from minifloat.validate import decode
+
+    if args.model is None:
+        raise MinifloatError("bench decode needs a model: minifloat bench decode RUN_FOLDER")
+    model = load_gpt(args.model)
+    formats = decode.DEFAULT_FORMATS if not args.kv_formats else tuple(f.strip() for f in args.kv_formats.split(","))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    bad = [c for c in contexts if not 17 < c <= model.config.block_size]
+    if bad:
+        raise MinifloatError(f"--contexts {bad[0]}: each must be in (17, {model.config.block_size}] (the model's context)")
+    ks = [int(k) for k in args.draft_tokens.split(",") if k.strip()]
+    drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
+    text = stdlib_corpus().val.long()
+    echo = (lambda s: None) if args.json else print
+    echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} held-out windows per context:")
+    out = {"kv": decode.kv_quality(model, text, formats, contexts, windows=args.windows, echo=echo)}
+    if drafts and ks:
+        prompts = [text[s : s + 16].reshape(1, -1) for s in range(0, len(text) - 16, max((len(text) - 16) // args.windows, 1))][: args.windows]
+        new = min(args.new_tokens, model.config.block_size - 16)
+        echo(f"speculative greedy decoding, {len(prompts)} prompts × {new} tokens (plain greedy first):")
+        out["speculative"] = decode.speculative(model, prompts, drafts, ks, new_tokens=new, echo=echo)
+    if args.json:
+        print(jsonio.dumps(out, indent=2))
     return 0

@@ -46,6 +46,8 @@ class Generation:
     draft_tokens: int = 0
     accepted_per_position: list[float] = field(default_factory=list)  # acceptance rate of draft position i
     mean_accepted: float | None = None  # mean draft tokens kept per verification
+    proposed: int = 0  # draft tokens the target judged (those after a rejection are not)
+    accepted: int = 0  # of them kept
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,7 +58,7 @@ class Generation:
                 "kv_bytes": self.kv_bytes, "kv_cache": self.kv_cache, "target_forwards": self.target_forwards,
                 "target_forwards_per_token": self.target_forwards / max(self.new_tokens, 1),
                 "draft_tokens": self.draft_tokens, "accepted_per_position": self.accepted_per_position,
-                "mean_accepted": self.mean_accepted}  # fmt: skip
+                "mean_accepted": self.mean_accepted, "proposed": self.proposed, "accepted": self.accepted}  # fmt: skip
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -226,5 +228,6 @@ def _speculative(model, draft, ids, n, kv, temperature, top_k, top_p, gen, strea
         target_cache.truncate(seq.shape[1] - 1)
         draft_cache.truncate(min(draft_cache.length(), seq.shape[1] - 1))
     stats = {"draft_tokens": k, "accepted_per_position": [a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=True)],
-             "mean_accepted": sum(kept_counts) / len(kept_counts) if kept_counts else 0.0}  # fmt: skip
+             "mean_accepted": sum(kept_counts) / len(kept_counts) if kept_counts else 0.0,
+             "proposed": sum(proposed), "accepted": sum(accepted)}  # fmt: skip
     return seq, target_cache, forwards, stats
