@@ -142,3 +142,37 @@ def test_a_head_dim_the_blocks_do_not_divide_is_a_clear_error():
     model = gpt(n_embd=96, n_head=2)  # head_dim 48: not a multiple of MX's 32
     with pytest.raises(minifloat.MinifloatError, match="blocks of 32 values of a head; the model's head_dim is 48"):
         generate(model, prompt(0), 3, kv_cache="mxfp8")
+
+
+def test_memory_pressure_moves_old_tokens_to_fp4_within_the_budget():
+    model = gpt()  # 2 layers, 2 heads of 64: an FP8 token takes 2·2·(64 + 4) = 272 bytes a layer, NVFP4 2·2·(32 + 4) = 144
+    ids = prompt(3, 20)
+    budget = 2 * (20 * 272 + 80 * 144 + 600)  # room for 99 tokens only if most move to FP4 (+ its chunks' tensor scales)
+    g = generate(model, ids, 80, kv_cache="fp8", kv_budget_bytes=budget, kv_sink_tokens=4, kv_recent_tokens=16)
+    assert g.new_tokens == 80 and len(g.kv_precisions) == 99  # the last token is not fed back: nothing lost
+    assert g.kv_bytes <= budget and g.kv_events
+    cache = KVCache(2, "fp8", budget_bytes=budget, sink_tokens=4, recent_tokens=16)
+    for t in range(99):  # the budget is never exceeded: after every token of every layer
+        for layer in range(2):
+            x = torch.randn(1, 2, 1 if t else 20, 64)
+            cache.update(layer, x, x)
+        assert cache.nbytes() <= budget
+        if t == 79:
+            break
+    p = g.kv_precisions
+    assert p[:4] == ["fp8"] * 4 and p[-16:] == ["fp8"] * 16 and "nvfp4" in p[4:-16]
+    moved = [t for e in g.kv_events if e["layer"] == 0 for t in range(*e["tokens"])]
+    assert sorted(moved) == [i for i, f in enumerate(p) if f == "nvfp4"]  # each token moved once, oldest first
+    # the cache's stored values of a moved token: its FP8 values, re-quantized to NVFP4
+    plain = generate(model, ids, 80, kv_cache="fp8")
+    assert plain.kv_bytes > budget
+
+
+def test_a_budget_too_small_for_even_fp4_is_an_error_before_anything_is_lost():
+    cache = KVCache(1, "fp8", budget_bytes=2000, sink_tokens=1, recent_tokens=1)
+    k = torch.randn(1, 2, 4, 64)
+    cache.update(0, k, k)  # 4 tokens fit (2 in FP8, 2 in NVFP4)
+    held = cache.precisions()
+    with pytest.raises(minifloat.MinifloatError, match="cannot hold 14 tokens .* nothing was dropped"):
+        cache.update(0, torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64))
+    assert cache.length() == 4 and cache.precisions() == held and cache.nbytes() <= 2000

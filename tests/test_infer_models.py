@@ -154,6 +154,12 @@ def test_generate_command_streams_and_reports(trained, capsys):
     assert main(["generate", str(trained), "--prompt", "x", "--max-new-tokens", "5", "--json", "--temperature", "0.7"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["new_tokens"] == 5 and stats["kv_cache"] == "bf16"
+    assert main(["generate", str(trained), "--prompt", "abc", "--max-new-tokens", "40", "--kv-cache", "fp8",
+                 "--kv-budget", "40KB"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "KV budget 40,000 bytes: tokens held" in out and "nvfp4" in out
+    assert main(["generate", str(trained), "--prompt", "abc", "--max-new-tokens", "40", "--kv-budget", "1KB"]) == 2
+    assert "nothing was dropped" in capsys.readouterr().err
     assert main(["generate", str(trained), "--prompt", "x" * 60, "--max-new-tokens", "10"]) == 2
     assert "exceeds the model's context of 64 tokens" in capsys.readouterr().err
 

@@ -18,6 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="the text to continue (its UTF-8 bytes are the tokens)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--kv-cache", default="bf16", choices=list(KV_FORMATS), help="KV-cache format")
+    p.add_argument("--kv-budget", type=_bytes, default=None, metavar="SIZE",
+                   help="KV-cache budget (e.g. 64MB, 512KiB): old tokens move to --kv-pressure-format to stay within it")
+    p.add_argument("--kv-pressure-format", default="nvfp4", choices=list(KV_FORMATS), help="the format under memory pressure")
     p.add_argument("--draft", default=None, choices=list(DRAFTS), help="speculative decoding with this FP4 copy as draft")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per verification")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -26,6 +29,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON (no streaming)")
     p.set_defaults(run=run)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _bytes(text: str) -> int:
+    """'64MB' → 64·10^6, '512KiB' → 512·2^10, '1000' → 1000."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MB, 512KiB, 1000)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a budget must be ≥ 1 byte, got {text!r}")
+    return int(value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     g = generate(model, ids, args.max_new_tokens, kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, draft=args.draft, draft_tokens=args.draft_tokens,
+                 kv_budget_bytes=args.kv_budget, kv_pressure_format=args.kv_pressure_format,
                  stream=None if args.json else stream)  # fmt: skip
     stats = g.to_dict()
     if args.json:
@@ -63,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"\n\n{g.new_tokens} tokens in {g.seconds:.2f} s ({g.tokens_per_s:,.1f} tokens/s); KV cache {args.kv_cache}: "
           f"{g.kv_bytes:,} bytes; {stats['target_forwards_per_token']:.2f} target forwards per token")  # fmt: skip
+    if args.kv_budget:
+        mix = ", ".join(f"{n} {f}" for f, n in stats["kv_precision_mix"].items())
+        print(f"KV budget {args.kv_budget:,} bytes: tokens held {mix}; {stats['kv_events']} moves to {args.kv_pressure_format}")
     if args.draft:
         rates = ", ".join(f"{r:.2f}" for r in g.accepted_per_position)
         print(f"draft {args.draft}, k = {args.draft_tokens}: acceptance per position {rates}; "

@@ -46,6 +46,8 @@ class Generation:
     draft_tokens: int = 0
     accepted_per_position: list[float] = field(default_factory=list)  # acceptance rate of draft position i
     mean_accepted: float | None = None  # mean draft tokens kept per verification
+    kv_events: list[dict] = field(default_factory=list)  # memory-pressure moves (KVCache.events)
+    kv_precisions: list[str] = field(default_factory=list)  # each token's KV format at the end (layer 0)
     proposed: int = 0  # draft tokens the target judged (those after a rejection are not)
     accepted: int = 0  # of them kept
 
@@ -58,7 +60,9 @@ class Generation:
                 "kv_bytes": self.kv_bytes, "kv_cache": self.kv_cache, "target_forwards": self.target_forwards,
                 "target_forwards_per_token": self.target_forwards / max(self.new_tokens, 1),
                 "draft_tokens": self.draft_tokens, "accepted_per_position": self.accepted_per_position,
-                "mean_accepted": self.mean_accepted, "proposed": self.proposed, "accepted": self.accepted}  # fmt: skip
+                "mean_accepted": self.mean_accepted, "proposed": self.proposed, "accepted": self.accepted,
+                "kv_events": len(self.kv_events),
+                "kv_precision_mix": {f: self.kv_precisions.count(f) for f in dict.fromkeys(self.kv_precisions)}}  # fmt: skip
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -124,27 +128,39 @@ def generate(
     seed: int | None = None,
     draft: str | torch.nn.Module | None = None,
     draft_tokens: int = 4,
+    kv_budget_bytes: int | None = None,
+    kv_pressure_format: str = "nvfp4",
+    kv_sink_tokens: int = 4,
+    kv_recent_tokens: int = 32,
     stream: Callable[[int], None] | None = None,
 ) -> Generation:
     """Continue `input_ids` (1, T) by `max_new_tokens` tokens; see the module docstring.
-    `stream` is called with each new token id as it is decided."""
+    `kv_budget_bytes`: the target's KV cache moves its oldest tokens (but the sinks and the
+    recent window) to `kv_pressure_format` to stay within it (`KVCache`). `stream` is called
+    with each new token id as it is decided."""
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
     kv_format(kv_cache)  # an unknown format: a clear error before any work
+
+    def new_cache(m) -> KVCache:
+        return KVCache(m.config.n_layer, kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
+                       sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens)  # fmt: skip
+
+    new_cache(model)  # bad budget arguments: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     was = model.training
     model.eval()
     t0 = time.perf_counter()
     try:
         if draft is None:
-            seq, cache, forwards, stats = _plain(model, input_ids, max_new_tokens, kv_cache, temperature, top_k, top_p, gen, stream)
+            seq, cache, forwards, stats = _plain(model, input_ids, max_new_tokens, new_cache, temperature, top_k, top_p, gen, stream)
         else:
             d = draft_model(model, draft)
-            seq, cache, forwards, stats = _speculative(model, d, input_ids, max_new_tokens, kv_cache, temperature, top_k,
+            seq, cache, forwards, stats = _speculative(model, d, input_ids, max_new_tokens, new_cache, temperature, top_k,
                                                        top_p, gen, stream, draft_tokens)  # fmt: skip
     finally:
         model.train(was)
     return Generation(seq, seq.shape[1] - input_ids.shape[1], time.perf_counter() - t0, cache.nbytes(), kv_cache,
-                      forwards, **stats)  # fmt: skip
+                      forwards, kv_events=cache.events, kv_precisions=cache.precisions(), **stats)  # fmt: skip
 
 
 def _pick(logits: torch.Tensor, temperature, top_k, top_p, gen) -> int:
@@ -153,8 +169,8 @@ def _pick(logits: torch.Tensor, temperature, top_k, top_p, gen) -> int:
     return int(torch.multinomial(probabilities(logits, temperature, top_k, top_p), 1, generator=gen))
 
 
-def _plain(model, ids, n, kv, temperature, top_k, top_p, gen, stream):
-    cache = KVCache(model.config.n_layer, kv)
+def _plain(model, ids, n, new_cache, temperature, top_k, top_p, gen, stream):
+    cache = new_cache(model)
     logits = model(ids, cache)[0, -1]
     seq = ids
     for i in range(n):
@@ -167,9 +183,9 @@ def _plain(model, ids, n, kv, temperature, top_k, top_p, gen, stream):
     return seq, cache, n, {}
 
 
-def _speculative(model, draft, ids, n, kv, temperature, top_k, top_p, gen, stream, k):
-    target_cache = KVCache(model.config.n_layer, kv)
-    draft_cache = KVCache(draft.config.n_layer, kv)
+def _speculative(model, draft, ids, n, new_cache, temperature, top_k, top_p, gen, stream, k):
+    target_cache = new_cache(model)
+    draft_cache = new_cache(draft)
     seq = ids
     prompt = ids.shape[1]
     forwards = 0

@@ -62,86 +62,191 @@ def _unrows(r: torch.Tensor, b: int, nh: int) -> torch.Tensor:
     return r.reshape(-1, b, nh, r.shape[-1]).permute(1, 2, 0, 3)
 
 
-def _head_rows(q: QuantizedTensor | torch.Tensor, n: int) -> QuantizedTensor | torch.Tensor:
-    """The first `n` rows of a stored chunk (whole rows: exact for every format)."""
+def _slice_rows(q: QuantizedTensor | torch.Tensor, r0: int, r1: int) -> QuantizedTensor | torch.Tensor:
+    """Rows [r0, r1) of a stored chunk (whole rows: exact for every format; an NVFP4 chunk's
+    pieces keep its tensor scale)."""
     if isinstance(q, torch.Tensor):
-        return q[:n]
-    return QuantizedTensor(q.data[:n], q.scale[:n], q.tensor_scale, (n, q.shape[1]), q.scheme, q.orig_dtype)
+        return q[r0:r1]
+    return QuantizedTensor(q.data[r0:r1], q.scale[r0:r1], q.tensor_scale, (r1 - r0, q.shape[1]), q.scheme, q.orig_dtype)
+
+
+def _row_bytes(store: Scheme | torch.dtype, hs: int) -> int:
+    """Bytes of one head's row of `hs` values in `store` (an NVFP4 chunk's tensor scale aside)."""
+    if isinstance(store, torch.dtype):
+        return hs * torch.finfo(store).bits // 8
+    scale = {"row": 4, "tensor": 0}.get(store.granularity)
+    if scale is None:
+        scale = hs // store.block[1] * (4 if store.scale_format == "fp32" else 1)
+    return hs * store.element_format.bits // 8 + scale
+
+
+DEMOTE_AT_ONCE = 16
 
 
 class KVCache:
-    """Per-layer K/V store in one `format` (see the module docstring)."""
+    """Per-layer K/V store (see the module docstring).
 
-    def __init__(self, n_layer: int, format: str = "bf16") -> None:
+    With `budget_bytes` ("FP8 normally, FP4 under memory pressure"): when appending would take
+    the cache past the budget, the oldest tokens move from `format` to `pressure_format` (their
+    stored values re-quantized), except the first `sink_tokens` (attention sinks) and the last
+    `recent_tokens`; each move is an event in `events`, and `precisions()` tells each token's
+    format. If even that cannot fit the next tokens, a `MinifloatError` comes before anything
+    is stored or dropped. The budget counts every layer; each layer keeps to its equal share."""
+
+    def __init__(self, n_layer: int, format: str = "bf16", *, budget_bytes: int | None = None,
+                 pressure_format: str = "nvfp4", sink_tokens: int = 4, recent_tokens: int = 32) -> None:  # fmt: skip
         if n_layer < 1:
             raise MinifloatError(f"n_layer must be ≥ 1, got {n_layer}")
-        self.format = str(format).strip().lower().replace("-", "_")
+        self.format = _key(format)
         self.store = kv_format(self.format)
-        self._chunks: list[list[tuple[object, object, int]]] = [[] for _ in range(n_layer)]  # (K, V, tokens)
+        self.pressure_format = _key(pressure_format)
+        self.pressure = kv_format(self.pressure_format)
+        if budget_bytes is not None and budget_bytes < 1:
+            raise MinifloatError(f"the KV budget must be ≥ 1 byte, got {budget_bytes}")
+        if sink_tokens < 0 or recent_tokens < 0:
+            raise MinifloatError(f"sink_tokens and recent_tokens must be ≥ 0, got {sink_tokens} and {recent_tokens}")
+        self.budget_bytes, self.sink_tokens, self.recent_tokens = budget_bytes, sink_tokens, recent_tokens
+        self.n_layer = n_layer
+        self._segs: list[list[list]] = [[] for _ in range(n_layer)]  # [K, V, tokens, format name]
         self._work: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
-        self._shape: tuple[int, int] | None = None  # (batch, heads)
+        self._shape: tuple[int, int, int] | None = None  # (batch, heads, head_dim)
+        self.events: list[dict] = []
 
     def length(self, layer: int = 0) -> int:
         """Tokens held for `layer`."""
-        return sum(n for _, _, n in self._chunks[layer])
+        return sum(seg[2] for seg in self._segs[layer])
 
-    def _pack(self, x: torch.Tensor):
-        r = _rows(x)
-        if isinstance(self.store, torch.dtype):
-            return r.to(self.store)
-        return quantize(r, self.store)
+    def precisions(self, layer: int = 0) -> list[str]:
+        """The format each held token of `layer` is stored in, oldest first."""
+        return [seg[3] for seg in self._segs[layer] for _ in range(seg[2])]
 
-    def _unpack(self, stored) -> torch.Tensor:
+    def _pack(self, rows: torch.Tensor, store):
+        return rows.to(store) if isinstance(store, torch.dtype) else quantize(rows, store)
+
+    @staticmethod
+    def _unpack(stored) -> torch.Tensor:
         return stored.float() if isinstance(stored, torch.Tensor) else stored.dequantize(torch.float32)
+
+    def _check_shape(self, k: torch.Tensor) -> None:
+        b, nh, _, hs = k.shape
+        if self._shape is None:
+            for name, store in ((self.format, self.store), (self.pressure_format, self.pressure)):
+                if not isinstance(store, torch.dtype) and store.granularity == "block" and hs % store.block[1]:
+                    raise MinifloatError(
+                        f"KV cache {name!r} quantizes blocks of {store.block[1]} values of a head; "
+                        f"the model's head_dim is {hs} (use fp8, bf16 or fp32)"
+                    )
+            self._shape = (b, nh, hs)
+        elif self._shape != (b, nh, hs):
+            raise MinifloatError(f"the cache holds batch × heads × head_dim {self._shape}; got {(b, nh, hs)}")
+
+    def token_bytes(self, store) -> int:
+        """Bytes one token takes in one layer (K and V) in `store`."""
+        b, nh, hs = self._shape
+        return 2 * b * nh * _row_bytes(store, hs)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the T new tokens' `k`, `v` (B, heads, T, head_dim) to `layer`; return every
         token's K and V (B, heads, length, head_dim), as stored (dequantized, float32)."""
-        b, nh, t, hs = k.shape
-        if self._shape is None:
-            self._shape = (b, nh)
-            if not isinstance(self.store, torch.dtype) and self.store.granularity == "block" and hs % self.store.block[1]:
-                raise MinifloatError(
-                    f"KV cache {self.format!r} quantizes blocks of {self.store.block[1]} values of a head; "
-                    f"the model's head_dim is {hs} (use fp8, bf16 or fp32)"
-                )
-        elif self._shape != (b, nh):
-            raise MinifloatError(f"the cache holds batch × heads {self._shape}; got {(b, nh)}")
-        kq, vq = self._pack(k.detach()), self._pack(v.detach())
-        self._chunks[layer].append((kq, vq, t))
+        self._check_shape(k)
+        b, nh, t, _ = k.shape
+        if self.budget_bytes is not None and layer == 0:
+            self._check_budget(t)  # before anything is stored: every layer has layer 0's sizes
+        kq, vq = self._pack(_rows(k.detach()), self.store), self._pack(_rows(v.detach()), self.store)
+        self._segs[layer].append([kq, vq, t, self.format])
         new = (_unrows(self._unpack(kq), b, nh), _unrows(self._unpack(vq), b, nh))
         old = self._work[layer]
         self._work[layer] = new if old is None else (torch.cat((old[0], new[0]), 2), torch.cat((old[1], new[1]), 2))
+        if self.budget_bytes is not None:
+            self._fit(layer)
         return self._work[layer]
+
+    def _check_budget(self, t: int) -> None:
+        n = self.length(0) + t
+        kept = min(n, self.sink_tokens + self.recent_tokens)
+        # per-chunk bytes beyond the per-token ones (NVFP4's tensor scales): those held, and two more chunks
+        extra = self.layer_bytes(0) - sum(seg[2] * self.token_bytes(kv_format(seg[3])) for seg in self._segs[0])
+        extra += 16 if not isinstance(self.pressure, torch.dtype) and self.pressure.is_nvfp4 else 0
+        least = self.n_layer * (kept * self.token_bytes(self.store) + (n - kept) * self.token_bytes(self.pressure) + extra)
+        if least > self.budget_bytes:
+            raise MinifloatError(
+                f"the KV budget of {self.budget_bytes:,} bytes cannot hold {n} tokens even with all but the "
+                f"{self.sink_tokens} first and {self.recent_tokens} last in {self.pressure_format} ({least:,} bytes); "
+                f"nothing was dropped: raise the budget or shorten the sequence"
+            )
+
+    def _fit(self, layer: int) -> None:
+        share = self.budget_bytes // self.n_layer
+        saving = self.token_bytes(self.store) - self.token_bytes(self.pressure)
+        while self.layer_bytes(layer) > share:
+            n = self.length(layer)
+            lo, hi = self.sink_tokens, n - self.recent_tokens
+            # at least DEMOTE_AT_ONCE tokens a move: fewer, larger chunks (each NVFP4 chunk holds a tensor scale)
+            need = max(DEMOTE_AT_ONCE, -(-(self.layer_bytes(layer) - share) // max(saving, 1)))
+            start = 0
+            for i, seg in enumerate(self._segs[layer]):
+                a, b = max(start, lo), min(start + seg[2], hi)
+                if seg[3] == self.format and a < b:
+                    self._demote(layer, i, start, a - start, min(b, a + need) - start)
+                    break
+                start += seg[2]
+            else:
+                raise MinifloatError(f"the KV budget of {self.budget_bytes:,} bytes is exceeded and no token can move to "
+                                     f"{self.pressure_format}")  # fmt: skip
+
+    def _demote(self, layer: int, i: int, start: int, a: int, b: int) -> None:
+        """Move tokens [a, b) of segment i (which starts at token `start`) to the pressure format."""
+        kq, vq, t, fmt = self._segs[layer][i]
+        bsz, nh, _ = self._shape
+        per = bsz * nh
+        before = self.layer_bytes(layer)
+        parts = []
+        if a:
+            parts.append([_slice_rows(kq, 0, a * per), _slice_rows(vq, 0, a * per), a, fmt])
+        mid = [self._pack(self._unpack(_slice_rows(q, a * per, b * per)), self.pressure) for q in (kq, vq)]
+        parts.append([mid[0], mid[1], b - a, self.pressure_format])
+        if b < t:
+            parts.append([_slice_rows(kq, b * per, t * per), _slice_rows(vq, b * per, t * per), t - b, fmt])
+        self._segs[layer][i : i + 1] = parts
+        w = self._work[layer]
+        w[0][:, :, start + a : start + b] = _unrows(self._unpack(mid[0]), bsz, nh)
+        w[1][:, :, start + a : start + b] = _unrows(self._unpack(mid[1]), bsz, nh)
+        self.events.append({"layer": layer, "tokens": [start + a, start + b], "from": fmt, "to": self.pressure_format,
+                            "layer_bytes_before": before, "layer_bytes_after": self.layer_bytes(layer)})  # fmt: skip
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` tokens of every layer (a rejected speculation's rollback)."""
         if n < 0:
             raise MinifloatError(f"truncate keeps n ≥ 0 tokens, got {n}")
-        for layer, chunks in enumerate(self._chunks):
+        for layer, segs in enumerate(self._segs):
             kept, total = [], 0
-            for kq, vq, t in chunks:
+            for kq, vq, t, fmt in segs:
                 if total >= n:
                     break
                 take = min(t, n - total)
                 if take < t:
                     rows = take * self._shape[0] * self._shape[1]
-                    kq, vq = _head_rows(kq, rows), _head_rows(vq, rows)
-                kept.append((kq, vq, take))
+                    kq, vq = _slice_rows(kq, 0, rows), _slice_rows(vq, 0, rows)
+                kept.append([kq, vq, take, fmt])
                 total += take
-            self._chunks[layer] = kept
+            self._segs[layer] = kept
             w = self._work[layer]
             if w is not None:
                 self._work[layer] = (w[0][:, :, :n], w[1][:, :, :n])
 
+    def layer_bytes(self, layer: int) -> int:
+        return sum(seg[0].nbytes + seg[1].nbytes for seg in self._segs[layer])
+
     def nbytes(self) -> int:
         """Bytes of the packed store: codes, scales and tensor scales of every chunk."""
-        total = 0
-        for chunks in self._chunks:
-            for kq, vq, _ in chunks:
-                total += kq.nbytes + vq.nbytes
-        return total
+        return sum(self.layer_bytes(layer) for layer in range(self.n_layer))
 
     def stored(self, layer: int) -> list[tuple[object, object]]:
         """The packed K and V chunks of `layer` (plain tensors or QuantizedTensors)."""
-        return [(kq, vq) for kq, vq, _ in self._chunks[layer]]
+        return [(seg[0], seg[1]) for seg in self._segs[layer]]
+
+
+def _key(name: str) -> str:
+    key = str(name).strip().lower().replace("-", "_")
+    kv_format(key)
+    return key
