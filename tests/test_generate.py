@@ -176,3 +176,53 @@ def test_a_budget_too_small_for_even_fp4_is_an_error_before_anything_is_lost():
     with pytest.raises(minifloat.MinifloatError, match="cannot hold 14 tokens .* nothing was dropped"):
         cache.update(0, torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64))
     assert cache.length() == 4 and cache.precisions() == held and cache.nbytes() <= 2000
+
+
+def tiny_llama(seed=0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8", "nvfp4"])
+def test_a_transformers_llama_decodes_with_the_quantized_cache(fmt):
+    from minifloat.infer.hf_cache import quantized_cache
+
+    model = tiny_llama()
+    seq = prompt(4, 30)
+    cache = quantized_cache(model.config, fmt)
+    with torch.no_grad():
+        full = model(seq).logits[0]
+        steps = [model(input_ids=seq[:, :10], past_key_values=cache, use_cache=True).logits[0]]
+        for t in range(10, 30):
+            steps.append(model(input_ids=seq[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0])
+    cached = torch.cat(steps)
+    if fmt == "fp32":
+        assert torch.allclose(cached, full, atol=1e-5)
+    else:  # K and V as the format stores them: close, not equal
+        assert (cached.argmax(-1) == full.argmax(-1)).float().mean() >= 0.8  # a random model: near-flat logits
+    kv = cache.layers[0].kv
+    (kq, _), *_ = kv.stored(0)
+    assert cache.length() == 30 and cache.nbytes() == sum(layer.kv.nbytes() for layer in cache.layers)
+    if fmt != "fp32":  # 2 KV heads of 32 values: what the reference quantizer gives
+        scheme = KV_FORMATS[fmt]
+        with torch.no_grad():
+            x = model.model.embed_tokens(seq[:, :10])
+            x = model.model.layers[0].input_layernorm(x)
+            k = model.model.layers[0].self_attn.k_proj(x).view(1, 10, 2, 32).transpose(1, 2)
+            cos, sin = model.model.rotary_emb(x, torch.arange(10)[None])
+            k = k * cos[:, None] + torch.cat((-k[..., 16:], k[..., :16]), -1) * sin[:, None]
+        data, scale, _ = reference.quantize(k.permute(2, 0, 1, 3).reshape(-1, 32), scheme)
+        assert torch.equal(kq.data, data) and torch.equal(kq.scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+def test_a_transformers_llama_generates_and_speculates():
+    model = tiny_llama(seed=2)
+    ids = prompt(5)
+    plain = generate(model, ids, 30, kv_cache="fp8")
+    spec = generate(model, ids, 30, kv_cache="fp8", draft="nvfp4", draft_tokens=3)
+    assert torch.equal(spec.tokens, plain.tokens) and spec.target_forwards < 30
+    budget = generate(model, ids, 60, kv_cache="fp8", kv_budget_bytes=15_000, kv_recent_tokens=8)
+    assert budget.kv_bytes <= 15_000 and "nvfp4" in budget.kv_precisions  # FP8 throughout: 20,448 bytes

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.infer.hf_cache import quantized_cache
 from minifloat.infer.kvcache import KVCache, kv_format
+from minifloat.infer.models import is_transformers
 from minifloat.infer.ptq import quantize_model
 from minifloat.train.model import GPT
 
@@ -81,17 +83,38 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, t
     return p
 
 
+def context_length(model) -> int:
+    """The longest sequence `model` takes: the built-in GPT's block size, a transformers model's
+    max_position_embeddings."""
+    c = model.config
+    return c.block_size if isinstance(model, GPT) else int(getattr(c, "max_position_embeddings", 0) or 2**31)
+
+
+def new_cache(model, fmt: str, **kv) -> KVCache:
+    """An empty cache for `model`: a `KVCache`, or for transformers models its ``Cache`` form."""
+    if isinstance(model, GPT):
+        return KVCache(model.config.n_layer, fmt, **kv)
+    return quantized_cache(model.config, fmt, **kv)
+
+
+def forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Logits (1, T, vocab) of `ids` continuing what `cache` holds (which takes their K and V)."""
+    if isinstance(model, GPT):
+        return model(ids, cache)
+    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens) -> None:
-    if not isinstance(model, GPT):
-        raise MinifloatError(f"generate runs minifloat's built-in GPT so far; got {type(model).__name__}")
+    if not (isinstance(model, GPT) or is_transformers(model)):
+        raise MinifloatError(f"generate runs the built-in GPT and transformers causal LMs; got {type(model).__name__}")
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] >= 1):
         raise MinifloatError("input_ids must be a (1, T) tensor of token ids with T ≥ 1 (one prompt)")
     if max_new_tokens < 1:
         raise MinifloatError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
     need = input_ids.shape[1] + max_new_tokens
-    if need > model.config.block_size:
+    if need > context_length(model):
         raise MinifloatError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "
-                             f"the model's context of {model.config.block_size} tokens")  # fmt: skip
+                             f"the model's context of {context_length(model)} tokens")  # fmt: skip
     if not temperature >= 0:
         raise MinifloatError(f"temperature must be ≥ 0, got {temperature}")
     if top_k is not None and top_k < 1:
@@ -102,7 +125,7 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_to
         raise MinifloatError(f"draft_tokens must be ≥ 1, got {draft_tokens}")
 
 
-def draft_model(model: GPT, draft: str | torch.nn.Module) -> torch.nn.Module:
+def draft_model(model: torch.nn.Module, draft: str | torch.nn.Module) -> torch.nn.Module:
     """The draft: `model`'s copy with FP4 weights (``"nvfp4"``, ``"mxfp4"``), or a model given."""
     if isinstance(draft, torch.nn.Module):
         if getattr(getattr(draft, "config", None), "vocab_size", None) != model.config.vocab_size:
@@ -117,7 +140,7 @@ def draft_model(model: GPT, draft: str | torch.nn.Module) -> torch.nn.Module:
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: torch.nn.Module,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,
@@ -141,21 +164,21 @@ def generate(
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
     kv_format(kv_cache)  # an unknown format: a clear error before any work
 
-    def new_cache(m) -> KVCache:
-        return KVCache(m.config.n_layer, kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
-                       sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens)  # fmt: skip
+    def make_cache(m) -> KVCache:
+        return new_cache(m, kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
+                         sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens)  # fmt: skip
 
-    new_cache(model)  # bad budget arguments: a clear error before any work
+    make_cache(model)  # bad budget arguments: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     was = model.training
     model.eval()
     t0 = time.perf_counter()
     try:
         if draft is None:
-            seq, cache, forwards, stats = _plain(model, input_ids, max_new_tokens, new_cache, temperature, top_k, top_p, gen, stream)
+            seq, cache, forwards, stats = _plain(model, input_ids, max_new_tokens, make_cache, temperature, top_k, top_p, gen, stream)
         else:
             d = draft_model(model, draft)
-            seq, cache, forwards, stats = _speculative(model, d, input_ids, max_new_tokens, new_cache, temperature, top_k,
+            seq, cache, forwards, stats = _speculative(model, d, input_ids, max_new_tokens, make_cache, temperature, top_k,
                                                        top_p, gen, stream, draft_tokens)  # fmt: skip
     finally:
         model.train(was)
@@ -169,9 +192,9 @@ def _pick(logits: torch.Tensor, temperature, top_k, top_p, gen) -> int:
     return int(torch.multinomial(probabilities(logits, temperature, top_k, top_p), 1, generator=gen))
 
 
-def _plain(model, ids, n, new_cache, temperature, top_k, top_p, gen, stream):
-    cache = new_cache(model)
-    logits = model(ids, cache)[0, -1]
+def _plain(model, ids, n, make_cache, temperature, top_k, top_p, gen, stream):
+    cache = make_cache(model)
+    logits = forward(model, ids, cache)[0, -1]
     seq = ids
     for i in range(n):
         tok = _pick(logits, temperature, top_k, top_p, gen)
@@ -179,13 +202,13 @@ def _plain(model, ids, n, new_cache, temperature, top_k, top_p, gen, stream):
         if stream:
             stream(tok)
         if i + 1 < n:
-            logits = model(seq[:, -1:], cache)[0, -1]
+            logits = forward(model, seq[:, -1:], cache)[0, -1]
     return seq, cache, n, {}
 
 
-def _speculative(model, draft, ids, n, new_cache, temperature, top_k, top_p, gen, stream, k):
-    target_cache = new_cache(model)
-    draft_cache = new_cache(draft)
+def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, gen, stream, k):
+    target_cache = make_cache(model)
+    draft_cache = make_cache(draft)
     seq = ids
     prompt = ids.shape[1]
     forwards = 0
@@ -198,7 +221,7 @@ def _speculative(model, draft, ids, n, new_cache, temperature, top_k, top_p, gen
         # the draft proposes kk tokens (feeding what its cache lacks first)
         drafts, qs = [], []
         if kk:
-            logits = draft(seq[:, draft_cache.length():], draft_cache)[0, -1]
+            logits = forward(draft, seq[:, draft_cache.length():], draft_cache)[0, -1]
             for i in range(kk):
                 if temperature == 0:
                     tok = int(logits.argmax())
@@ -208,11 +231,11 @@ def _speculative(model, draft, ids, n, new_cache, temperature, top_k, top_p, gen
                     qs.append(q)
                 drafts.append(tok)
                 if i + 1 < kk:
-                    logits = draft(torch.tensor([[tok]]), draft_cache)[0, -1]
+                    logits = forward(draft, torch.tensor([[tok]]), draft_cache)[0, -1]
         # the target scores the sequence's unseen tokens and the drafts in one pass
         base = target_cache.length()
         feed = torch.cat((seq[:, base:], torch.tensor([drafts], dtype=seq.dtype).reshape(1, -1)), 1)
-        logits = model(feed, target_cache)[0]  # (len(feed), vocab)
+        logits = forward(model, feed, target_cache)[0]  # (len(feed), vocab)
         forwards += 1
         first = seq.shape[1] - 1 - base  # logits row that predicts drafts[0]
         n_ok, out = 0, None
