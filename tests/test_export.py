@@ -242,3 +242,31 @@ def test_export_is_atomic_and_does_not_overwrite_by_accident(tmp_path):
     assert not (tmp_path / "b").exists()
     with pytest.raises(minifloat.MinifloatError, match="unknown export format 'gguf'"):
         export(model, tmp_path / "c", format="gguf")
+
+
+def test_calibrated_kv_scales_are_exported_as_vllm_reads_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from minifloat.infer import calibrate_kv
+    from minifloat.infer.hf_cache import quantized_cache
+
+    model = tiny_llama(hidden=128, inter=256)
+    scales = calibrate_kv(model, [IDS])
+    assert set(scales) == {0, 1} and all(k > 0 and v > 0 for k, v in scales.values())
+    quantize_model(model, "fp8-dynamic")
+    out = export(model, tmp_path / "kv", kv_scales=scales)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"]["num_bits"] == 8 and qc["kv_cache_scheme"]["strategy"] == "tensor"
+    t = load_file(str(out / "model.safetensors"))
+    assert t["model.layers.1.self_attn.k_scale"].shape == (1,)
+    assert float(t["model.layers.1.self_attn.v_scale"]) == pytest.approx(scales[1][1] / 448, rel=1e-7)
+    # the real reader, compressed (as vLLM loads it: dequantizing drops the KV scales), takes them
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert float(hf.model.layers[1].self_attn.k_scale) == pytest.approx(scales[1][0] / 448, rel=1e-7)
+    assert hf(IDS).logits.shape == (2, 24, 256)
+    # the calibrated cache: per-tensor FP8 with the layer's amax, as the reference quantizer gives
+    cal = quantized_cache(model.config, "fp8", scales=scales)
+    with torch.no_grad():
+        model(input_ids=IDS[:1], past_key_values=cal, use_cache=True)
+    (kq, _), = cal.layers[0].kv.stored(0)
+    assert kq.scheme.granularity == "tensor" and float(kq.scale) == pytest.approx(scales[0][0] / 448, rel=1e-6)

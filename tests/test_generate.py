@@ -226,3 +226,21 @@ def test_a_transformers_llama_generates_and_speculates():
     assert torch.equal(spec.tokens, plain.tokens) and spec.target_forwards < 30
     budget = generate(model, ids, 60, kv_cache="fp8", kv_budget_bytes=15_000, kv_recent_tokens=8)
     assert budget.kv_bytes <= 15_000 and "nvfp4" in budget.kv_precisions  # FP8 throughout: 20,448 bytes
+
+
+def test_a_calibrated_fp8_cache_for_the_gpt():
+    from minifloat.infer import calibrate_kv
+
+    model = gpt()
+    scales = calibrate_kv(model, [prompt(s, 40) for s in range(3)])
+    g = generate(model, prompt(9, 10), 20, kv_cache="fp8", kv_scales=scales)
+    assert g.new_tokens == 20
+    cache = KVCache(2, "fp8", scales=scales)
+    x = torch.randn(1, 2, 3, 64)
+    cache.update(1, x, x)
+    (kq, _), = cache.stored(1)
+    data, scale, _ = reference.quantize(x.permute(2, 0, 1, 3).reshape(-1, 64), minifloat.get_scheme("fp8"),
+                                        amax=torch.tensor(scales[1][0]).reshape(1, 1))  # fmt: skip
+    assert torch.equal(kq.data, data) and torch.equal(kq.scale, scale)
+    with pytest.raises(minifloat.MinifloatError, match="calibrated KV scales are per-tensor FP8"):
+        KVCache(2, "nvfp4", scales=scales)

@@ -10,7 +10,7 @@
 """
 
 from minifloat.infer.config import QUANT_CONFIGS, QuantConfig, get_quant_config
-from minifloat.infer.decoding import Generation, generate
+from minifloat.infer.decoding import Generation, calibrate_kv, generate
 from minifloat.infer.export import export
 from minifloat.infer.kvcache import KV_FORMATS, KVCache
 from minifloat.infer.linear import QuantizedLinear
@@ -49,4 +49,5 @@ __all__ = [
     "KVCache",
     "Generation",
     "generate",
+    "calibrate_kv",
 ]

@@ -104,6 +104,27 @@ def forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
     return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
 
 
+def calibrate_kv(model, batches) -> dict[int, tuple[float, float]]:
+    """Per layer, the amax of the keys and values (as the cache stores them: after a rotary
+    embedding) over `batches` of token ids (B, T): the scales of a calibrated FP8 cache
+    (``generate(kv_cache="fp8", kv_scales=...)``), and the ``k_scale`` / ``v_scale`` (amax / 448)
+    that `export` writes for vLLM."""
+    amax: dict[int, list[float]] = {}
+    with torch.no_grad():
+        for batch in batches:
+            cache = new_cache(model, "fp32")
+            forward(model, batch, cache)
+            layers = [layer.kv for layer in cache.layers] if hasattr(cache, "layers") else None
+            for i in range(len(layers) if layers else cache.n_layer):
+                kv, j = (layers[i], 0) if layers else (cache, i)
+                k, v = kv._work[j]
+                a = amax.setdefault(i, [0.0, 0.0])
+                a[0], a[1] = max(a[0], float(k.abs().max())), max(a[1], float(v.abs().max()))
+    if not amax:
+        raise MinifloatError("calibrate_kv got no batches")
+    return {i: (a[0], a[1]) for i, a in amax.items()}
+
+
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens) -> None:
     if not (isinstance(model, GPT) or is_transformers(model)):
         raise MinifloatError(f"generate runs the built-in GPT and transformers causal LMs; got {type(model).__name__}")
@@ -155,9 +176,11 @@ def generate(
     kv_pressure_format: str = "nvfp4",
     kv_sink_tokens: int = 4,
     kv_recent_tokens: int = 32,
+    kv_scales: dict[int, tuple[float, float]] | None = None,
     stream: Callable[[int], None] | None = None,
 ) -> Generation:
     """Continue `input_ids` (1, T) by `max_new_tokens` tokens; see the module docstring.
+    `kv_scales` (`calibrate_kv`'s, with ``kv_cache="fp8"``): per-tensor FP8 with those scales.
     `kv_budget_bytes`: the target's KV cache moves its oldest tokens (but the sinks and the
     recent window) to `kv_pressure_format` to stay within it (`KVCache`). `stream` is called
     with each new token id as it is decided."""
@@ -166,7 +189,8 @@ def generate(
 
     def make_cache(m) -> KVCache:
         return new_cache(m, kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
-                         sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens)  # fmt: skip
+                         sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens,
+                         scales=kv_scales if m is model else None)  # fmt: skip
 
     make_cache(model)  # bad budget arguments: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)

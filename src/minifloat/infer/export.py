@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.formats.registry import E4M3
 from minifloat.infer.config import QuantConfig
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.io.atomic import atomic_path, fsync_dir, make_dir_beside, remove
@@ -188,10 +189,14 @@ def export(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     tokenizer_dir: str | os.PathLike[str] | None = None,
+    kv_scales: dict[int, tuple[float, float]] | None = None,
 ) -> Path:
     """Write the quantized transformers `model` (after `quantize_model`) to `out_dir` in `format`.
 
-    Tokenizer files come from `tokenizer_dir`, else from the folder the model was loaded from."""
+    Tokenizer files come from `tokenizer_dir`, else from the folder the model was loaded from.
+    `kv_scales` (`minifloat.infer.hf_cache.calibrate_kv`'s K and V amax per layer) add an FP8 KV
+    cache as vLLM reads it: ``kv_cache_scheme`` (FP8 per tensor, static) and per attention module
+    ``k_scale`` / ``v_scale`` (amax / 448, shape (1,), the model's dtype)."""
     from safetensors.torch import save_file
 
     if format not in FORMATS:
@@ -217,9 +222,14 @@ def export(
     for prefix, layer in quantized.items():
         tensors.update(layer_tensors(prefix, layer, format))
     config = hf_config.to_dict()
-    config["quantization_config"] = _quantization_config(
-        format, {m.config for m in quantized.values()}, ignore
-    )
+    config["quantization_config"] = _quantization_config(format, {m.config for m in quantized.values()}, ignore)
+    if kv_scales is not None:
+        if format != "compressed-tensors":
+            raise MinifloatError("calibrated KV scales are written in the compressed-tensors format (kv_cache_scheme)")
+        tensors.update(_kv_scale_tensors(model, kv_scales))
+        config["quantization_config"]["kv_cache_scheme"] = {
+            "num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
+            "dynamic": False, "observer": "minmax"}  # fmt: skip
     config.setdefault("torch_dtype", str(next(iter(tensors.values())).dtype).removeprefix("torch."))
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +256,20 @@ def export(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+    return out
+
+
+def _kv_scale_tensors(model: torch.nn.Module, kv_scales: dict[int, tuple[float, float]]) -> dict[str, torch.Tensor]:
+    attention = {m.layer_idx: name for name, m in model.named_modules()
+                 if name.endswith("self_attn") and isinstance(getattr(m, "layer_idx", None), int)}  # fmt: skip
+    missing = sorted(set(attention) - set(kv_scales))
+    if missing or not attention:
+        raise MinifloatError(f"kv_scales must hold every attention layer of the model; missing {missing or 'all'}")
+    dtype = next(model.parameters()).dtype
+    out = {}
+    for i, name in attention.items():
+        for kind, amax in zip(("k_scale", "v_scale"), kv_scales[i], strict=True):
+            out[f"{name}.{kind}"] = torch.tensor([amax / E4M3.max], dtype=torch.float32).to(dtype)
     return out
 
 

@@ -27,9 +27,9 @@ def _classes():
     class MinifloatCacheLayer(DynamicLayer):
         """One layer's K and V in a `KVCache` (one layer, its share of the budget)."""
 
-        def __init__(self, **kv) -> None:
+        def __init__(self, scales: tuple[float, float] | None = None, **kv) -> None:
             super().__init__()
-            self.kv = KVCache(1, **kv)
+            self.kv = KVCache(1, scales=None if scales is None else {0: scales}, **kv)
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
@@ -55,14 +55,15 @@ def _classes():
             kv = self.kv
             super().reset()
             self.kv = KVCache(1, kv.format, budget_bytes=kv.budget_bytes, pressure_format=kv.pressure_format,
-                              sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens)  # fmt: skip
+                              sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens, scales=kv.scales)  # fmt: skip
 
     class MinifloatCache(Cache):
         """A transformers ``Cache`` of `MinifloatCacheLayer` layers; `nbytes`, `truncate`,
         `events` and `precisions` as `KVCache`'s."""
 
-        def __init__(self, n_layer: int, **kv) -> None:
-            super().__init__(layers=[MinifloatCacheLayer(**kv) for _ in range(n_layer)])
+        def __init__(self, n_layer: int, scales: dict[int, tuple[float, float]] | None = None, **kv) -> None:
+            layers = [MinifloatCacheLayer(None if scales is None else scales[i], **kv) for i in range(n_layer)]
+            super().__init__(layers=layers)
 
         def nbytes(self) -> int:
             return sum(layer.kv.nbytes() for layer in self.layers)
@@ -85,11 +86,13 @@ def _classes():
 
 
 def quantized_cache(config, format: str = "bf16", *, budget_bytes: int | None = None, pressure_format: str = "nvfp4",
-                    sink_tokens: int = 4, recent_tokens: int = 32):  # fmt: skip
+                    sink_tokens: int = 4, recent_tokens: int = 32, scales: dict | None = None):  # fmt: skip
     """A transformers ``Cache`` for a model with `config` (its decoder layers), storing K and V in
-    `format`; `budget_bytes` (the whole cache) is split evenly over the layers."""
+    `format`; `budget_bytes` (the whole cache) is split evenly over the layers; `scales`
+    (`calibrate_kv`'s) make an FP8 cache per-tensor with calibrated scales."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     n_layer = int(text.num_hidden_layers)
     share = None if budget_bytes is None else max(budget_bytes // n_layer, 1)
-    return _classes()(n_layer, format=format, budget_bytes=share, pressure_format=pressure_format,
+    return _classes()(n_layer, scales=scales, format=format, budget_bytes=share, pressure_format=pressure_format,
                       sink_tokens=sink_tokens, recent_tokens=recent_tokens)  # fmt: skip
+

@@ -94,7 +94,8 @@ class KVCache:
     is stored or dropped. The budget counts every layer; each layer keeps to its equal share."""
 
     def __init__(self, n_layer: int, format: str = "bf16", *, budget_bytes: int | None = None,
-                 pressure_format: str = "nvfp4", sink_tokens: int = 4, recent_tokens: int = 32) -> None:  # fmt: skip
+                 pressure_format: str = "nvfp4", sink_tokens: int = 4, recent_tokens: int = 32,
+                 scales: dict[int, tuple[float, float]] | None = None) -> None:  # fmt: skip
         if n_layer < 1:
             raise MinifloatError(f"n_layer must be ≥ 1, got {n_layer}")
         self.format = _key(format)
@@ -106,6 +107,9 @@ class KVCache:
         if sink_tokens < 0 or recent_tokens < 0:
             raise MinifloatError(f"sink_tokens and recent_tokens must be ≥ 0, got {sink_tokens} and {recent_tokens}")
         self.budget_bytes, self.sink_tokens, self.recent_tokens = budget_bytes, sink_tokens, recent_tokens
+        if scales is not None and self.format != "fp8":
+            raise MinifloatError(f"calibrated KV scales are per-tensor FP8 (vLLM's k_scale / v_scale); format is {self.format!r}")
+        self.scales = scales  # layer → (K amax, V amax): one FP8 scale per layer and tensor, from calibration
         self.n_layer = n_layer
         self._segs: list[list[list]] = [[] for _ in range(n_layer)]  # [K, V, tokens, format name]
         self._work: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
@@ -152,7 +156,14 @@ class KVCache:
         b, nh, t, _ = k.shape
         if self.budget_bytes is not None and layer == 0:
             self._check_budget(t)  # before anything is stored: every layer has layer 0's sizes
-        kq, vq = self._pack(_rows(k.detach()), self.store), self._pack(_rows(v.detach()), self.store)
+        if self.scales is not None:  # the calibrated per-tensor scale; values past its amax saturate
+            if layer not in self.scales:
+                raise MinifloatError(f"the calibrated KV scales have no entry for layer {layer}")
+            per_tensor = get_scheme("fp8")
+            ka, va = self.scales[layer]
+            kq, vq = quantize(_rows(k.detach()), per_tensor, amax=ka), quantize(_rows(v.detach()), per_tensor, amax=va)
+        else:
+            kq, vq = self._pack(_rows(k.detach()), self.store), self._pack(_rows(v.detach()), self.store)
         self._segs[layer].append([kq, vq, t, self.format])
         new = (_unrows(self._unpack(kq), b, nh), _unrows(self._unpack(vq), b, nh))
         old = self._work[layer]
