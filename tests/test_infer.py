@@ -2,6 +2,7 @@
 operands, bytes at rest against the formats' formulas, calibration, and the skip reasons."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -187,11 +188,16 @@ def test_configs_by_name_and_their_errors():
         QuantizedLinear.from_linear(torch.nn.Linear(32, 32), "fp8-static", input_amax=float("nan"))
 
 
-def test_nvfp4_weights_use_a_power_of_two_global_scale():
-    layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 32), "nvfp4-weight-only")
-    ts = float(layer.weight.tensor_scale)
-    assert math.log2(ts) == int(math.log2(ts))
-    assert int(layer.weight.scale.max()) <= 0x7E  # the E4M3 block scales stay ≤ 448
+def test_nvfp4_weights_global_scale_exact_or_a_power_of_two():
+    lin = torch.nn.Linear(64, 32)
+    exact = QuantizedLinear.from_linear(lin, "nvfp4-weight-only").weight
+    assert float(exact.tensor_scale) == pytest.approx(float(lin.weight.abs().max()) / (448 * 6), rel=1e-6)
+    assert int(exact.scale.max()) == 0x7E  # the largest block's E4M3 scale is 448
+    config = dataclasses.replace(QUANT_CONFIGS["nvfp4-weight-only"], pow2_global_scale=True)
+    pow2 = QuantizedLinear.from_linear(lin, config).weight
+    ts = float(pow2.tensor_scale)
+    assert math.log2(ts) == int(math.log2(ts)) and ts >= float(exact.tensor_scale)
+    assert int(pow2.scale.max()) <= 0x7E  # the E4M3 block scales stay ≤ 448
 
 
 def test_bf16_models_keep_their_dtype_and_move_with_to():

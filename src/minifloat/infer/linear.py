@@ -33,10 +33,9 @@ def pow2_global_amax(w: torch.Tensor) -> torch.Tensor | None:
     """For an NVFP4 weight: the tensor amax that makes its global encode scale S = 448·6 / amax
     the power of two at or below the one of w's own amax (None for a NaN or inf amax).
 
-    A power-of-two S makes every reader's decode agree bit for bit: compressed-tensors (and
-    vLLM) divide the E4M3 block scale by S, minifloat multiplies by 1/S; with S = 2^k both are
-    exact. The block scales stay ≤ 448 (S only shrinks), using up to one binade less of E4M3's
-    range at the top."""
+    A power-of-two S makes every reader's decode agree bit for bit: compressed-tensors divides
+    the E4M3 block scale by S (and rounds its dequantized weights to bf16), minifloat multiplies
+    by 1/S; with S = 2^k both are exact. It costs accuracy, measured (`QuantConfig`)."""
     a = w.float().abs().max()
     if not torch.isfinite(a):
         return None
@@ -89,7 +88,7 @@ class QuantizedLinear(torch.nn.Module):
         config = get_quant_config(config)
         w = linear.weight.detach()
         with torch.no_grad():
-            amax = pow2_global_amax(w) if config.weight_scheme.is_nvfp4 else None
+            amax = pow2_global_amax(w) if config.weight_scheme.is_nvfp4 and config.pow2_global_scale else None
             weight = quantize(w, config.weight_scheme, amax=amax)
         return cls(weight, linear.bias, config, input_amax=input_amax, backend=backend)
 
