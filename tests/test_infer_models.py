@@ -142,6 +142,8 @@ def test_a_transformers_model_folder_goes_through_the_commands(tmp_path, capsys)
     assert main(["eval", str(tmp_path / "llama"), "--scheme", "mxfp4", "--eval-batches", "1", "--batch-size", "2",
                  "--seq-len", "32"]) == 0  # fmt: skip
     assert "reference perplexity" in capsys.readouterr().out
+    assert main(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "6", "--kv-cache", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] == 6  # the quantized checkpoint decodes, FP8 cache
     with pytest.raises(minifloat.MinifloatError, match="neither a `minifloat train` output"):
         minifloat.infer.load_model(tmp_path)
 

@@ -14,8 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from minifloat.infer.kvcache import KV_FORMATS
 
     p = sub.add_parser("generate", help="generate text with a KV cache (FP8 / FP4 caches, FP4 self-speculative drafts)")
-    p.add_argument("model", help="a `minifloat train` output folder or checkpoint (the built-in GPT)")
-    p.add_argument("--prompt", required=True, help="the text to continue (its UTF-8 bytes are the tokens)")
+    p.add_argument("model", help="a `minifloat train` output folder or checkpoint, or a transformers model folder")
+    p.add_argument("--prompt", required=True, help="the text to continue (the folder's tokenizer, else UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--kv-cache", default="bf16", choices=list(KV_FORMATS), help="KV-cache format")
     p.add_argument("--kv-budget", type=_bytes, default=None, metavar="SIZE",
@@ -52,25 +52,32 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from minifloat.errors import MinifloatError
-    from minifloat.infer import generate, load_gpt
+    from minifloat.infer import generate, load_model
+    from minifloat.infer.pipeline import tokenizer_for
 
-    data = args.prompt.encode("utf-8")
-    if not data:
+    if not args.prompt:
         raise MinifloatError("--prompt is empty; give some text to continue")
-    model = load_gpt(args.model)
-    ids = torch.tensor([list(data)])
-    pending = bytearray()
+    model = load_model(args.model)
+    tokenizer = tokenizer_for(args.model)
+    ids = torch.tensor([tokenizer.encode(args.prompt) if tokenizer else list(args.prompt.encode("utf-8"))])
+    pending: list[int] = []
 
-    def stream(tok: int) -> None:  # bytes may split a UTF-8 character: print what decodes
+    def text_of(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens) if tokenizer else bytes(tokens).decode("utf-8", "strict")
+
+    def stream(tok: int) -> None:  # a token may end inside a character: print what decodes whole
         pending.append(tok)
         try:
-            sys.stdout.write(pending.decode("utf-8"))
-            sys.stdout.flush()
-            pending.clear()
+            piece = text_of(pending)
         except UnicodeDecodeError:
-            if len(pending) >= 4:
-                sys.stdout.write(pending.decode("utf-8", "replace"))
-                pending.clear()
+            if len(pending) < 4:
+                return
+            piece = bytes(pending).decode("utf-8", "replace")
+        if piece.endswith("\ufffd") and len(pending) < 4:
+            return
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        pending.clear()
 
     if not args.json:
         sys.stdout.write(args.prompt)
@@ -80,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
                  stream=None if args.json else stream)  # fmt: skip
     stats = g.to_dict()
     if args.json:
-        print(jsonio.dumps({"text": bytes(g.tokens[0, ids.shape[1]:].tolist()).decode("utf-8", "replace"), **stats}, indent=2))
+        new = g.tokens[0, ids.shape[1] :].tolist()
+        text = tokenizer.decode(new) if tokenizer else bytes(new).decode("utf-8", "replace")
+        print(jsonio.dumps({"text": text, **stats}, indent=2))
         return 0
     print(f"\n\n{g.new_tokens} tokens in {g.seconds:.2f} s ({g.tokens_per_s:,.1f} tokens/s); KV cache {args.kv_cache}: "
           f"{g.kv_bytes:,} bytes; {stats['target_forwards_per_token']:.2f} target forwards per token")  # fmt: skip
