@@ -49,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-tokens", default="2,4,8", help="decode: comma-separated k")
     p.add_argument("--new-tokens", type=int, default=64, help="decode: tokens per speculative generation")
     p.add_argument("--windows", type=int, default=4, help="decode: held-out windows (or prompts) per context")
+    p.add_argument("--kv-text", default="generated", choices=["generated", "text"],
+                   help="decode: the KV formats decode the model's own greedy continuations of held-out prompts, "
+                        "or the held-out text itself")  # fmt: skip
     p.add_argument("--size", type=_size, default=(QUANTIZE["rows"], QUANTIZE["cols"]),
                    help=f"quantize: input ROWSxCOLS (default {QUANTIZE['rows']}x{QUANTIZE['cols']})")
     p.add_argument("--schemes", default=None,
@@ -195,8 +198,9 @@ def _decode(args: argparse.Namespace) -> int:
     drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
     text = stdlib_corpus().val.long()
     echo = (lambda s: None) if args.json else print
-    echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} held-out windows per context:")
-    out = {"kv": decode.kv_quality(model, text, formats, contexts, windows=args.windows, echo=echo)}
+    echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} windows per context "
+         f"({'greedy continuations of held-out prompts' if args.kv_text == 'generated' else 'held-out text'}):")
+    out = {"kv": decode.kv_quality(model, text, formats, contexts, windows=args.windows, source=args.kv_text, echo=echo)}
     if drafts and ks:
         prompts = [text[s : s + 16].reshape(1, -1) for s in range(0, len(text) - 16, max((len(text) - 16) // args.windows, 1))][: args.windows]
         new = min(args.new_tokens, model.config.block_size - 16)

@@ -1,8 +1,9 @@
 """`minifloat bench decode`: what a KV-cache format costs in decoding, and what an FP4 draft buys.
 
-KV formats: along held-out text windows of each context length, the model decodes token by token
-(teacher-forced: the next input is the text's, so that every format sees the same tokens) with
-each cache format; its next-token distributions are compared with those of an FP32 cache: mean
+KV formats: along windows of each context length — the model's own greedy continuations of
+held-out prompts (``source="generated"``, what a served model decodes), or held-out text itself
+(``"text"``) — the model decodes token by token (teacher-forced: every format sees the same
+tokens) with each cache format; its next-token distributions are compared with those of an FP32 cache: mean
 per-token KL(fp32 ‖ format) and top-1 agreement, the KV bytes held at the window's end, and
 decode tokens/s.
 
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from minifloat.errors import MinifloatError
 from minifloat.infer import KVCache, generate
 from minifloat.infer.decoding import draft_model
 
@@ -40,13 +42,18 @@ def _decode_logits(model, window: torch.Tensor, fmt: str, prefill: int) -> tuple
 
 
 def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMATS, contexts: Sequence[int] = (128,),
-               windows: int = 4, prefill: int = 16, echo: Callable[[str], None] = print) -> list[dict]:  # fmt: skip
+               windows: int = 4, prefill: int = 16, source: str = "generated",
+               echo: Callable[[str], None] = print) -> list[dict]:  # fmt: skip
     """Per format and context length: ``kl``, ``top1``, ``kv_bytes``, ``tokens_per_s`` (see the
     module docstring); `text` a 1-D tensor of token ids."""
+    if source not in ("generated", "text"):
+        raise MinifloatError(f"source must be 'generated' or 'text', got {source!r}")
     rows = []
     for ctx in contexts:
         starts = torch.linspace(0, len(text) - ctx - 1, windows).long().tolist()
         ws = [text[s : s + ctx].reshape(1, -1).long() for s in starts]
+        if source == "generated":  # the prompt, then the model's own greedy tokens (FP32 cache)
+            ws = [generate(model, w[:, :prefill], ctx - prefill, kv_cache="fp32").tokens for w in ws]
         ref = [_decode_logits(model, w, "fp32", prefill)[0] for w in ws]
         for fmt in formats:
             kl = agree = n = 0.0
@@ -58,7 +65,7 @@ def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMA
                 agree += (lg.argmax(-1) == r.argmax(-1)).sum().item()
                 n += lg.shape[0]
                 secs += s
-            row = {"format": fmt, "context": ctx, "tokens": int(n), "kl": max(kl / n, 0.0), "top1": agree / n,
+            row = {"format": fmt, "context": ctx, "source": source, "tokens": int(n), "kl": max(kl / n, 0.0), "top1": agree / n,
                    "kv_bytes": nbytes, "tokens_per_s": (n - len(ws)) / secs if secs else float("inf")}  # fmt: skip
             rows.append(row)
             echo(f"  ctx {ctx:>4} {fmt:<9} KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  KV {nbytes:,} B  "
