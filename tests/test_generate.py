@@ -244,3 +244,19 @@ def test_a_calibrated_fp8_cache_for_the_gpt():
     assert torch.equal(kq.data, data) and torch.equal(kq.scale, scale)
     with pytest.raises(minifloat.MinifloatError, match="calibrated KV scales are per-tensor FP8"):
         KVCache(2, "nvfp4", scales=scales)
+
+
+def test_a_high_precision_recent_window():
+    cache = KVCache(1, "fp8", recent_format="bf16", sink_tokens=2, recent_tokens=3)
+    k = torch.randn(1, 2, 10, 64)
+    for t in range(10):
+        cache.update(0, k[:, :, t : t + 1], k[:, :, t : t + 1])
+    assert cache.precisions() == ["bf16"] * 2 + ["fp8"] * 5 + ["bf16"] * 3
+    K = cache._work[0][0]
+    bf = k.bfloat16().float()
+    assert torch.equal(K[:, :, 7:], bf[:, :, 7:]) and torch.equal(K[:, :, :2], bf[:, :, :2])
+    rows = bf[:, :, 2:7].permute(2, 0, 1, 3).reshape(-1, 64)  # aged: the bf16 values, quantized to FP8
+    want = reference.dequantize(*reference.quantize(rows, KV_FORMATS["fp8"]), rows.shape, KV_FORMATS["fp8"])
+    assert torch.equal(K[:, :, 2:7], want.reshape(5, 1, 2, 64).permute(1, 2, 0, 3))
+    g = generate(gpt(), prompt(0), 30, kv_cache="fp8", kv_recent_format="bf16", kv_recent_tokens=8)
+    assert g.kv_precisions.count("bf16") == 4 + 8

@@ -18,6 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="the text to continue (the folder's tokenizer, else UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--kv-cache", default="bf16", choices=list(KV_FORMATS), help="KV-cache format")
+    p.add_argument("--kv-recent", default=None, choices=list(KV_FORMATS), metavar="FORMAT",
+                   help="keep the first 4 and the last 32 tokens' K/V in this format (e.g. bf16), older ones in --kv-cache")
     p.add_argument("--kv-budget", type=_bytes, default=None, metavar="SIZE",
                    help="KV-cache budget (e.g. 64MB, 512KiB): old tokens move to --kv-pressure-format to stay within it")
     p.add_argument("--kv-pressure-format", default="nvfp4", choices=list(KV_FORMATS), help="the format under memory pressure")
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     g = generate(model, ids, args.max_new_tokens, kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, draft=args.draft, draft_tokens=args.draft_tokens,
-                 kv_budget_bytes=args.kv_budget, kv_pressure_format=args.kv_pressure_format,
+                 kv_budget_bytes=args.kv_budget, kv_pressure_format=args.kv_pressure_format, kv_recent_format=args.kv_recent,
                  stream=None if args.json else stream)  # fmt: skip
     stats = g.to_dict()
     if args.json:

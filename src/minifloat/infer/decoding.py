@@ -177,10 +177,13 @@ def generate(
     kv_sink_tokens: int = 4,
     kv_recent_tokens: int = 32,
     kv_scales: dict[int, tuple[float, float]] | None = None,
+    kv_recent_format: str | None = None,
     stream: Callable[[int], None] | None = None,
 ) -> Generation:
     """Continue `input_ids` (1, T) by `max_new_tokens` tokens; see the module docstring.
     `kv_scales` (`calibrate_kv`'s, with ``kv_cache="fp8"``): per-tensor FP8 with those scales.
+    `kv_recent_format` (e.g. ``"bf16"``): the first `kv_sink_tokens` and the last
+    `kv_recent_tokens` tokens stay in it, older ones move to `kv_cache`'s format.
     `kv_budget_bytes`: the target's KV cache moves its oldest tokens (but the sinks and the
     recent window) to `kv_pressure_format` to stay within it (`KVCache`). `stream` is called
     with each new token id as it is decided."""
@@ -190,7 +193,7 @@ def generate(
     def make_cache(m) -> KVCache:
         return new_cache(m, kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
                          sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens,
-                         scales=kv_scales if m is model else None)  # fmt: skip
+                         scales=kv_scales if m is model else None, recent_format=kv_recent_format)  # fmt: skip
 
     make_cache(model)  # bad budget arguments: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)

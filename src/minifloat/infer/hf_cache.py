@@ -55,7 +55,8 @@ def _classes():
             kv = self.kv
             super().reset()
             self.kv = KVCache(1, kv.format, budget_bytes=kv.budget_bytes, pressure_format=kv.pressure_format,
-                              sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens, scales=kv.scales)  # fmt: skip
+                              sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens, scales=kv.scales,
+                              recent_format=kv.recent_format)  # fmt: skip
 
     class MinifloatCache(Cache):
         """A transformers ``Cache`` of `MinifloatCacheLayer` layers; `nbytes`, `truncate`,
@@ -86,7 +87,8 @@ def _classes():
 
 
 def quantized_cache(config, format: str = "bf16", *, budget_bytes: int | None = None, pressure_format: str = "nvfp4",
-                    sink_tokens: int = 4, recent_tokens: int = 32, scales: dict | None = None):  # fmt: skip
+                    sink_tokens: int = 4, recent_tokens: int = 32, scales: dict | None = None,
+                    recent_format: str | None = None):  # fmt: skip
     """A transformers ``Cache`` for a model with `config` (its decoder layers), storing K and V in
     `format`; `budget_bytes` (the whole cache) is split evenly over the layers; `scales`
     (`calibrate_kv`'s) make an FP8 cache per-tensor with calibrated scales."""
@@ -94,5 +96,5 @@ def quantized_cache(config, format: str = "bf16", *, budget_bytes: int | None = 
     n_layer = int(text.num_hidden_layers)
     share = None if budget_bytes is None else max(budget_bytes // n_layer, 1)
     return _classes()(n_layer, scales=scales, format=format, budget_bytes=share, pressure_format=pressure_format,
-                      sink_tokens=sink_tokens, recent_tokens=recent_tokens)  # fmt: skip
+                      sink_tokens=sink_tokens, recent_tokens=recent_tokens, recent_format=recent_format)  # fmt: skip
 

@@ -95,7 +95,7 @@ class KVCache:
 
     def __init__(self, n_layer: int, format: str = "bf16", *, budget_bytes: int | None = None,
                  pressure_format: str = "nvfp4", sink_tokens: int = 4, recent_tokens: int = 32,
-                 scales: dict[int, tuple[float, float]] | None = None) -> None:  # fmt: skip
+                 scales: dict[int, tuple[float, float]] | None = None, recent_format: str | None = None) -> None:  # fmt: skip
         if n_layer < 1:
             raise MinifloatError(f"n_layer must be ≥ 1, got {n_layer}")
         self.format = _key(format)
@@ -110,6 +110,11 @@ class KVCache:
         if scales is not None and self.format != "fp8":
             raise MinifloatError(f"calibrated KV scales are per-tensor FP8 (vLLM's k_scale / v_scale); format is {self.format!r}")
         self.scales = scales  # layer → (K amax, V amax): one FP8 scale per layer and tensor, from calibration
+        # the sinks and the recent window in a higher precision (KIVI's residual, transformers'
+        # QuantizedCache residual_length): tokens enter in it and move to `format` as they age
+        self.recent_format = None if recent_format is None else _key(recent_format)
+        if self.recent_format is not None and scales is not None:
+            raise MinifloatError("a high-precision recent window goes with dynamic scales, not calibrated ones")
         self.n_layer = n_layer
         self._segs: list[list[list]] = [[] for _ in range(n_layer)]  # [K, V, tokens, format name]
         self._work: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
@@ -163,14 +168,31 @@ class KVCache:
             ka, va = self.scales[layer]
             kq, vq = quantize(_rows(k.detach()), per_tensor, amax=ka), quantize(_rows(v.detach()), per_tensor, amax=va)
         else:
-            kq, vq = self._pack(_rows(k.detach()), self.store), self._pack(_rows(v.detach()), self.store)
-        self._segs[layer].append([kq, vq, t, self.format])
+            entry = self.format if self.recent_format is None else self.recent_format
+            store = kv_format(entry)
+            kq, vq = self._pack(_rows(k.detach()), store), self._pack(_rows(v.detach()), store)
+        self._segs[layer].append([kq, vq, t, entry if self.scales is None else self.format])
         new = (_unrows(self._unpack(kq), b, nh), _unrows(self._unpack(vq), b, nh))
         old = self._work[layer]
         self._work[layer] = new if old is None else (torch.cat((old[0], new[0]), 2), torch.cat((old[1], new[1]), 2))
+        if self.recent_format is not None:
+            self._age(layer)
         if self.budget_bytes is not None:
             self._fit(layer)
         return self._work[layer]
+
+    def _age(self, layer: int) -> None:
+        """Move the tokens that left the recent window (not the sinks) from `recent_format` to `format`."""
+        lo, hi = self.sink_tokens, self.length(layer) - self.recent_tokens
+        start, i = 0, 0
+        while i < len(self._segs[layer]):
+            seg = self._segs[layer][i]
+            a, b = max(start, lo), min(start + seg[2], hi)
+            if seg[3] == self.recent_format and a < b:
+                self._demote(layer, i, start, a - start, b - start, self.format)
+                continue  # the segment was split: look at the same index again
+            start += seg[2]
+            i += 1
 
     def _check_budget(self, t: int) -> None:
         n = self.length(0) + t
@@ -178,7 +200,8 @@ class KVCache:
         # per-chunk bytes beyond the per-token ones (NVFP4's tensor scales): those held, and two more chunks
         extra = self.layer_bytes(0) - sum(seg[2] * self.token_bytes(kv_format(seg[3])) for seg in self._segs[0])
         extra += 16 if not isinstance(self.pressure, torch.dtype) and self.pressure.is_nvfp4 else 0
-        least = self.n_layer * (kept * self.token_bytes(self.store) + (n - kept) * self.token_bytes(self.pressure) + extra)
+        entry = self.store if self.recent_format is None else kv_format(self.recent_format)
+        least = self.n_layer * (kept * self.token_bytes(entry) + (n - kept) * self.token_bytes(self.pressure) + extra)
         if least > self.budget_bytes:
             raise MinifloatError(
                 f"the KV budget of {self.budget_bytes:,} bytes cannot hold {n} tokens even with all but the "
@@ -198,15 +221,15 @@ class KVCache:
             for i, seg in enumerate(self._segs[layer]):
                 a, b = max(start, lo), min(start + seg[2], hi)
                 if seg[3] == self.format and a < b:
-                    self._demote(layer, i, start, a - start, min(b, a + need) - start)
+                    self._demote(layer, i, start, a - start, min(b, a + need) - start, self.pressure_format)
                     break
                 start += seg[2]
             else:
                 raise MinifloatError(f"the KV budget of {self.budget_bytes:,} bytes is exceeded and no token can move to "
                                      f"{self.pressure_format}")  # fmt: skip
 
-    def _demote(self, layer: int, i: int, start: int, a: int, b: int) -> None:
-        """Move tokens [a, b) of segment i (which starts at token `start`) to the pressure format."""
+    def _demote(self, layer: int, i: int, start: int, a: int, b: int, to: str) -> None:
+        """Move tokens [a, b) of segment i (which starts at token `start`) to format `to`."""
         kq, vq, t, fmt = self._segs[layer][i]
         bsz, nh, _ = self._shape
         per = bsz * nh
@@ -214,15 +237,15 @@ class KVCache:
         parts = []
         if a:
             parts.append([_slice_rows(kq, 0, a * per), _slice_rows(vq, 0, a * per), a, fmt])
-        mid = [self._pack(self._unpack(_slice_rows(q, a * per, b * per)), self.pressure) for q in (kq, vq)]
-        parts.append([mid[0], mid[1], b - a, self.pressure_format])
+        mid = [self._pack(self._unpack(_slice_rows(q, a * per, b * per)), kv_format(to)) for q in (kq, vq)]
+        parts.append([mid[0], mid[1], b - a, to])
         if b < t:
             parts.append([_slice_rows(kq, b * per, t * per), _slice_rows(vq, b * per, t * per), t - b, fmt])
         self._segs[layer][i : i + 1] = parts
         w = self._work[layer]
         w[0][:, :, start + a : start + b] = _unrows(self._unpack(mid[0]), bsz, nh)
         w[1][:, :, start + a : start + b] = _unrows(self._unpack(mid[1]), bsz, nh)
-        self.events.append({"layer": layer, "tokens": [start + a, start + b], "from": fmt, "to": self.pressure_format,
+        self.events.append({"layer": layer, "tokens": [start + a, start + b], "from": fmt, "to": to,
                             "layer_bytes_before": before, "layer_bytes_after": self.layer_bytes(layer)})  # fmt: skip
 
     def truncate(self, n: int) -> None:

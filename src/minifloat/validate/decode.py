@@ -27,13 +27,16 @@ from minifloat.errors import MinifloatError
 from minifloat.infer import KVCache, generate
 from minifloat.infer.decoding import draft_model
 
-DEFAULT_FORMATS = ("bf16", "fp8", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
+DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
 FP4_COST_RATIO = 0.25  # an FP4 draft's forward against a BF16 target's: a quarter of the weight bytes (memory-bound decode)
 
 
 @torch.no_grad()
 def _decode_logits(model, window: torch.Tensor, fmt: str, prefill: int) -> tuple[torch.Tensor, float, int]:
-    cache = KVCache(model.config.n_layer, fmt)
+    """`fmt`: a KV format, or ``FORMAT+RECENT`` (e.g. ``fp8+bf16``): the sinks and the last 32
+    tokens in RECENT, older ones in FORMAT."""
+    name, _, recent = fmt.partition("+")
+    cache = KVCache(model.config.n_layer, name, recent_format=recent or None)
     rows = [model(window[:, :prefill], cache)[0, -1:]]
     t0 = time.perf_counter()
     for t in range(prefill, window.shape[1] - 1):
