@@ -287,3 +287,35 @@ def test_calibrated_kv_scales_are_exported_as_vllm_reads_them(tmp_path):
         model(input_ids=IDS[:1], past_key_values=cal, use_cache=True)
     (kq, _), = cal.layers[0].kv.stored(0)
     assert kq.scheme.granularity == "tensor" and float(kq.scale) == pytest.approx(scales[0][0] / 448, rel=1e-6)
+
+
+def test_a_layer_policy_quantizes_exports_and_reads_back(tmp_path):
+    model = tiny_llama(hidden=128, inter=256)
+    policy = {"*.self_attn.*": "fp8-dynamic", "*.mlp.down_proj": None, "*.mlp.*": "mxfp4", "lm_head": None}
+    summary = quantize_model(model, policy, ignore=())
+    by = {s.name: s for s in summary.layers}
+    assert by["model.layers.0.self_attn.q_proj"].config == "fp8-dynamic"
+    assert by["model.layers.0.self_attn.q_proj"].rule == "*.self_attn.*"
+    assert by["model.layers.1.mlp.up_proj"].config == "mxfp4" and by["model.layers.1.mlp.up_proj"].rule == "*.mlp.*"
+    assert by["model.layers.1.mlp.down_proj"].reason == "rule '*.mlp.down_proj' keeps it in high precision"
+    assert by["lm_head"].scheme is None and "rule '*.self_attn.*'" in str(summary)
+    out = export(model, tmp_path / "mixed")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision" and len(qc["config_groups"]) == 2
+    # transformers' dequantize=True path decodes every dense layer with one config group (5.23), so
+    # the mixed checkpoint is read compressed and decompressed by compressed-tensors' ModelCompressor
+    from compressed_tensors.compressors import ModelCompressor
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ModelCompressor.from_compression_config(hf.config.quantization_config).decompress_model(hf)
+    sd = hf.state_dict()
+    for n, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            assert torch.equal(sd[f"{n}.weight"].float(), m.weight.dequantize()), n
+    back = load_quantized(out)
+    assert back.model.layers[0].mlp.up_proj.config.name == "mxfp4"
+    assert back.model.layers[0].self_attn.k_proj.config.name == "fp8-dynamic"
+    with torch.no_grad():
+        assert torch.equal(back(IDS).logits, model(IDS).logits)
+    unmatched = quantize_model(tiny_llama(hidden=128, inter=256), {"*.mlp.*": "mxfp8"})
+    assert {s.reason for s in unmatched.skipped} >= {"no rule of the policy matches it"}

@@ -164,21 +164,26 @@ def _dense_tensors(model: torch.nn.Module, quantized: dict[str, QuantizedLinear]
     return out
 
 
-def _quantization_config(fmt: str, configs: set[QuantConfig], ignore: list[str]) -> dict:
-    if len(configs) != 1:
-        raise MinifloatError(
-            f"export writes one config per model; this one mixes {sorted(c.name for c in configs)}"
-        )
-    (c,) = configs
+def _quantization_config(fmt: str, layers: dict[str, QuantConfig], ignore: list[str]) -> dict:
+    """The ``quantization_config``: one config group per config (targeting ``Linear`` when the
+    whole model has one, else its layers by name; ``format`` "mixed-precision" then)."""
+    configs = list(dict.fromkeys(layers.values()))
     if fmt == "hf-fp8":
+        if len(configs) != 1:
+            raise MinifloatError(f"format 'hf-fp8' holds one config; this model mixes {[c.name for c in configs]}")
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                 "modules_to_not_convert": ignore}  # fmt: skip
-    ct = CT_FORMAT[c.name]
-    group = {"targets": ["Linear"], "weights": ct_args(c.weight, c, "weights"),
-             "input_activations": ct_args(c.activation, c, "input_activations"), "output_activations": None, "format": ct}  # fmt: skip
-    return {"quant_method": "compressed-tensors", "format": ct, "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ignore, "kv_cache_scheme": None,
-            "global_compression_ratio": None, "producer": {"name": "minifloat", "config": c.name}}  # fmt: skip
+    groups = {}
+    for i, c in enumerate(configs):
+        targets = ["Linear"] if len(configs) == 1 else [n for n, lc in layers.items() if lc == c]
+        groups[f"group_{i}"] = {"targets": targets, "weights": ct_args(c.weight, c, "weights"),
+                                "input_activations": ct_args(c.activation, c, "input_activations"),
+                                "output_activations": None, "format": CT_FORMAT[c.name]}  # fmt: skip
+    formats = {g["format"] for g in groups.values()}
+    return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "quantization_status": "compressed", "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None,
+            "global_compression_ratio": None,
+            "producer": {"name": "minifloat", "configs": [c.name for c in configs]}}  # fmt: skip
 
 
 def export(
@@ -222,7 +227,7 @@ def export(
     for prefix, layer in quantized.items():
         tensors.update(layer_tensors(prefix, layer, format))
     config = hf_config.to_dict()
-    config["quantization_config"] = _quantization_config(format, {m.config for m in quantized.values()}, ignore)
+    config["quantization_config"] = _quantization_config(format, {n: m.config for n, m in quantized.items()}, ignore)
     if kv_scales is not None:
         if format != "compressed-tensors":
             raise MinifloatError("calibrated KV scales are written in the compressed-tensors format (kv_cache_scheme)")

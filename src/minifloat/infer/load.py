@@ -41,39 +41,52 @@ def _norm(args: dict | None) -> tuple | None:
     return tuple(d.values())
 
 
-def config_from_quantization_config(qc: dict) -> QuantConfig:
-    """The `QuantConfig` a checkpoint's ``quantization_config`` describes."""
+def _config_of_group(group: dict) -> QuantConfig:
+    if group.get("output_activations"):
+        raise MinifloatError("the checkpoint quantizes output activations; load_quantized does not")
+    want = (_norm(group.get("weights")), _norm(group.get("input_activations")))
+    for c in QUANT_CONFIGS.values():
+        if (_norm(ct_args(c.weight, c, "weights")), _norm(ct_args(c.activation, c, "input_activations"))) == want:
+            return c
+    raise MinifloatError(
+        f"no minifloat config matches the checkpoint's scheme (weights {group.get('weights')}, input "
+        f"{group.get('input_activations')}); known: {', '.join(QUANT_CONFIGS)}"
+    )
+
+
+def configs_from_quantization_config(qc: dict) -> list[tuple[list[str], QuantConfig]]:
+    """(targets, `QuantConfig`) of each config group a checkpoint's ``quantization_config``
+    describes; targets are ``Linear``, layer names, or ``re:`` patterns."""
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3" or list(qc.get("weight_block_size") or []) != [128, 128]:
             raise MinifloatError(f"hf-fp8 checkpoint with fmt={qc.get('fmt')!r}, weight_block_size="
                                  f"{qc.get('weight_block_size')!r}: minifloat reads e4m3 with [128, 128] blocks")  # fmt: skip
         if qc.get("activation_scheme", "dynamic") != "dynamic":
-            raise MinifloatError(
-                f"hf-fp8 activation_scheme={qc.get('activation_scheme')!r}: only 'dynamic' is read"
-            )
-        return QUANT_CONFIGS["fp8-block"]
+            raise MinifloatError(f"hf-fp8 activation_scheme={qc.get('activation_scheme')!r}: only 'dynamic' is read")
+        return [(["Linear"], QUANT_CONFIGS["fp8-block"])]
     if method != "compressed-tensors":
-        raise MinifloatError(
-            f"quant_method={method!r}: load_quantized reads 'compressed-tensors' and 'fp8' checkpoints"
-        )
+        raise MinifloatError(f"quant_method={method!r}: load_quantized reads 'compressed-tensors' and 'fp8' checkpoints")
     groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise MinifloatError(f"the checkpoint has {len(groups)} config groups; load_quantized reads one")
-    (group,) = groups.values()
-    if group.get("output_activations"):
-        raise MinifloatError("the checkpoint quantizes output activations; load_quantized does not")
-    want = (_norm(group.get("weights")), _norm(group.get("input_activations")))
-    for c in QUANT_CONFIGS.values():
-        if (
-            _norm(ct_args(c.weight, c, "weights")),
-            _norm(ct_args(c.activation, c, "input_activations")),
-        ) == want:
-            return c
-    raise MinifloatError(
-        f"no minifloat config matches the checkpoint's scheme (weights {group.get('weights')}, input "
-        f"{group.get('input_activations')}); known: {', '.join(QUANT_CONFIGS)}"
-    )
+    if not groups:
+        raise MinifloatError("the checkpoint's quantization_config has no config_groups")
+    return [(list(g.get("targets") or ["Linear"]), _config_of_group(g)) for g in groups.values()]
+
+
+def config_from_quantization_config(qc: dict) -> QuantConfig:
+    """The `QuantConfig` of a checkpoint with one config group."""
+    found = configs_from_quantization_config(qc)
+    if len(found) != 1:
+        raise MinifloatError(f"the checkpoint has {len(found)} config groups; use configs_from_quantization_config")
+    return found[0][1]
+
+
+def _config_for(name: str, module, groups: list[tuple[list[str], QuantConfig]]) -> QuantConfig | None:
+    for targets, c in groups:
+        for t in targets:
+            if t == name or t == type(module).__name__ or (t.startswith("re:") and re.match(t[3:], name)):
+                return c
+    return None
 
 
 def _ignored(name: str, ignore: list[str]) -> bool:
@@ -200,7 +213,7 @@ def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
     qc = raw.pop("quantization_config", None)
     if not qc:
         raise MinifloatError(f"{cfg_path}: no quantization_config; load it with transformers directly")
-    config = config_from_quantization_config(qc)
+    groups = configs_from_quantization_config(qc)
     fmt = "hf-fp8" if qc.get("quant_method") == "fp8" else "compressed-tensors"
     ignore = list(qc.get("modules_to_not_convert") or []) if fmt == "hf-fp8" else list(qc.get("ignore") or [])
     model_type = raw.pop("model_type", None)
@@ -231,6 +244,9 @@ def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
                 raise MinifloatError(f"checkpoint tensor {name + '.' + scale!r} is missing ({name}.weight is "
                                      f"{ts.dtype(name + '.weight')}, codes without their scale)")  # fmt: skip
             continue  # written dense (another tool's ignore pattern)
+        config = _config_for(name, m, groups)
+        if config is None:
+            raise MinifloatError(f"checkpoint layer {name!r} holds quantized tensors but no config group targets it")
         swaps[name] = _quantized_layer(name, m, config, fmt, ts)
     by_old = {id(model.get_submodule(n)): q for n, q in swaps.items()}
     swap_modules(model, list(swaps), lambda old: by_old[id(old)])

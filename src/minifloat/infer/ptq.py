@@ -41,13 +41,15 @@ class LayerSummary:
     bytes_before: int
     bytes_after: int
     reason: str | None = None  # why it stayed in high precision
+    config: str | None = None  # the config's name
+    rule: str | None = None  # the policy pattern that chose it (a mapping of globs to configs)
 
 
 @dataclass
 class QuantizeSummary:
     """What `quantize_model` did; ``str()`` is a table."""
 
-    config: QuantConfig
+    config: QuantConfig | dict
     layers: list[LayerSummary] = field(default_factory=list)
     model_bytes_before: int = 0
     model_bytes_after: int = 0
@@ -62,22 +64,25 @@ class QuantizeSummary:
 
     def to_dict(self) -> dict:
         return {
-            "config": self.config.to_dict(),
+            "config": self.config.to_dict() if isinstance(self.config, QuantConfig) else
+                      {k: (None if v is None else v.name) for k, v in self.config.items()},
             "layers": [vars(layer) | {"shape": list(layer.shape)} for layer in self.layers],
             "model_bytes_before": self.model_bytes_before,
             "model_bytes_after": self.model_bytes_after,
         }
 
     def __str__(self) -> str:
-        rows = [("layer", "shape", "weight", "input", "bytes before", "bytes after", "note")]
+        policy = not isinstance(self.config, QuantConfig)
+        rows = [("layer", "shape", "config", "weight", "input", "bytes before", "bytes after", "note")]
         for s in self.layers:
-            rows.append((s.name, "×".join(map(str, s.shape)), s.scheme or "—", s.activation or "—",
-                         f"{s.bytes_before:,}", f"{s.bytes_after:,}", s.reason or ""))  # fmt: skip
+            note = s.reason or (f"rule {s.rule!r}" if policy and s.rule else "")
+            rows.append((s.name, "×".join(map(str, s.shape)), s.config or "—", s.scheme or "—", s.activation or "—",
+                         f"{s.bytes_before:,}", f"{s.bytes_after:,}", note))  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         ratio = self.model_bytes_before / self.model_bytes_after if self.model_bytes_after else float("nan")
         lines.append(
-            f"{self.config.name}: {len(self.quantized)} of {len(self.layers)} Linears quantized; model "
+            f"{self.config.name if isinstance(self.config, QuantConfig) else 'policy'}: {len(self.quantized)} of {len(self.layers)} Linears quantized; model "
             f"{self.model_bytes_before:,} → {self.model_bytes_after:,} bytes ({ratio:.2f}× smaller)"
         )
         return "\n".join(lines)
@@ -205,9 +210,29 @@ def _eval(model: torch.nn.Module):
         model.train(was)
 
 
+def resolve_policy(config) -> QuantConfig | dict[str, QuantConfig | None]:
+    """A config (name, `QuantConfig`, dict of its fields), or a policy: a mapping of layer-name
+    globs to configs (or None: high precision), first match wins."""
+    if isinstance(config, Mapping) and not ({"name", "weight"} <= set(config)):
+        if not config:
+            raise MinifloatError("a policy maps layer-name globs to configs; this one is empty")
+        return {str(k): (None if v is None else get_quant_config(v)) for k, v in config.items()}
+    return get_quant_config(config)
+
+
+def _layer_config(name: str, policy) -> tuple[QuantConfig | None, str | None, str | None]:
+    """(config, rule, reason it stays in high precision) of layer `name` under `policy`."""
+    if isinstance(policy, QuantConfig):
+        return policy, None, None
+    for pattern, c in policy.items():
+        if matches(name, [pattern]):
+            return c, pattern, None if c is not None else f"rule {pattern!r} keeps it in high precision"
+    return None, None, "no rule of the policy matches it"
+
+
 def quantize_model(
     model: torch.nn.Module,
-    config: str | QuantConfig,
+    config,
     *,
     calibration: Mapping[str, torch.Tensor] | Iterable | None = None,
     ignore: Sequence[str] = ("lm_head",),
@@ -215,46 +240,53 @@ def quantize_model(
 ) -> QuantizeSummary:
     """Replace every eligible Linear of `model` (in place) by a `QuantizedLinear` in `config`.
 
+    `config`: a config (name, `QuantConfig`), or a policy mapping layer-name globs to configs
+    (None: high precision; first match wins; the summary shows each layer's rule), e.g.
+    ``{"*.attn.*": "fp8-dynamic", "*.mlp.*": "nvfp4", "lm_head": None}``.
     `calibration`: what `calibrate` returned, or batches to calibrate on (method ``"max"``);
     configs with a calibrated input scale (``fp8-static``, ``nvfp4``) need it. `ignore`: globs of
     layer names kept in high precision. Returns the `QuantizeSummary`."""
     if not isinstance(model, torch.nn.Module):
         raise MinifloatError(f"quantize_model takes a torch.nn.Module, got {type(model).__name__}")
-    config = get_quant_config(config)
+    policy = resolve_policy(config)
+    configs = [policy] if isinstance(policy, QuantConfig) else [c for c in policy.values() if c is not None]
     if isinstance(ignore, str):
         ignore = (ignore,)
-    if config.needs_calibration:
+    static = [c.name for c in configs if c.needs_calibration]
+    if static:
         if calibration is None:
             raise MinifloatError(
-                f"config {config.name!r} quantizes inputs with calibrated scales: pass calibration= "
+                f"config {static[0]!r} quantizes inputs with calibrated scales: pass calibration= "
                 f"(minifloat.infer.calibrate(model, batches), or the batches themselves)"
             )
         if not isinstance(calibration, Mapping):
             calibration = calibrate(model, calibration)
-    summary = QuantizeSummary(config, model_bytes_before=model_bytes(model))
+    summary = QuantizeSummary(policy, model_bytes_before=model_bytes(model))
     swaps: dict[str, QuantizedLinear] = {}
     by_old: dict[int, QuantizedLinear] = {}
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear) or not name:
             continue
         before = m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
-        reason = f"ignored (matches {p!r})" if (p := matches(name, ignore)) else why_not(m, config)
+        c, rule, reason = _layer_config(name, policy)
+        if (p := matches(name, ignore)) is not None:
+            reason = f"ignored (matches {p!r})"
+        elif c is not None:
+            reason = why_not(m, c)
         amax = None
-        if reason is None and config.needs_calibration:
+        if reason is None and c.needs_calibration:
             amax = calibration.get(name)
             if amax is None:
                 reason = "calibration never reached it"
             elif not float(amax) > 0:
                 reason = f"its calibrated input amax is {float(amax)}"
         if reason is not None:
-            summary.layers.append(
-                LayerSummary(name, tuple(m.weight.shape), None, None, before, before, reason)
-            )
+            summary.layers.append(LayerSummary(name, tuple(m.weight.shape), None, None, before, before, reason, rule=rule))
             continue
-        q = QuantizedLinear.from_linear(m, config, input_amax=amax, backend=backend)
+        q = QuantizedLinear.from_linear(m, c, input_amax=amax, backend=backend)
         after = sum(b.nbytes for b in q.buffers())
         summary.layers.append(
-            LayerSummary(name, tuple(m.weight.shape), config.weight, config.activation, before, after)
+            LayerSummary(name, tuple(m.weight.shape), c.weight, c.activation, before, after, config=c.name, rule=rule)
         )
         swaps[name] = by_old[id(m)] = q
     swap_modules(model, list(swaps), lambda old: by_old[id(old)])
