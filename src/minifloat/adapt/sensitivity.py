@@ -1,0 +1,201 @@
+"""Per-layer sensitivity: what quantizing one layer alone costs, measured and estimated.
+
+Measured: for every quantizable Linear and candidate config, that layer alone becomes a
+`QuantizedLinear` and the model runs on the data: the mean per-token KL(reference ‖ quantized)
+and the change of the mean next-token loss. Estimated from one backward pass (ModelOpt
+AutoQuantize's score): with g the gradient of the loss with respect to the layer's output and Δy
+the change of its output when the layer is quantized, ½ Σ g² Δy² per token — a diagonal-Fisher
+approximation of that KL. How well the estimate ranks the measurements is the Spearman
+correlation over all (layer, candidate) pairs.
+
+Example:
+    >>> from minifloat.train.model import GPT, GPTConfig
+    >>> torch.manual_seed(0) and None
+    >>> gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=64)).eval()
+    >>> data = [torch.randint(0, 256, (2, 17))]
+    >>> s = sensitivity(gpt, data, ["fp8-dynamic", "mxfp4"])
+    >>> s.layers
+    ['blocks.0.attn.qkv', 'blocks.0.attn.proj', 'blocks.0.mlp.fc', 'blocks.0.mlp.proj']
+    >>> s.kl["blocks.0.mlp.fc"]["mxfp4"] > s.kl["blocks.0.mlp.fc"]["fp8-dynamic"]
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from minifloat.errors import MinifloatError
+from minifloat.infer.config import get_quant_config
+from minifloat.infer.linear import QuantizedLinear
+from minifloat.infer.models import logits_of
+from minifloat.infer.ptq import calibrate, matches, why_not
+
+DEFAULT_CANDIDATES = ("fp8-dynamic", "mxfp6", "mxfp4", "nvfp4")
+
+
+@dataclass
+class Sensitivity:
+    """`sensitivity`'s result; per layer name and candidate: ``kl``, ``dloss``, ``estimate``; per
+    layer its weight count and each candidate's bits per weight (codes and scales, measured)."""
+
+    layers: list[str]
+    candidates: list[str]
+    params: dict[str, int]
+    bits: dict[str, dict[str, float]]
+    kl: dict[str, dict[str, float]] = field(default_factory=dict)
+    dloss: dict[str, dict[str, float]] = field(default_factory=dict)
+    estimate: dict[str, dict[str, float]] = field(default_factory=dict)
+    spearman: float = float("nan")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman")}
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties).
+
+    >>> spearman([1, 2, 3, 4], [10, 20, 30, 25])
+    0.8
+    """
+
+    def ranks(v):
+        t = torch.tensor(v, dtype=torch.float64)
+        order = t.argsort()
+        r = torch.empty_like(t)
+        r[order] = torch.arange(len(v), dtype=torch.float64)
+        for x in t.unique():  # ties: their mean rank
+            m = t == x
+            r[m] = r[m].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = (ra.square().sum() * rb.square().sum()).sqrt()
+    return float((ra * rb).sum() / den) if den > 0 else float("nan")
+
+
+def quantizable(model: torch.nn.Module, candidates: Sequence[str], ignore: Sequence[str] = ("lm_head",)) -> list[str]:
+    """The Linears every candidate can quantize (the others stay out of the search)."""
+    configs = [get_quant_config(c) for c in candidates]
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n and not matches(n, ignore)
+            and all(why_not(m, c) is None for c in configs)]  # fmt: skip
+
+
+@contextlib.contextmanager
+def swapped(model: torch.nn.Module, name: str, new: torch.nn.Module):
+    """`model` with submodule `name` replaced by `new` for the block's duration."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    try:
+        yield
+    finally:
+        setattr(parent, child, old)
+
+
+def _losses(model, batches) -> tuple[list[torch.Tensor], float]:
+    logits, nll, n = [], 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            lg = logits_of(model(b[:, :-1])).float()
+            logits.append(lg)
+            nll += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), b[:, 1:].reshape(-1), reduction="sum").item()
+            n += b[:, 1:].numel()
+    return logits, nll / n
+
+
+def _kl(ref: list[torch.Tensor], new: list[torch.Tensor]) -> float:
+    total = n = 0
+    for r, q in zip(ref, new, strict=True):
+        lr, lq = F.log_softmax(r, -1), F.log_softmax(q, -1)
+        total += (lr.exp() * (lr - lq)).sum().item()
+        n += r.shape[0] * r.shape[1]
+    return max(total / n, 0.0)
+
+
+def sensitivity(
+    model: torch.nn.Module,
+    data: Sequence[torch.Tensor],
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    *,
+    ignore: Sequence[str] = ("lm_head",),
+    estimate_batches: int = 2,
+) -> Sensitivity:
+    """Measure and estimate each quantizable layer's sensitivity to each candidate on `data`
+    (token-id batches (B, T + 1), as `minifloat.infer.token_batches` cuts them)."""
+    if not data:
+        raise MinifloatError("sensitivity needs data: token-id batches (B, T + 1)")
+    configs = {c: get_quant_config(c) for c in candidates}
+    layers = quantizable(model, candidates, ignore)
+    if not layers:
+        raise MinifloatError(f"no layer of the model can take every candidate of {list(candidates)}")
+    was = model.training
+    model.eval()
+    calibration = calibrate(model, [b[:, :-1] for b in data]) if any(c.needs_calibration for c in configs.values()) else None
+    try:
+        ref_logits, ref_loss = _losses(model, data)
+        res = Sensitivity(layers, list(candidates), {}, {})
+        built: dict[str, dict[str, QuantizedLinear]] = {}
+        for name in layers:
+            lin = model.get_submodule(name)
+            res.params[name] = lin.weight.numel()
+            built[name] = {}
+            for c, cfg in configs.items():
+                amax = calibration.get(name) if cfg.needs_calibration else None
+                q = QuantizedLinear.from_linear(lin, cfg, input_amax=amax)
+                built[name][c] = q
+                res.bits.setdefault(name, {})[c] = 8 * sum(b.nbytes for n, b in q.named_buffers() if n != "bias") / res.params[name]
+                with swapped(model, name, q):
+                    logits, loss = _losses(model, data)
+                res.kl.setdefault(name, {})[c] = _kl(ref_logits, logits)
+                res.dloss.setdefault(name, {})[c] = loss - ref_loss
+        res.estimate = _fisher_estimate(model, data[:estimate_batches], built)
+    finally:
+        model.train(was)
+    pairs = [(res.estimate[n][c], res.kl[n][c]) for n in layers for c in candidates]
+    res.spearman = spearman([p[0] for p in pairs], [p[1] for p in pairs])
+    return res
+
+
+def _fisher_estimate(model, batches, built: dict[str, dict[str, QuantizedLinear]]) -> dict[str, dict[str, float]]:
+    """½ Σ g² Δy² per token, g the loss gradient at each layer's output (one backward per batch)."""
+    saved: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in built}
+    inputs: dict[str, torch.Tensor] = {}
+    handles = []
+    for name in built:
+        m = model.get_submodule(name)
+
+        def fwd(mod, args, out, name=name):
+            inputs[name] = args[0].detach()
+            out.register_hook(lambda g, name=name: saved[name].append((inputs[name], g.detach())))
+
+        handles.append(m.register_forward_hook(fwd))
+    tokens = 0
+    try:
+        for b in batches:
+            model.zero_grad(set_to_none=True)
+            lg = logits_of(model(b[:, :-1])).float()
+            loss = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), b[:, 1:].reshape(-1), reduction="sum")
+            loss.backward()
+            tokens += b[:, 1:].numel()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    out: dict[str, dict[str, float]] = {}
+    with torch.no_grad():
+        for name, per_c in built.items():
+            lin = model.get_submodule(name)
+            for c, q in per_c.items():
+                s = 0.0
+                for x, g in saved[name]:
+                    dy = q(x) - lin(x)
+                    s += 0.5 * (g.float().square() * dy.float().square()).sum().item()
+                out.setdefault(name, {})[c] = s / max(tokens, 1)
+    return out

@@ -1,0 +1,83 @@
+"""Adaptive precision: the knapsack against brute force, sensitivity against a single-layer
+quantization measured independently, the automatic assignment within its budget."""
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+
+import minifloat
+from minifloat.adapt import auto_precision, choose, heuristic_policy, sensitivity, solve
+from minifloat.infer import evaluate, quantize_model
+from minifloat.train.model import GPT, GPTConfig
+
+
+def brute(options, budget):
+    best = None
+    for picks in itertools.product(*(range(len(g)) for g in options)):
+        cost = sum(g[i][0] for g, i in zip(options, picks, strict=True))
+        loss = sum(g[i][1] for g, i in zip(options, picks, strict=True))
+        if cost <= budget and (best is None or loss < best[0] - 1e-12):
+            best = (loss, picks)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_knapsack_equals_brute_force_and_keeps_the_budget(seed):
+    rng = random.Random(seed)
+    options = [[(rng.randint(1, 9), rng.random()) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 6))]
+    least = sum(min(c for c, _ in g) for g in options)
+    budget = rng.randint(least, least + 15)
+    picks = solve(options, budget)
+    cost = sum(g[i][0] for g, i in zip(options, picks, strict=True))
+    loss = sum(g[i][1] for g, i in zip(options, picks, strict=True))
+    assert cost <= budget and loss == pytest.approx(brute(options, budget)[0], abs=1e-12)
+    with pytest.raises(minifloat.MinifloatError, match="below the cheapest"):
+        solve(options, least - 1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)).eval()
+    data = [torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    return model, data, sensitivity(model, data, ["fp8-dynamic", "mxfp4", "nvfp4"])
+
+
+def test_a_layers_sensitivity_equals_its_single_layer_kl(tiny):
+    model, data, s = tiny
+    assert len(s.layers) == 8 and s.candidates == ["fp8-dynamic", "mxfp4", "nvfp4"]
+    for name in ("blocks.0.attn.qkv", "blocks.1.mlp.proj"):
+        for c in ("fp8-dynamic", "nvfp4"):
+            q = copy.deepcopy(model)
+            quantize_model(q, {name: c}, calibration=[b[:, :-1] for b in data], ignore=())
+            m = evaluate(q, model, data)
+            assert s.kl[name][c] == pytest.approx(m["kl"], rel=1e-3)  # the same KL, float32 sums in another order
+    assert s.bits["blocks.0.mlp.fc"]["mxfp4"] == 4.25 and s.bits["blocks.0.mlp.fc"]["fp8-dynamic"] > 8
+    assert -1 <= s.spearman <= 1 and all(v >= 0 for d in s.estimate.values() for v in d.values())
+
+
+def test_auto_precision_is_the_best_assignment_within_the_budget(tiny):
+    model, data, s = tiny
+    budget = 5.5
+    chosen = choose(s, budget)
+    best = None
+    for picks in itertools.product(s.candidates, repeat=len(s.layers)):
+        a = dict(zip(s.layers, picks, strict=True))
+        bits = sum(s.bits[n][c] * s.params[n] for n, c in a.items()) / sum(s.params.values())
+        kl = sum(s.kl[n][c] for n, c in a.items())
+        if bits <= budget and (best is None or kl < best - 1e-12):
+            best = kl
+    assert sum(s.kl[n][c] for n, c in chosen.items()) == pytest.approx(best, abs=1e-12)
+    r = auto_precision(model, data, s.candidates, budget, sens=s)
+    assert r.average_bits <= budget and r.metrics["kl"] >= 0 and r.assignment == chosen
+    with pytest.raises(minifloat.MinifloatError, match="the cheapest candidate takes 4.25 bits"):
+        choose(s, 4.0)
+
+
+def test_the_heuristic_keeps_the_first_and_last_blocks_high():
+    layers = [f"blocks.{i}.{p}" for i in range(4) for p in ("attn.qkv", "mlp.fc")]
+    h = heuristic_policy(layers)
+    assert [h[n] for n in layers] == ["fp8-dynamic"] * 2 + ["nvfp4"] * 4 + ["fp8-dynamic"] * 2
