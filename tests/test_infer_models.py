@@ -177,3 +177,18 @@ def test_bench_decode_reports_kv_formats_and_drafts(trained, capsys):
     assert run["draft"] == "nvfp4" and run["k"] == 2 and 0 <= run["token_acceptance"] <= 1
     assert main(["bench", "decode", str(trained), "--contexts", "500"]) == 2
     assert "must be in (17, 64]" in capsys.readouterr().err
+
+
+def test_adapt_and_sensitivity_commands(trained, tmp_path, capsys):
+    out = tmp_path / "adapt"
+    assert main(["adapt", str(trained), "--candidates", "fp8-dynamic,mxfp4", "--budget-bits", "5", "--calib-batches", "1",
+                 "--eval-batches", "1", "--batch-size", "2", "--seq-len", "32", "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "| auto 5 bits" in printed and "| heuristic" not in printed and "| first/last blocks" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["auto"][0]["average_bits"] <= 5 and {u["name"] for u in metrics["uniform"]} == {"fp8-dynamic", "mxfp4"}
+    assert (out / "pareto.png").is_file() and (out / "sensitivity.png").is_file() and "Spearman" in (out / "report.md").read_text()
+    assert main(["sensitivity", str(trained), "--candidates", "mxfp4", "--calib-batches", "1", "--eval-batches", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--out", str(tmp_path / "s"), "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["auto"] == []
+    assert main(["adapt", str(trained), "--candidates", "fp9", "--out", str(tmp_path / "x")]) == 2

@@ -1,0 +1,61 @@
+"""`minifloat adapt --strategy auto` (and `minifloat sensitivity`): per-layer precision of a
+trained model under a bit budget (the work is in `minifloat.validate.adapt`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from minifloat.errors import MinifloatError
+from minifloat.io import jsonio
+
+STRATEGIES = ("auto",)  # token, confidence and memory strategies: later issues' work
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a `minifloat train` output folder or checkpoint, or a transformers model folder")
+    p.add_argument("--candidates", default="fp8-dynamic,mxfp6,mxfp4,nvfp4", help="comma-separated PTQ configs")
+    p.add_argument("--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--calib-batches", type=int, default=4, help="training-split batches for sensitivity")
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out batches for the comparison")
+    p.add_argument("--out", default="runs/adapt", help="output folder (metrics.json, report.md, plots)")
+    p.add_argument("--no-plots", action="store_true", help="skip the plots")
+    p.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    a = sub.add_parser("adapt", help="automatic per-layer precision under a bit budget, against uniform schemes")
+    _common(a)
+    a.add_argument("--strategy", default="auto", choices=STRATEGIES, help="how precision is chosen")
+    a.add_argument("--budget-bits", default="4.5,5,6", help="comma-separated average bits per weight")
+    a.set_defaults(run=run)
+    s = sub.add_parser("sensitivity", help="per-layer sensitivity (measured KL, Fisher estimate) of a trained model")
+    _common(s)
+    s.set_defaults(run=run, budget_bits="")
+
+
+def run(args: argparse.Namespace) -> int:
+    from minifloat.infer.pipeline import TextSource
+    from minifloat.report.adapt import adapt_table
+    from minifloat.validate.adapt import run_adapt
+
+    for name in ("batch_size", "seq_len", "calib_batches", "eval_batches"):
+        if getattr(args, name) < 1:
+            raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    try:
+        budgets = [float(b) for b in args.budget_bits.split(",") if b.strip()]
+    except ValueError:
+        raise MinifloatError(f"--budget-bits takes numbers, e.g. 4.5,5,6; got {args.budget_bits!r}") from None
+    source = TextSource(data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
+                        calib_batches=args.calib_batches, eval_batches=args.eval_batches)  # fmt: skip
+    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
+    metrics = run_adapt(args.model, args.out, candidates=candidates, budgets=budgets, source=source,
+                        plots=not args.no_plots, echo=(lambda s: None) if args.json else print)  # fmt: skip
+    if args.json:
+        print(jsonio.dumps(metrics, indent=2))
+    else:
+        print()
+        print(adapt_table(metrics))
+        print(f"\nreport: {args.out}/report.md   metrics: {args.out}/metrics.json")
+    return 0
