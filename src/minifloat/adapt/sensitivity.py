@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from minifloat.errors import MinifloatError
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.linear import QuantizedLinear
+from minifloat.infer.metrics import kl_and_agreement
 from minifloat.infer.models import logits_of
 from minifloat.infer.ptq import calibrate, matches, why_not
 
@@ -113,8 +114,7 @@ def _losses(model, batches) -> tuple[list[torch.Tensor], float]:
 def _kl(ref: list[torch.Tensor], new: list[torch.Tensor]) -> float:
     total = n = 0
     for r, q in zip(ref, new, strict=True):
-        lr, lq = F.log_softmax(r, -1), F.log_softmax(q, -1)
-        total += (lr.exp() * (lr - lq)).sum().item()
+        total += kl_and_agreement(r, q)[0]
         n += r.shape[0] * r.shape[1]
     return max(total / n, 0.0)
 

@@ -78,6 +78,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def kl_and_agreement(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, int]:
+    """Summed KL(softmax(reference) ‖ softmax(logits)) over the rows (..., vocab), and how many
+    rows share their argmax."""
+    lr, lq = F.log_softmax(reference.float(), -1), F.log_softmax(logits.float(), -1)
+    kl = (lr.exp() * (lr - lq)).sum(-1).sum().item()
+    return kl, int((logits.argmax(-1) == reference.argmax(-1)).sum())
+
+
 @torch.no_grad()
 def _logits(model: torch.nn.Module, batches: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], float, int]:
     out, tokens = [], 0
@@ -115,9 +123,8 @@ def evaluate(model: torch.nn.Module, reference: torch.nn.Module | None, batches:
                   for lg, t in zip(ref_logits, targets, strict=True)) / tokens  # fmt: skip
     kl = agree = 0.0
     for lq, lr in zip(logits, ref_logits, strict=True):
-        lpq, lpr = F.log_softmax(lq, -1), F.log_softmax(lr, -1)
-        kl += (lpr.exp() * (lpr - lpq)).sum(-1).sum().item()
-        agree += (lq.argmax(-1) == lr.argmax(-1)).sum().item()
+        k, a = kl_and_agreement(lr, lq)
+        kl, agree = kl + k, agree + a
     m |= {"ppl_ref": math.exp(ref_nll), "delta_ppl_pct": 100.0 * (math.exp(nll - ref_nll) - 1.0),
           "kl": max(kl / tokens, 0.0), "top1": agree / tokens}  # fmt: skip
     return m

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from minifloat.io.atomic import atomic_path
 from minifloat.report import require_matplotlib
-from minifloat.report.table import cell
+from minifloat.report.table import cell, markdown_table
 
 
 def adapt_rows(metrics: dict) -> list[dict]:
@@ -21,12 +21,7 @@ def adapt_table(metrics: dict) -> str:
     head = ("assignment", "avg bits", "Δppl %", "KL", "top-1")
     rows = [(r["name"], cell(r["average_bits"], ".2f"), cell(r["delta_ppl_pct"], "+.3f"), cell(r["kl"], ".2e"),
              cell(r["top1"], ".4f")) for r in adapt_rows(metrics)]  # fmt: skip
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-
-    def line(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows)])
+    return markdown_table(head, rows)
 
 
 def plot_heatmap(metrics: dict, path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from minifloat.io.atomic import atomic_path
 from minifloat.report import require_matplotlib
-from minifloat.report.table import cell, mib
+from minifloat.report.table import cell, markdown_table, mib
 from minifloat.train.runlog import read_log
 
 # Operands whose amax/scale history is drawn: one activation, one weight, one gradient.
@@ -36,13 +36,7 @@ def summary_table(metrics: dict) -> str:
             cell(m.get("step_time_ratio"), ".2f"), cell(m.get("tokens_per_s"), ",.0f"), mib(m.get("weight_bytes")),
             mib(m.get("peak_rss_bytes")), str(m.get("skipped_steps", "—")), str(m.get("nonfinite_steps", "—")),
         ))  # fmt: skip
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-
-    def line(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(head), sep, *(line(r) for r in rows)])
+    return markdown_table(head, rows)
 
 
 def delta_cell(m: dict, *, reference: bool = False) -> str:

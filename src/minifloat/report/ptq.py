@@ -9,7 +9,7 @@ from pathlib import Path
 
 from minifloat.io.atomic import atomic_path
 from minifloat.report import require_matplotlib
-from minifloat.report.table import cell
+from minifloat.report.table import cell, markdown_table
 
 
 def ptq_table(metrics: dict) -> str:
@@ -24,12 +24,7 @@ def ptq_table(metrics: dict) -> str:
             rows.append((m["config"], who, cell(m["delta_ppl_pct"], "+.3f"), cell(m["kl"], ".2e"), cell(m["top1"], ".4f"),
                          cell(m.get("bits_per_weight"), ".2f"), cell(m["weight_bytes"] / 2**20, ".3f"),
                          cell(m["tokens_per_s"], ",.0f")))  # fmt: skip
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-
-    def line(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows)])
+    return markdown_table(head, rows)
 
 
 def plot_quality(metrics: dict, path: Path) -> None:

@@ -23,3 +23,13 @@ def cell(v: float | None, spec: str, *, missing: str = "—", suffix: str = "") 
 def mib(n: int | None) -> str:
     """Bytes as MiB with two decimals."""
     return cell(None if n is None else n / 2**20, ".2f")
+
+
+def markdown_table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """A Markdown table with padded columns (readable as plain text too)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows)])

@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from minifloat.errors import MinifloatError
 from minifloat.infer import KVCache, generate
 from minifloat.infer.decoding import draft_model
+from minifloat.infer.metrics import kl_and_agreement
 
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
 FP4_COST_RATIO = 0.25  # an FP4 draft's forward against a BF16 target's: a quarter of the weight bytes (memory-bound decode)
@@ -63,9 +63,8 @@ def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMA
             secs = 0.0
             for w, r in zip(ws, ref, strict=True):
                 lg, s, nbytes = _decode_logits(model, w, fmt, prefill)
-                lr, lq = F.log_softmax(r, -1), F.log_softmax(lg, -1)
-                kl += (lr.exp() * (lr - lq)).sum().item()
-                agree += (lg.argmax(-1) == r.argmax(-1)).sum().item()
+                k, a = kl_and_agreement(r, lg)
+                kl, agree = kl + k, agree + a
                 n += lg.shape[0]
                 secs += s
             row = {"format": fmt, "context": ctx, "source": source, "tokens": int(n), "kl": max(kl / n, 0.0), "top1": agree / n,
