@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from minifloat.errors import MinifloatError
+from minifloat.io.atomic import atomic_path
 
 
 def require_matplotlib():
@@ -17,3 +20,11 @@ def require_matplotlib():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: Path, plt) -> None:
+    """Lay out `fig`, write it as a PNG atomically to `path`, and close it."""
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)

@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 
 from minifloat.io.atomic import atomic_path
-from minifloat.report import require_matplotlib
+from minifloat.report import require_matplotlib, save_figure
 from minifloat.report.table import cell, markdown_table
 
 
@@ -33,10 +33,7 @@ def plot_heatmap(metrics: dict, path: Path) -> None:
     ax.set_xticks(range(len(s["candidates"])), s["candidates"])
     ax.set_yticks(range(len(s["layers"])), s["layers"], fontsize=7)
     fig.colorbar(im, ax=ax, label="log10 KL (that layer alone quantized)")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    save_figure(fig, path, plt)
 
 
 def plot_pareto(metrics: dict, path: Path) -> None:
@@ -53,10 +50,7 @@ def plot_pareto(metrics: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
     axes[0].set_yscale("log")
     axes[0].legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    save_figure(fig, path, plt)
 
 
 def write_adapt_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:

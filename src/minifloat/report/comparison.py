@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from minifloat.io.atomic import atomic_path
-from minifloat.report import require_matplotlib
+from minifloat.report import require_matplotlib, save_figure
 from minifloat.report.table import cell, markdown_table, mib
 from minifloat.train.runlog import read_log
 
@@ -128,7 +128,7 @@ def plot_loss(metrics: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    _save(fig, path, plt)
+    save_figure(fig, path, plt)
 
 
 def scale_series(metrics: dict) -> dict[str, list[dict]]:
@@ -169,7 +169,7 @@ def plot_scales(metrics: dict, path: Path) -> bool:
             ax.grid(True, which="major", alpha=0.3)
             if runs:
                 ax.legend(fontsize=8)
-    _save(fig, path, plt)
+    save_figure(fig, path, plt)
     return True
 
 
@@ -194,14 +194,7 @@ def plot_speed_memory(metrics: dict, path: Path) -> None:
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
-    _save(fig, path, plt)
-
-
-def _save(fig, path: Path, plt) -> None:
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    save_figure(fig, path, plt)
 
 
 def _seeds_text(config: dict) -> str:

@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from minifloat.io.atomic import atomic_path
-from minifloat.report import require_matplotlib
+from minifloat.report import require_matplotlib, save_figure
 from minifloat.report.table import cell, markdown_table
 
 
@@ -41,10 +41,7 @@ def plot_quality(metrics: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     axes[1].set_yscale("log")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    save_figure(fig, path, plt)
 
 
 def write_ptq_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
