@@ -2,6 +2,7 @@
 the `quantize` / `eval` / `ptq-compare` commands on a model minifloat trained."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -192,3 +193,21 @@ def test_adapt_and_sensitivity_commands(trained, tmp_path, capsys):
                  "--batch-size", "2", "--seq-len", "32", "--out", str(tmp_path / "s"), "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["auto"] == []
     assert main(["adapt", str(trained), "--candidates", "fp9", "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("strategy", ["layer", "token", "confidence", "memory"])
+def test_adapt_strategies_write_their_tradeoff(trained, tmp_path, capsys, strategy):
+    out = tmp_path / strategy
+    assert main(["adapt", str(trained), "--strategy", strategy, "--high", "fp8-dynamic", "--low", "mxfp4",
+                 "--calib-batches", "1", "--eval-batches", "2", "--batch-size", "2", "--seq-len", "24", "--out", str(out)]) == 0  # fmt: skip
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["strategy"] == strategy and len(metrics["rows"]) >= 4
+    for r in metrics["rows"]:
+        assert r["kl"] >= 0 and 0 <= r["top1"] <= 1 and math.isfinite(r["delta_ppl_pct"])
+    if strategy == "memory":
+        assert all(r["peak_bytes"] <= r["budget_bytes"] for r in metrics["rows"])
+    if strategy == "token":
+        costs = {r["name"]: r["cost"] for r in metrics["rows"]}
+        assert costs["all mxfp4"] == 4.25 and costs["all fp8-dynamic"] > 8 > costs["top 5 % rows by amax"] > 4.25
+    assert (out / "tradeoff.png").is_file() and f"--strategy {strategy}" in (out / "report.md").read_text()
+    assert "| strategy" in capsys.readouterr().out

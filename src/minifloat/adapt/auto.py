@@ -91,7 +91,29 @@ def evaluate_policy(model: torch.nn.Module, policy: dict[str, str | None], data,
     q = copy.deepcopy(model)
     cal = calibrate(model, [b[:, :-1] for b in (calib or data)])
     quantize_model(q, {**policy}, calibration=cal, ignore=())
-    return evaluate(q, model, data)
+    return {**evaluate(q, model, data), "average_bits": layer_bits(q)}
+
+
+def layer_bits(model: torch.nn.Module, ignore: Sequence[str] = ("lm_head",)) -> float:
+    """Average bits per weight (codes and scales, weighted by weight count) over the Linears not
+    in `ignore` — a quantized layer's buffers, a layer kept dense at its dtype's bits."""
+    from minifloat.infer.linear import QuantizedLinear
+    from minifloat.nn.convert import matches
+
+    bits = params = 0
+    for name, m in model.named_modules():
+        if not name or matches(name, ignore):
+            continue
+        if isinstance(m, QuantizedLinear):
+            n = m.in_features * m.out_features
+            bits += 8 * sum(b.nbytes for k, b in m.named_buffers() if k != "bias")
+        elif isinstance(m, torch.nn.Linear):
+            n = m.weight.numel()
+            bits += 8 * m.weight.nbytes
+        else:
+            continue
+        params += n
+    return bits / params if params else float("nan")
 
 
 def block_index(name: str) -> int | None:
@@ -107,3 +129,85 @@ def heuristic_policy(layers: Sequence[str], high: str = "fp8-dynamic", low: str 
         raise MinifloatError("the layers' names hold no block numbers: no first and last block to keep")
     ends = {min(blocks), max(blocks)}
     return {n: (high if block_index(n) in ends else low) for n in layers}
+
+
+@dataclass
+class MemoryFit:
+    """`fit_to_memory`'s answer: the assignment and where the bytes go."""
+
+    assignment: dict[str, str]
+    average_bits: float
+    budget_bytes: int
+    fixed_bytes: int  # what stays in high precision: embeddings, norms, biases, the ignored layers
+    weight_bytes: int  # the quantized layers' codes and scales
+    kv_bytes: int  # the KV cache at `context_tokens`
+    predicted_kl: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fixed_bytes + self.weight_bytes + self.kv_bytes
+
+    def to_dict(self) -> dict:
+        return {**vars(self), "total_bytes": self.total_bytes}
+
+
+def kv_bytes(model: torch.nn.Module, context_tokens: int, kv_format: str = "fp8", batch_size: int = 1) -> int:
+    """Bytes of a `KVCache` in `kv_format` holding `context_tokens` tokens of every layer."""
+    from minifloat.infer.kvcache import KVCache
+
+    c = model.config
+    if hasattr(c, "n_embd"):  # the built-in GPT
+        n_layer, heads, head_dim = c.n_layer, c.n_head, c.n_embd // c.n_head
+    else:  # a transformers config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        n_layer, head_dim = c.num_hidden_layers, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = KVCache(n_layer, kv_format)
+    kv.expect(batch_size, heads, head_dim)
+    return n_layer * context_tokens * kv.token_bytes(kv.store)
+
+
+def fit_to_memory(
+    model: torch.nn.Module,
+    budget_bytes: int,
+    *,
+    context_tokens: int,
+    data: Sequence[torch.Tensor] | None = None,
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    sens: Sensitivity | None = None,
+    kv_format: str = "fp8",
+    batch_size: int = 1,
+    ignore: Sequence[str] = ("lm_head",),
+) -> MemoryFit:
+    """The per-layer assignment of least summed KL whose served model and KV cache (at
+    `context_tokens` tokens × `batch_size` sequences, in `kv_format`) fit `budget_bytes`.
+    Needs `data` (or a `sensitivity` result `sens`)."""
+    from minifloat.infer.ptq import model_bytes
+
+    if context_tokens < 0 or batch_size < 1:
+        raise MinifloatError(f"context_tokens must be ≥ 0 and batch_size ≥ 1, got {context_tokens} and {batch_size}")
+    if sens is None:
+        if data is None:
+            raise MinifloatError("fit_to_memory needs data= (token-id batches) or sens= (a sensitivity result)")
+        sens = sensitivity(model, data, candidates, ignore=ignore)
+    dense = sum(model.get_submodule(n).weight.nbytes for n in sens.layers)
+    fixed = model_bytes(model) - dense
+    kv = kv_bytes(model, context_tokens, kv_format, batch_size)
+    params = sum(sens.params.values())
+    avail = budget_bytes - fixed - kv
+    least = fixed + kv + math.ceil(sum(min(sens.bits[n].values()) * sens.params[n] for n in sens.layers) / 8)
+    if least > budget_bytes:
+        raise MinifloatError(
+            f"{budget_bytes:,} bytes cannot hold the model and its KV cache: at least {least:,} "
+            f"({fixed:,} high-precision, {kv:,} KV for {context_tokens} tokens × {batch_size}, the rest the "
+            f"cheapest candidate): raise the budget, shorten the context or add cheaper candidates"
+        )
+    most = max(max(sens.bits[n].values()) for n in sens.layers)
+    bits = min(8 * avail / params, most)
+    while True:  # the knapsack counts in 1/64 bit per weight: step down until the exact bytes fit
+        assignment = choose(sens, bits)
+        weight = math.ceil(sum(sens.bits[n][c] * sens.params[n] for n, c in assignment.items()) / 8)
+        if weight <= avail or bits <= min(min(sens.bits[n].values()) for n in sens.layers):
+            break
+        bits = max(bits - 1 / BIT_STEPS, min(min(sens.bits[n].values()) for n in sens.layers))
+    return MemoryFit(assignment, average_bits(assignment, sens), int(budget_bytes), fixed, weight, kv,
+                     sum(sens.kl[n][c] for n, c in assignment.items()))  # fmt: skip

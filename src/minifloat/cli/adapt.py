@@ -8,7 +8,7 @@ import argparse
 from minifloat.errors import MinifloatError
 from minifloat.io import jsonio
 
-STRATEGIES = ("auto",)  # token, confidence and memory strategies: later issues' work
+STRATEGIES = ("auto", "layer", "token", "confidence", "memory")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -25,10 +25,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    a = sub.add_parser("adapt", help="automatic per-layer precision under a bit budget, against uniform schemes")
+    a = sub.add_parser("adapt", help="adaptive precision (auto per-layer under a bit budget, layer rules, per token, "
+                       "confidence cascade, memory pressure) against uniform schemes")
     _common(a)
     a.add_argument("--strategy", default="auto", choices=STRATEGIES, help="how precision is chosen")
-    a.add_argument("--budget-bits", default="4.5,5,6", help="comma-separated average bits per weight")
+    a.add_argument("--budget-bits", default="4.5,5,6", help="auto: comma-separated average bits per weight")
+    a.add_argument("--high", default="fp8-dynamic", help="layer/token/confidence/memory: the high-precision config")
+    a.add_argument("--low", default="nvfp4", help="layer/token/confidence/memory: the low-precision config")
     a.set_defaults(run=run)
     s = sub.add_parser("sensitivity", help="per-layer sensitivity (measured KL, Fisher estimate) of a trained model")
     _common(s)
@@ -50,8 +53,17 @@ def run(args: argparse.Namespace) -> int:
     source = TextSource(data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
                         calib_batches=args.calib_batches, eval_batches=args.eval_batches)  # fmt: skip
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
+    echo = (lambda s: None) if args.json else print
+    if getattr(args, "strategy", "auto") != "auto":
+        from minifloat.report.adapt import strategy_table
+        from minifloat.validate.adapt import run_strategy
+
+        metrics = run_strategy(args.model, args.out, args.strategy, high=args.high, low=args.low, source=source,
+                               plots=not args.no_plots, echo=echo)  # fmt: skip
+        print(jsonio.dumps(metrics, indent=2) if args.json else f"\n{strategy_table(metrics)}\n\nreport: {args.out}/report.md")
+        return 0
     metrics = run_adapt(args.model, args.out, candidates=candidates, budgets=budgets, source=source,
-                        plots=not args.no_plots, echo=(lambda s: None) if args.json else print)  # fmt: skip
+                        plots=not args.no_plots, echo=echo)  # fmt: skip
     if args.json:
         print(jsonio.dumps(metrics, indent=2))
     else:

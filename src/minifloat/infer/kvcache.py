@@ -194,14 +194,24 @@ class KVCache:
             start += seg[2]
             i += 1
 
-    def _check_budget(self, t: int) -> None:
-        n = self.length(0) + t
+    def expect(self, batch: int, heads: int, head_dim: int) -> None:
+        """Fix the shape of the rows before the first update (`least_bytes` needs it)."""
+        self._check_shape(torch.empty(batch, heads, 0, head_dim))
+
+    def least_bytes(self, new_tokens: int) -> int:
+        """The fewest bytes the cache can hold its tokens and `new_tokens` more in: all but the
+        sinks and the recent window in `pressure_format` (every layer; the shape must be known)."""
+        n = self.length(0) + new_tokens
         kept = min(n, self.sink_tokens + self.recent_tokens)
         # per-chunk bytes beyond the per-token ones (NVFP4's tensor scales): those held, and two more chunks
         extra = self.layer_bytes(0) - sum(seg[2] * self.token_bytes(kv_format(seg[3])) for seg in self._segs[0])
         extra += 16 if not isinstance(self.pressure, torch.dtype) and self.pressure.is_nvfp4 else 0
         entry = self.store if self.recent_format is None else kv_format(self.recent_format)
-        least = self.n_layer * (kept * self.token_bytes(entry) + (n - kept) * self.token_bytes(self.pressure) + extra)
+        return self.n_layer * (kept * self.token_bytes(entry) + (n - kept) * self.token_bytes(self.pressure) + extra)
+
+    def _check_budget(self, t: int) -> None:
+        n = self.length(0) + t
+        least = self.least_bytes(t)
         if least > self.budget_bytes:
             raise MinifloatError(
                 f"the KV budget of {self.budget_bytes:,} bytes cannot hold {n} tokens even with all but the "

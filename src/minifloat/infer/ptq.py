@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +26,7 @@ from minifloat.errors import MinifloatError
 from minifloat.formats.packing import codes_per_group
 from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config
 from minifloat.infer.linear import QuantizedLinear
-from minifloat.nn.convert import swap_modules
+from minifloat.nn.convert import matches, swap_modules
 
 CALIBRATION_METHODS = ("max", "percentile")
 
@@ -108,14 +107,6 @@ def tensor_bytes(t: torch.Tensor, seen: set) -> int:
         return 0
     seen.add(key)
     return t.nbytes
-
-
-def matches(name: str, patterns: Sequence[str]) -> str | None:
-    """The first of `patterns` (globs) that `name` matches, whole or as its last components."""
-    for p in patterns:
-        if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}"):
-            return p
-    return None
 
 
 def why_not(linear: torch.nn.Linear, config: QuantConfig) -> str | None:

@@ -17,8 +17,9 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -41,18 +42,61 @@ def _why_not(module: torch.nn.Linear, recipe: Recipe) -> str | None:
     return None
 
 
+def _policy(recipe) -> Recipe | dict[str, Recipe | None]:
+    """A recipe, or a mapping of module-name globs to recipes (None: high precision)."""
+    if isinstance(recipe, Mapping) and "recipe" not in recipe:  # a dict with "recipe" describes one recipe
+        if not recipe:
+            raise MinifloatError("a policy maps module-name globs to recipes; this one is empty")
+        return {str(k): (None if v is None else get_recipe(v)) for k, v in recipe.items()}
+    return get_recipe(recipe)
+
+
+def matches(name: str, patterns: Sequence[str]) -> str | None:
+    """The first of `patterns` (globs) that `name` matches, whole or as its last components."""
+    for p in patterns:
+        if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}"):
+            return p
+    return None
+
+
+def rule_for(fqn: str, policy: Mapping[str, object]) -> tuple[str | None, object]:
+    """(the first glob of `policy` that `fqn` `matches`, its value); (None, None) when none does."""
+    for pattern, value in policy.items():
+        if matches(fqn, [pattern]) is not None:
+            return pattern, value
+    return None, None
+
+
 def convert(
     model: torch.nn.Module,
-    recipe: str | Recipe,
+    recipe: str | Recipe | Mapping[str, str | Recipe | None],
     *,
     filter: Callable[[str, torch.nn.Module], bool] | None = None,
     backend: str = "auto",
 ) -> torch.nn.Module:
     """Swap every eligible ``nn.Linear`` of `model` (in place) for a `minifloat.nn.Linear`
-    sharing its Parameters, and return `model`. Already converted layers get the new recipe."""
+    sharing its Parameters, and return `model`. Already converted layers get the new recipe.
+
+    `recipe` may be a policy: a mapping of module-name globs to recipes (None: high precision),
+    first match wins, e.g. ``{"*.attn.*": "fp8", "*.mlp.*": "nvfp4", "lm_head": None}``; a layer
+    no rule matches stays in high precision. Each layer's rule is logged."""
     if not isinstance(model, torch.nn.Module):
         raise MinifloatError(f"convert() takes a torch.nn.Module, got {type(model).__name__}")
-    recipe = get_recipe(recipe)
+    policy = _policy(recipe)
+    if isinstance(policy, dict):
+        given = {str(k): v for k, v in recipe.items()}
+        chosen: dict[str, Recipe] = {}
+        for fqn, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and fqn:
+                pattern, r = rule_for(fqn, policy)
+                log.info("minifloat.convert: %s gets rule %r → %s", fqn, pattern, given.get(pattern) or "high precision")
+                if r is not None and (filter is None or filter(fqn, module)):
+                    chosen[fqn] = r
+        for r in {id(r): r for r in chosen.values()}.values():
+            group = {f for f, x in chosen.items() if x is r}
+            convert(model, r, filter=lambda f, m, group=group: f in group, backend=backend)
+        return model
+    recipe = policy
     targets = []
     # nn.MultiheadAttention passes out_proj's Parameters to F.multi_head_attention_forward and
     # never calls its forward: converting it would quantize nothing while saying it does

@@ -90,3 +90,72 @@ def write_adapt_report(metrics: dict, out: str | Path, *, plots: bool = True) ->
     with atomic_path(path) as tmp:
         tmp.write_text("\n".join(lines))
     return path
+
+
+STRATEGY_TEXT = {
+    "layer": "Per-layer-type rules: every Linear but the head in one config by its name's rule. Cost: average bits "
+             "per weight (codes and scales).",
+    "token": "Inside each Linear, the rows (tokens) a policy judges important run in the high config, the rest in "
+             "the low one, as two GEMMs. Cost: average activation bits per element (codes and scales).",
+    "confidence": "The low model predicts every token; where its confidence is below a threshold the high model "
+                  "recomputes it. Thresholds calibrated on one half of the held-out text for a target agreement with "
+                  "the high model (Clopper–Pearson bound, δ = 0.05), reported on the other half. Cost: the low model "
+                  "on every token plus the high model on the recomputed ones, relative to the high model alone, with "
+                  "FP4 assumed to cost half of FP8 (Blackwell's dense rates; not measured here).",
+    "memory": "Token-by-token decoding under a byte budget for the served weights and the KV cache: the KV cache "
+              "moves old tokens to FP4 first, then layers move to the low config in sensitivity order (least KL per "
+              "byte saved first). Budgets run from 100 % (every layer high, the full KV cache) to 0 % (every layer low, "
+              "the KV cache at its least). Cost: the peak of served bytes, always within the budget.",
+}
+
+
+def strategy_table(metrics: dict) -> str:
+    extra = {"token": ("high_fraction", "rows high", ".3f"), "confidence": ("low_fraction", "low fraction", ".3f"),
+             "memory": ("layers_low_at_end", "layers low", "d")}.get(metrics["strategy"])  # fmt: skip
+    head = ["strategy", metrics["cost_label"], *([extra[1]] if extra else []), "Δppl %", "KL", "top-1"]
+    if metrics["strategy"] == "confidence":
+        head.append("agreement with high (target)")
+    rows = []
+    for r in metrics["rows"]:
+        cost = f"{r['cost']:,}" if isinstance(r["cost"], int) else cell(r["cost"], ".3f")
+        row = [r["name"], cost, *([cell(r.get(extra[0]), extra[2])] if extra else []),
+               cell(r["delta_ppl_pct"], "+.3f"), cell(r["kl"], ".2e"), cell(r["top1"], ".4f")]  # fmt: skip
+        if metrics["strategy"] == "confidence":
+            row.append(f"{r['agreement']:.4f} ({r['target']:g} − {r['margin']:.4f})" if "agreement" in r else "")
+        rows.append(row)
+    return markdown_table(head, rows)
+
+
+def plot_strategy(metrics: dict, path: Path) -> None:
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in metrics["rows"]:
+        ax.plot(r["cost"], max(r["kl"], 1e-12), "o")
+        ax.annotate(r["name"], (r["cost"], max(r["kl"], 1e-12)), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel(metrics["cost_label"])
+    ax.set_ylabel("KL(reference ‖ strategy)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"{metrics['strategy']} strategy: quality against cost")
+    save_figure(fig, path, plt)
+
+
+def write_strategy_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
+    out = Path(out)
+    lines = [f"# minifloat adapt --strategy {metrics['strategy']}", "",
+             f"`{metrics['model']}`, high `{metrics['high']}`, low `{metrics['low']}`. "
+             + STRATEGY_TEXT[metrics["strategy"]], "", strategy_table(metrics), ""]  # fmt: skip
+    if plots:
+        try:
+            plot_strategy(metrics, out / "tradeoff.png")
+            lines += ["![quality against cost](tradeoff.png)", ""]
+        except Exception as err:  # noqa: BLE001 - the text must still be written
+            warnings.warn(f"minifloat adapt: the plot was not drawn ({type(err).__name__}: {err})", stacklevel=2)
+            lines += [f"(the plot was not drawn: {type(err).__name__}: {err})", ""]
+    if metrics["strategy"] == "memory":
+        lines += ["Layers in the order they move down: " + ", ".join(f"`{n}`" for n in metrics["order"]), ""]
+    lines += ["## Environment", "", "```json", json.dumps(metrics["env"], indent=2), "```", ""]
+    path = out / "report.md"
+    with atomic_path(path) as tmp:
+        tmp.write_text("\n".join(lines))
+    return path

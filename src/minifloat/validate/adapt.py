@@ -70,3 +70,37 @@ def run_adapt(
 
 def _q(m: dict) -> dict:
     return {k: m[k] for k in ("delta_ppl_pct", "kl", "top1", "ppl", "weight_bytes")}
+
+
+def run_strategy(
+    model_path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    strategy: str,
+    *,
+    high: str = "fp8-dynamic",
+    low: str = "nvfp4",
+    source: TextSource = TextSource(calib_batches=4, eval_batches=16),  # noqa: B008 - frozen
+    plots: bool = True,
+    echo: Callable[[str], None] = print,
+) -> dict:
+    """One runtime strategy (`minifloat.validate.strategies`) against uniform `high` and `low`;
+    writes ``metrics.json`` and ``report.md`` (+ a plot) under `out`."""
+    from minifloat.report.adapt import write_strategy_report
+    from minifloat.validate.strategies import STRATEGIES
+
+    if strategy not in STRATEGIES:
+        raise MinifloatError(f"unknown strategy {strategy!r}; use auto or one of {', '.join(STRATEGIES)}")
+    for c in (high, low):
+        get_quant_config(c)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model(model_path).eval()
+    tok = tokenizer_for(model_path)
+    train, val = batches_for(model, source, "train", tok), batches_for(model, source, "val", tok)
+    echo(f"strategy {strategy}: {high} / {low} on {len(val)} held-out batches …")
+    metrics = {"model": str(model_path), **STRATEGIES[strategy](model, train, val, high, low, echo=echo),
+               "high": high, "low": low, "env": environment()}  # fmt: skip
+    with atomic_path(out / "metrics.json") as t:
+        t.write_text(jsonio.dumps(metrics, indent=2))
+    write_strategy_report(metrics, out, plots=plots)
+    return metrics
