@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import torch
 
 from minifloat import __version__
-from minifloat.cli import adapt, bench, compare, error, formats, generate, info, quantize, train
+from minifloat.cli import adapt, bench, compare, error, formats, generate, info, quantize, train, validate
 from minifloat.errors import MinifloatError
 from minifloat.kernels.allocator import keep_freed_memory
 
-SUBCOMMANDS = (formats, error, bench, info, train, compare, quantize, generate, adapt)
+SUBCOMMANDS = (formats, error, bench, info, train, compare, quantize, generate, adapt, validate)
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -13,8 +13,9 @@ import torch
 def operand_values(q, transposed: bool = False) -> torch.Tensor:
     """The float32 (M,K) matrix a quantized operand stands for; `transposed` when `q` holds
     its transpose (only for tensor-scaled or square-block schemes, whose values do not depend
-    on the orientation)."""
-    v = q.dequantize(torch.float32)
+    on the orientation). A "dequantize" range for the profiler (`minifloat validate`)."""
+    with torch.profiler.record_function("dequantize"):
+        v = q.dequantize(torch.float32)
     v = v.reshape(math.prod(v.shape[:-1]), v.shape[-1])  # not -1: K may be 0 (an empty batch's grad_weight)
     return v.t() if transposed else v
 

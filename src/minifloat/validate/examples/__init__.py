@@ -1,0 +1,1 @@
+"""The examples `minifloat validate` runs, one module each (`minifloat.validate.runner`)."""
