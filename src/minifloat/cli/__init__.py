@@ -9,11 +9,23 @@ from collections.abc import Sequence
 import torch
 
 from minifloat import __version__
-from minifloat.cli import adapt, bench, compare, error, formats, generate, info, quantize, train, validate
+from minifloat.cli import (
+    adapt,
+    bench,
+    compare,
+    error,
+    formats,
+    generate,
+    info,
+    memory,
+    quantize,
+    train,
+    validate,
+)
 from minifloat.errors import MinifloatError
 from minifloat.kernels.allocator import keep_freed_memory
 
-SUBCOMMANDS = (formats, error, bench, info, train, compare, quantize, generate, adapt, validate)
+SUBCOMMANDS = (formats, error, bench, info, train, compare, quantize, generate, adapt, validate, memory)
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -145,9 +145,10 @@ def _decode_under(policy: MemoryPolicy, reference, seqs) -> dict:
 
 
 def memory_strategy(model, train, val, high: str, low: str, echo: Callable[[str], None] = print,
-                    fractions: Sequence[float] = (1.0, 0.75, 0.5, 0.25, 0.0), sequences: int = 2) -> dict:  # fmt: skip
+                    fractions: Sequence[float] = (1.0, 0.75, 0.5, 0.25, 0.1), sequences: int = 2) -> dict:  # fmt: skip
     """Budgets from all-`high` with a full KV cache (1.0) down to all-`low` with the KV at its
-    least (0.0); layers ordered by their measured sensitivity."""
+    least (0.0; the lowest default, 0.1, leaves the per-chunk NVFP4 scales room); layers ordered by their
+    measured sensitivity."""
     from minifloat.train.model import GPT
 
     if not isinstance(model, GPT):

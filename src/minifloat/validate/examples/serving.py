@@ -19,7 +19,7 @@ from minifloat.infer.config import QUANT_CONFIGS
 from minifloat.infer.decoding import generate
 from minifloat.infer.metrics import weight_bytes
 from minifloat.infer.ptq import calibrate, quantize_model
-from minifloat.train.model import GPT_SIZES, GPT
+from minifloat.train.model import GPT, GPT_SIZES
 from minifloat.validate.runner import Check, Context, Outcome, phase
 
 NAME, TITLE = "serving", "Quantized forward, KV-cache decoding, speculative decoding"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from minifloat.nn.convert import convert
 from minifloat.recipes import RECIPES
-from minifloat.train.model import GPT_SIZES, GPT
+from minifloat.train.model import GPT, GPT_SIZES
 from minifloat.validate.runner import Check, Context, Outcome, phase
 
 NAME, TITLE = "training", "A training step per recipe"

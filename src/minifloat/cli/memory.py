@@ -1,0 +1,83 @@
+"""`minifloat memory`: per-device bytes of training a model, by category, with the assumptions
+(the work is in `minifloat.validate.planner`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from minifloat.errors import MinifloatError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("memory", help="training memory per device: parameters, master weights, gradients, "
+                       "accumulator, optimizer states, activations")  # fmt: skip
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--params", help="model size: 7B, 13B, 70B (Llama 2 shapes), or a count such as 350M")
+    which.add_argument("--model", choices=("tiny", "small", "base"), help="a built-in GPT (its exact shape)")
+    p.add_argument("--precision", default="fp8", choices=("fp32", "bf16", "fp8", "mxfp8", "nvfp4"), help="compute format")
+    p.add_argument("--layout", default=None, choices=("te", "minifloat"),
+                   help="te: Transformer Engine / Megatron's; minifloat: this library's training (default: te for --params, "
+                        "minifloat for --model)")  # fmt: skip
+    p.add_argument("--master", default="fp32", choices=("fp32", "none"), help="master weights beside the compute copy (te)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="optimizer (its FP32 states)")
+    p.add_argument("--offload", default="", help="comma-separated: master, optimizer (moved to host memory)")
+    p.add_argument("--world-size", type=int, default=1, help="devices the states are sharded over (FSDP2 / ZeRO-3)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per device")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--hidden", type=int, help="hidden size (with --layers, --heads: activations for --params N)")
+    p.add_argument("--layers", type=int, help="transformer layers")
+    p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--vocab", type=int, help="vocabulary size (the loss' logits)")
+    p.add_argument("--no-flash", action="store_true", help="count the attention scores (no fused attention)")
+    p.add_argument("--measure", action="store_true", help="with --model: build the real training state and compare")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from minifloat.report.table import markdown_table
+    from minifloat.validate.planner import OFFLOADABLE, SHAPES, measured_state, parse_params, plan
+
+    offload = tuple(o.strip() for o in args.offload.split(",") if o.strip())
+    for o in offload:
+        if o not in OFFLOADABLE:
+            raise MinifloatError(f"--offload {o!r}: use {' and/or '.join(OFFLOADABLE)}")
+    if args.model:
+        from minifloat.train.model import GPT, get_config
+
+        c = get_config(args.model)
+        n = GPT(c).num_params()
+        hidden, layers, heads, vocab, layout = c.n_embd, c.n_layer, c.n_head, c.vocab_size, args.layout or "minifloat"
+        if args.seq > c.block_size:
+            raise MinifloatError(f"--seq {args.seq} exceeds the {args.model} GPT's context of {c.block_size}")
+    else:
+        n, named = parse_params(args.params)
+        shape = SHAPES.get(named) if named else None
+        hidden, layers, heads, vocab = ((args.hidden, args.layers, args.heads, args.vocab) if args.hidden
+                                        else shape if shape else (None, None, None, None))  # fmt: skip
+        layout = args.layout or "te"
+    p = plan(params=n, precision=args.precision, layout=layout, master=args.master, optimizer=args.optimizer,
+             world_size=args.world_size, batch=args.batch, seq=args.seq, hidden=hidden, layers=layers, heads=heads,
+             vocab=vocab, flash=not args.no_flash)  # fmt: skip
+    rows = p.table(offload)
+    result = {"params": n, "precision": args.precision, "layout": layout, "offload": list(offload), "rows": rows}
+    if args.measure:
+        if not args.model:
+            raise MinifloatError("--measure builds a built-in GPT's training state: use it with --model")
+        m = measured_state(args.model, args.precision, batch=args.batch, seq=args.seq)
+        result["measured"] = {k: {"planned": p.rows.get(k, 0.0), "measured": v}
+                              for k, v in m.items() if k != "num_params"}  # fmt: skip
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{n / 1e9:.3g}B parameters, {args.precision}, {layout} layout, {args.world_size} device(s), "
+          f"batch {args.batch} × {args.seq} tokens" + (f", offload: {', '.join(offload)}" if offload else ""))
+    print(markdown_table(("category", "GB", "GiB", "where", "assumption"),
+                         [(r["category"], f"{r['bytes'] / 1e9:.3g}", f"{r['gib']:.3g}", r["where"], r["assumption"]) for r in rows]))  # fmt: skip
+    if "measured" in result:
+        print("\nagainst the real training state (tensors counted):")
+        print(markdown_table(("category", "planned bytes", "measured bytes", "measured / planned"),
+                             [(k, f"{v['planned']:,.0f}", f"{v['measured']:,}", f"{v['measured'] / v['planned']:.3f}" if v["planned"] else "")
+                              for k, v in result["measured"].items()]))  # fmt: skip
+    return 0

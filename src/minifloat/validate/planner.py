@@ -1,0 +1,238 @@
+"""`minifloat memory`: what training a model takes per device, by category — parameters, master
+weights, gradients, gradient accumulator, optimizer states, activations — with every
+assumption stated next to the figure.
+
+Two layouts:
+- ``te`` (Transformer Engine / Megatron): the weights are kept in the compute format, twice (the
+  row-wise copy for the forward and the column-wise one for the backward's ``dgrad``; one copy
+  for FP32 and BF16), beside FP32 master weights (``--master fp32``); the GEMMs' weight
+  gradients come out in BF16 (FP32 for FP32) and are summed into an FP32 accumulator
+  (``main_grad``); AdamW keeps two FP32 moments. This is the documents' 7B example:
+  16 bytes a parameter in FP32 (112 GB), 20 in FP8 with FP32 masters (140 GB), and 4 on the
+  GPU when the master weights and the optimizer go to the host (28 GB) — the FP32 accumulator
+  goes with the master weights, as ZeRO-Offload keeps the FP32 gradients on the CPU side.
+- ``minifloat`` (this library's training): FP32 parameters are the master and are quantized
+  on the fly each forward; FP32 gradients; AdamW's two FP32 moments. The quantized copies are
+  saved for the backward, so they count as activations.
+
+Activations: Korthikanti et al. (2022), per transformer layer ``s·b·h·(34 + 5·a·s/h)`` bytes with
+16-bit activations and no recomputation; the inputs of the four Linears (14 of the 34) are saved
+in the compute format (FP8: 1 byte, MXFP8 1 + 1/32, NVFP4 0.5 + 1/16), FP32 doubles everything,
+and the attention scores' ``5·a·s/h`` term is dropped with a fused (flash) attention; the loss
+keeps the FP32 logits and their log-softmax (``8·s·b·vocab``). Against the tensors counted in a
+real training state of the built-in GPTs (`measured_state`): within 2.5 % for the FP8, MXFP8 and
+NVFP4 recipes and FP32 at the small and base sizes; BF16 autocast keeps casts of the Linear
+inputs beside their FP32 sources, which this count does not model (35 % over at base).
+With ``--world-size N`` every state is sharded N ways (FSDP2 / ZeRO-3); activations are per
+device.
+
+Example:
+    >>> p = plan(params=7e9, precision="fp8", layout="te")
+    >>> round(p.total_state() / 1e9), round(p.total_state(device_only=True, offload=("master", "optimizer")) / 1e9)
+    (140, 28)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from minifloat.errors import MinifloatError
+
+PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4")
+# bytes per value of one stored copy of a weight (codes and block scales)
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+# bytes per value of a saved Linear input (activations)
+SAVED_INPUT_BYTES = WEIGHT_BYTES
+# published shapes for the named sizes (Llama 2): hidden, layers, heads, vocabulary
+SHAPES = {"7b": (4096, 32, 32, 32000), "13b": (5120, 40, 40, 32000), "70b": (8192, 80, 64, 32000)}
+OFFLOADABLE = ("master", "optimizer")
+
+
+@dataclass
+class Plan:
+    params: int
+    precision: str
+    layout: str
+    master: str
+    world_size: int
+    rows: dict[str, float] = field(default_factory=dict)  # category → bytes per device, before offload
+    assumptions: dict[str, str] = field(default_factory=dict)
+    offload_moves: dict[str, tuple[str, ...]] = field(default_factory=dict)  # offload name → categories it moves
+
+    def total_state(self, *, device_only: bool = False, offload: tuple[str, ...] = ()) -> float:
+        """Bytes of everything but activations; with `device_only`, less what `offload` moves."""
+        moved = {c for o in offload for c in self.offload_moves.get(o, ())} if device_only else set()
+        return sum(v for k, v in self.rows.items() if k != "activations" and k not in moved)
+
+    def table(self, offload: tuple[str, ...] = ()) -> list[dict]:
+        moved = {c for o in offload for c in self.offload_moves.get(o, ())}
+        out = [{"category": k, "bytes": v, "gib": v / 2**30, "where": "host" if k in moved else "device",
+                "assumption": self.assumptions.get(k, "")} for k, v in self.rows.items()]  # fmt: skip
+        device = sum(v for k, v in self.rows.items() if k not in moved)
+        states = device - (self.rows.get("activations", 0.0) if "activations" not in moved else 0.0)
+        out.append({"category": "states on the device (all but activations)", "bytes": states, "gib": states / 2**30,
+                    "where": "device", "assumption": ""})  # fmt: skip
+        out.append({"category": "total on the device", "bytes": device, "gib": device / 2**30, "where": "device", "assumption": ""})
+        if moved:
+            host = sum(v for k, v in self.rows.items() if k in moved)
+            out.append({"category": "total on the host", "bytes": host, "gib": host / 2**30, "where": "host", "assumption": ""})
+        return out
+
+
+def activation_bytes_per_sbh(precision: str, layout: str) -> float:
+    """Saved bytes per layer and s·b·h: Korthikanti et al.'s 34 at 16 bits, of which the Linear
+    inputs are 7 values (QKV, attention output, MLP in: h each; MLP out: 4h) saved in the compute
+    format, the other 20 bytes in the high precision (FP32 under minifloat's training and for
+    FP32, 16-bit otherwise)."""
+    wide = 2.0 if precision == "fp32" or layout == "minifloat" else 1.0
+    linear = 4.0 if precision == "fp32" else 2.0 if precision == "bf16" else SAVED_INPUT_BYTES[precision]
+    return 20 * wide + 7 * linear
+
+
+def weight_copy_bytes(precision: str) -> float:
+    """Bytes per weight of the packed copy minifloat's Linear keeps for the backward: the recipes
+    whose weight quantization does not depend on the orientation (per tensor, square blocks)
+    keep it; the others re-quantize in the backward (0)."""
+    from minifloat.recipes import get_recipe
+
+    r = get_recipe(precision)
+    s = r.scheme("weight")
+    if not (s.granularity == "tensor" or r.weight_2d):
+        return 0.0
+    scale = 0.0 if s.granularity == "tensor" else (4 if s.scale_format == "fp32" else 1) / (s.block[0] * s.block[1])
+    return s.element_format.bits / 8 + scale
+
+
+def parse_params(text: str) -> tuple[int, str | None]:
+    """``7B``, ``70b``, ``1.3B``, ``350M`` or a plain count → (parameters, the named shape's key)."""
+    t = str(text).strip().lower()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmbt]?)", t)
+    if not m:
+        raise MinifloatError(f"--params {text!r}: give a count such as 7B, 70B, 350M or 123456")
+    n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2)]
+    if n < 1:
+        raise MinifloatError(f"--params must be ≥ 1, got {text!r}")
+    return int(n), (t if t in SHAPES else None)
+
+
+def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str = "fp32", optimizer: str = "adamw",
+         world_size: int = 1, batch: int = 1, seq: int = 2048, hidden: int | None = None, layers: int | None = None,
+         heads: int | None = None, vocab: int | None = None, flash: bool = True) -> Plan:  # fmt: skip
+    """The per-device bytes of training a `params`-parameter model (module docstring)."""
+    if precision not in PRECISIONS:
+        raise MinifloatError(f"--precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if layout not in ("te", "minifloat"):
+        raise MinifloatError(f"--layout {layout!r}: use te or minifloat")
+    if master not in ("fp32", "none"):
+        raise MinifloatError(f"--master {master!r}: use fp32 or none")
+    if optimizer not in ("adamw", "sgd"):
+        raise MinifloatError(f"--optimizer {optimizer!r}: use adamw or sgd")
+    if world_size < 1 or batch < 1 or seq < 1:
+        raise MinifloatError(f"--world-size, --batch and --seq must be ≥ 1, got {world_size}, {batch}, {seq}")
+    p = Plan(params, precision, layout, master, world_size)
+    n = params / world_size
+    a = p.assumptions
+    moments = {"adamw": 2, "sgd": 1}[optimizer]
+    if layout == "minifloat":
+        p.rows["parameters"] = 4 * n
+        a["parameters"] = "FP32, also the master weights; quantized to the compute format on the fly each forward"
+        p.rows["master weights"] = 0.0
+        a["master weights"] = "none beside the FP32 parameters"
+        p.rows["gradients"] = 4 * n
+        a["gradients"] = "FP32 (the parameters' dtype)"
+        p.rows["gradient accumulator"] = 0.0
+        a["gradient accumulator"] = "none: micro-batches sum into the FP32 gradients"
+        p.offload_moves = {"optimizer": ("optimizer states",), "master": ()}
+    else:
+        high = precision in ("fp32", "bf16")
+        copies = 1 if high else 2
+        keep_master = master == "fp32" and precision != "fp32"
+        p.rows["parameters"] = copies * WEIGHT_BYTES[precision] * n
+        a["parameters"] = (f"{precision}, {'one copy' if copies == 1 else 'row-wise and column-wise copies (forward and dgrad)'}"
+                           + (", codes and block scales" if precision in ("mxfp8", "nvfp4") else ""))  # fmt: skip
+        p.rows["master weights"] = 4 * n if keep_master else 0.0
+        a["master weights"] = "FP32" if keep_master else "none: the parameters are FP32" if precision == "fp32" else "none (--master none)"
+        grad = 4 if precision == "fp32" else 2
+        p.rows["gradients"] = grad * n
+        a["gradients"] = f"{'FP32' if grad == 4 else 'BF16'}: the weight-gradient GEMMs' output"
+        p.rows["gradient accumulator"] = 4 * n if precision != "fp32" else 0.0
+        a["gradient accumulator"] = "FP32 main_grad the BF16 gradients sum into" if precision != "fp32" else "none: FP32 gradients sum in place"
+        p.offload_moves = {"master": ("master weights", "gradient accumulator"), "optimizer": ("optimizer states",)}
+    if layout == "minifloat" and precision not in ("fp32", "bf16"):
+        kept = weight_copy_bytes(precision)
+        linear = 12 * hidden * hidden * layers if hidden and layers else params
+        p.rows["weight copies"] = kept * linear / world_size
+        a["weight copies"] = (f"the packed weight saved for the backward, {kept:.3f} bytes a Linear weight"
+                              f"{'' if hidden and layers else ' (every parameter counted as a Linear weight)'}" if kept
+                              else "none: the recipe re-quantizes the weight along the other axis in the backward")  # fmt: skip
+    p.rows["optimizer states"] = 4 * moments * n
+    a["optimizer states"] = f"{optimizer}: {moments} FP32 moment{'s' if moments > 1 else ''} a parameter"
+    if world_size > 1:
+        for k in list(p.rows):
+            a[k] += f"; sharded {world_size} ways"
+    if hidden and layers and heads:
+        h, s, b = hidden, seq, batch
+        per_sbh = activation_bytes_per_sbh(precision, layout)
+        attn = 0 if flash else 5 * heads * s / h * (2 if precision == "fp32" or layout == "minifloat" else 1)
+        # the output layer: the FP32 logits and their log-softmax, which the loss keeps
+        out_layer = 2 * 4 * s * b * vocab if vocab else 0
+        p.rows["activations"] = s * b * h * (per_sbh + attn) * layers + out_layer
+        a["activations"] = (f"Korthikanti et al. 2022: {per_sbh:.2f}·s·b·h{'' if flash else ' + 5as²b'} bytes a layer "
+                            f"(the 4 Linear inputs in {precision}); h={h}, layers={layers}, heads={heads}, batch={b}, seq={s}"
+                            + (", flash attention" if flash else "")
+                            + (f"; the loss' FP32 logits and log-softmax, vocabulary {vocab}" if vocab else ""))  # fmt: skip
+    else:
+        a["activations"] = "not counted: give the shape (--hidden, --layers, --heads) or a named size (7B, 13B, 70B)"
+    return p
+
+
+def measured_state(size: str, precision: str, *, batch: int, seq: int) -> dict[str, int]:
+    """Bytes of a real training state of the built-in GPT `size` under minifloat's training: the
+    parameters, their gradients and AdamW's states after one step, and the tensors autograd saved
+    for the backward of one forward (each storage counted once)."""
+    import torch
+    import torch.nn.functional as F
+
+    from minifloat.nn.convert import convert
+    from minifloat.train.model import GPT, get_config
+
+    torch.manual_seed(0)
+    model = GPT(get_config(size))
+    if precision not in ("fp32", "bf16"):
+        convert(model, precision, filter=lambda fqn, m: fqn != "lm_head")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq + 1))
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            st = t.untyped_storage()
+            saved[st.data_ptr()] = max(saved.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            loss = F.cross_entropy(model(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].reshape(-1))
+    activations = sum(v for k, v in saved.items() if k not in params)
+    # minifloat's Linear keeps its packed input (and, for some recipes, its packed weight) on the
+    # autograd node itself, where the saved-tensor hooks do not see them: walk the graph
+    copies, seen, stack = 0, set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "xt", None) is not None:
+            activations += node.xt.nbytes
+        if getattr(node, "wq", None) is not None:
+            copies += node.wq.nbytes
+        stack.extend(f for f, _ in node.next_functions)
+    loss.backward()
+    opt.step()
+    return {"parameters": sum(p.nbytes for p in model.parameters()),
+            "gradients": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+            "optimizer states": sum(t.nbytes for s in opt.state.values() for t in s.values()
+                                    if isinstance(t, torch.Tensor) and t.dim() > 0),
+            "activations": activations, "weight copies": copies, "num_params": sum(p.numel() for p in model.parameters())}  # fmt: skip
