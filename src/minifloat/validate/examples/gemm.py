@@ -29,7 +29,7 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run(ctx: Context) -> Outcome:
-    m, n, k = ctx.pick({"tiny": (64, 128, 256), "default": (512, 1024, 1024), "full": (8192, 8192, 8192)})
+    m, n, k = ctx.pick({"tiny": (64, 128, 256), "default": (1024, 2048, 2048), "full": (8192, 8192, 8192)})
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=g).to(ctx.device), torch.randn(n, k, generator=g).to(ctx.device)
     ref = a.double() @ b.double().T

@@ -30,7 +30,7 @@ def layer(d: int, ff: int, heads: int) -> Block:
 
 
 def run(ctx: Context) -> Outcome:
-    d, ff, seq, batch, heads = ctx.pick({"tiny": (128, 256, 16, 2, 2), "default": (512, 2048, 256, 2, 8),
+    d, ff, seq, batch, heads = ctx.pick({"tiny": (128, 256, 16, 2, 2), "default": (1024, 4096, 512, 2, 16),
                                          "full": (4096, 16384, 2048, 1, 32)})  # fmt: skip
     torch.manual_seed(0)
     base = layer(d, ff, heads).to(ctx.device)
