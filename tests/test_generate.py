@@ -178,6 +178,32 @@ def test_a_budget_too_small_for_even_fp4_is_an_error_before_anything_is_lost():
     assert cache.length() == 4 and cache.precisions() == held and cache.nbytes() <= 2000
 
 
+def test_dropping_is_explicit_keeps_the_budget_and_the_positions():
+    model = gpt()  # 2 layers, 2 heads of 64: an FP32 token takes 2·2·64·4 = 1024 bytes a layer
+    seq = prompt(5, 50)
+    budget = 2 * 1024 * 24  # 24 tokens; the sequence has 50
+    cache = KVCache(2, "fp32", budget_bytes=budget, pressure_format="fp32", sink_tokens=4, recent_tokens=8, drop=True)
+    with torch.no_grad():
+        model(seq[:, :10], cache)
+        for t in range(10, 50):
+            model(seq[:, t : t + 1], cache)
+            assert cache.nbytes() <= budget
+        ref = KVCache(2, "fp32")
+        model(seq, ref)
+    assert cache.position() == 50 and cache.length() == 50 - cache.dropped and cache.dropped >= 26
+    assert all(e["to"] == "dropped" for e in cache.events)
+    kept = list(range(4)) + list(range(4 + cache.dropped, 50))  # the sinks, then the newest tokens
+    # layer 0's keys depend on the token and its position only: equal to the full run's at the kept positions
+    assert torch.allclose(cache._work[0][0], ref._work[0][0][:, :, kept], rtol=0, atol=1e-5)  # GEMM order only
+    assert not torch.allclose(cache._work[0][0][:, :, 4:], ref._work[0][0][:, :, 4 : 50 - cache.dropped], atol=1e-2)
+    with pytest.raises(minifloat.MinifloatError, match="cannot roll back"):
+        cache.truncate(10)
+    with pytest.raises(minifloat.MinifloatError, match="kv_drop works with plain decoding"):
+        generate(model, seq[:, :5], 4, kv_budget_bytes=budget, kv_drop=True, draft="nvfp4")
+    g = generate(model, seq[:, :10], 50, kv_cache="fp8", kv_budget_bytes=2 * 272 * 30, kv_recent_tokens=8, kv_drop=True)
+    assert g.new_tokens == 50 and g.kv_bytes <= 2 * 272 * 30 and any(e["to"] == "dropped" for e in g.kv_events)
+
+
 def tiny_llama(seed=0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)

@@ -99,6 +99,7 @@ def _scale_bytes(name: str, n: int, k: int) -> int:
         "fp8-block": 4 * math.ceil(n / 128) * math.ceil(k / 128),
         "mxfp8": n * k // 32, "mxfp6": n * k // 32, "mxfp4": n * k // 32, "mxfp4-weight-only": n * k // 32,
         "nvfp4-weight-only": n * k // 16 + 4, "nvfp4": n * k // 16 + 4,
+        "nvfp4-4over6-weight-only": n * k // 16 + 4, "nvfp4-4over6": n * k // 16 + 4,
     }[name]  # fmt: skip
 
 
@@ -223,3 +224,18 @@ def test_models_trained_with_minifloat_linears_are_quantized_from_their_master_w
     assert len(summary.quantized) == 2 and isinstance(net[0], QuantizedLinear)
     want = minifloat.quantize(master, "fp8_rowwise").dequantize()
     assert torch.equal(net[0].weight.dequantize(), want)
+
+
+def test_four_over_six_weights_err_no_more_than_plain_nvfp4_per_block():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64)
+    w = lin.weight.detach().double()
+    plain = QuantizedLinear.from_linear(lin, "nvfp4-weight-only").weight
+    four = QuantizedLinear.from_linear(lin, "nvfp4-4over6-weight-only").weight
+    assert four.scheme.scale_rule == "4over6" and four.scheme.is_nvfp4
+    # per 1×16 block, the squared error (float64) of the chosen scale is at most that of the 6-scaled block,
+    # up to the tensor scale's difference (256·6 instead of 448·6 as the global numerator)
+    err_plain = (plain.dequantize(torch.float64) - w).square().view(64, 16, 16).sum(-1)
+    err_four = (four.dequantize(torch.float64) - w).square().view(64, 16, 16).sum(-1)
+    assert err_four.sum() < 0.9 * err_plain.sum()
+    assert (err_four <= err_plain * 1.05 + 1e-12).float().mean() > 0.9

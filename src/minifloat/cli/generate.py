@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-budget", type=_bytes, default=None, metavar="SIZE",
                    help="KV-cache budget (e.g. 64MB, 512KiB): old tokens move to --kv-pressure-format to stay within it")
     p.add_argument("--kv-pressure-format", default="nvfp4", choices=list(KV_FORMATS), help="the format under memory pressure")
+    p.add_argument("--kv-drop", action="store_true",
+                   help="with --kv-budget: drop the oldest tokens (after the sinks) when even the pressure format cannot fit")
     p.add_argument("--draft", default=None, choices=list(DRAFTS), help="speculative decoding with this FP4 copy as draft")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per verification")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     g = generate(model, ids, args.max_new_tokens, kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, draft=args.draft, draft_tokens=args.draft_tokens,
-                 kv_budget_bytes=args.kv_budget, kv_pressure_format=args.kv_pressure_format, kv_recent_format=args.kv_recent,
+                 kv_budget_bytes=args.kv_budget, kv_pressure_format=args.kv_pressure_format, kv_recent_format=args.kv_recent, kv_drop=args.kv_drop,
                  stream=None if args.json else stream)  # fmt: skip
     stats = g.to_dict()
     if args.json:

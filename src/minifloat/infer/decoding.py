@@ -178,6 +178,7 @@ def generate(
     kv_recent_tokens: int = 32,
     kv_scales: dict[int, tuple[float, float]] | None = None,
     kv_recent_format: str | None = None,
+    kv_drop: bool = False,
     stream: Callable[[int], None] | None = None,
 ) -> Generation:
     """Continue `input_ids` (1, T) by `max_new_tokens` tokens; see the module docstring.
@@ -185,15 +186,21 @@ def generate(
     `kv_recent_format` (e.g. ``"bf16"``): the first `kv_sink_tokens` and the last
     `kv_recent_tokens` tokens stay in it, older ones move to `kv_cache`'s format.
     `kv_budget_bytes`: the target's KV cache moves its oldest tokens (but the sinks and the
-    recent window) to `kv_pressure_format` to stay within it (`KVCache`). `stream` is called
-    with each new token id as it is decided."""
+    recent window) to `kv_pressure_format` to stay within it (`KVCache`); `kv_drop=True` allows
+    dropping the oldest tokens after the sinks when even that cannot fit (the built-in GPT, plain
+    decoding: positions keep counting the dropped tokens). `stream` is called with each new token
+    id as it is decided."""
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
     kv_format(kv_cache)  # an unknown format: a clear error before any work
+    if kv_drop and (draft is not None or not isinstance(model, GPT)):
+        raise MinifloatError("kv_drop works with plain decoding of the built-in GPT: speculative decoding rolls "
+                             "its cache back, and a transformers model counts positions from the cache's length")  # fmt: skip
 
     def make_cache(m) -> KVCache:
         return new_cache(m, kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
                          sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens,
-                         scales=kv_scales if m is model else None, recent_format=kv_recent_format)  # fmt: skip
+                         scales=kv_scales if m is model else None, recent_format=kv_recent_format,
+                         **({"drop": True} if kv_drop else {}))  # fmt: skip
 
     make_cache(model)  # bad budget arguments: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)

@@ -60,6 +60,8 @@ CT_FORMAT = {  # config name → compressed-tensors format
     "fp8-block": "float-quantized", "mxfp8": "mxfp8-quantized", "mxfp6": "mxfp6-pack-quantized",
     "mxfp4": "mxfp4-pack-quantized", "mxfp4-weight-only": "mxfp4-pack-quantized",
     "nvfp4-weight-only": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
+    # Four Over Six chooses the block scales; the format is NVFP4's (a reader quantizes inputs by its own rule)
+    "nvfp4-4over6-weight-only": "nvfp4-pack-quantized", "nvfp4-4over6": "nvfp4-pack-quantized",
 }  # fmt: skip
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")  # fmt: skip

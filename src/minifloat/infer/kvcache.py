@@ -91,11 +91,15 @@ class KVCache:
     stored values re-quantized), except the first `sink_tokens` (attention sinks) and the last
     `recent_tokens`; each move is an event in `events`, and `precisions()` tells each token's
     format. If even that cannot fit the next tokens, a `MinifloatError` comes before anything
-    is stored or dropped. The budget counts every layer; each layer keeps to its equal share."""
+    is stored or dropped — unless `drop=True` asks for it: then the oldest tokens after the sinks
+    leave the cache (StreamingLLM's eviction; an event ``"to": "dropped"`` each time), and
+    `position()` keeps counting them, so that positions stay those of the whole sequence. The
+    budget counts every layer; each layer keeps to its equal share."""
 
     def __init__(self, n_layer: int, format: str = "bf16", *, budget_bytes: int | None = None,
                  pressure_format: str = "nvfp4", sink_tokens: int = 4, recent_tokens: int = 32,
-                 scales: dict[int, tuple[float, float]] | None = None, recent_format: str | None = None) -> None:  # fmt: skip
+                 scales: dict[int, tuple[float, float]] | None = None, recent_format: str | None = None,
+                 drop: bool = False) -> None:  # fmt: skip
         if n_layer < 1:
             raise MinifloatError(f"n_layer must be ≥ 1, got {n_layer}")
         self.format = _key(format)
@@ -115,6 +119,10 @@ class KVCache:
         self.recent_format = None if recent_format is None else _key(recent_format)
         if self.recent_format is not None and scales is not None:
             raise MinifloatError("a high-precision recent window goes with dynamic scales, not calibrated ones")
+        if drop and budget_bytes is None:
+            raise MinifloatError("drop=True drops tokens to keep within a budget: give budget_bytes too")
+        self.drop = drop  # only when asked: past the budget even in pressure_format, drop the oldest non-sink tokens
+        self.dropped = 0  # tokens dropped so far (positions keep counting them)
         self.n_layer = n_layer
         self._segs: list[list[list]] = [[] for _ in range(n_layer)]  # [K, V, tokens, format name]
         self._work: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
@@ -124,6 +132,10 @@ class KVCache:
     def length(self, layer: int = 0) -> int:
         """Tokens held for `layer`."""
         return sum(seg[2] for seg in self._segs[layer])
+
+    def position(self, layer: int = 0) -> int:
+        """Tokens seen: those held and those dropped (the next token's position)."""
+        return self.length(layer) + self.dropped
 
     def precisions(self, layer: int = 0) -> list[str]:
         """The format each held token of `layer` is stored in, oldest first."""
@@ -212,11 +224,20 @@ class KVCache:
     def _check_budget(self, t: int) -> None:
         n = self.length(0) + t
         least = self.least_bytes(t)
+        if least > self.budget_bytes and self.drop:
+            # each dropped token frees at least its bytes in pressure_format, in every layer
+            per = self.n_layer * self.token_bytes(self.pressure)
+            want = -(-(least - self.budget_bytes) // max(per, 1))
+            room = self.length(0) - self.sink_tokens - max(self.recent_tokens - t, 0)
+            if 0 < want <= room:
+                self._drop(max(want, min(DEMOTE_AT_ONCE, room)))
+                n, least = self.length(0) + t, self.least_bytes(t)
         if least > self.budget_bytes:
             raise MinifloatError(
                 f"the KV budget of {self.budget_bytes:,} bytes cannot hold {n} tokens even with all but the "
                 f"{self.sink_tokens} first and {self.recent_tokens} last in {self.pressure_format} ({least:,} bytes); "
-                f"nothing was dropped: raise the budget or shorten the sequence"
+                + ("even dropping every token between them does not make room" if self.drop else
+                   "nothing was dropped: raise the budget, shorten the sequence, or allow dropping (drop=True)")
             )
 
     def _fit(self, layer: int) -> None:
@@ -258,10 +279,36 @@ class KVCache:
         self.events.append({"layer": layer, "tokens": [start + a, start + b], "from": fmt, "to": to,
                             "layer_bytes_before": before, "layer_bytes_after": self.layer_bytes(layer)})  # fmt: skip
 
+    def _drop(self, n: int) -> None:
+        """Remove the `n` oldest tokens after the sinks from every layer."""
+        lo, hi = self.sink_tokens, self.sink_tokens + n
+        per = self._shape[0] * self._shape[1]
+        for layer in range(self.n_layer):
+            kept, start = [], 0
+            for kq, vq, t, fmt in self._segs[layer]:
+                a, b = max(start, lo) - start, min(start + t, hi) - start
+                if a >= b:
+                    kept.append([kq, vq, t, fmt])
+                else:
+                    if a > 0:
+                        kept.append([_slice_rows(kq, 0, a * per), _slice_rows(vq, 0, a * per), a, fmt])
+                    if b < t:
+                        kept.append([_slice_rows(kq, b * per, t * per), _slice_rows(vq, b * per, t * per), t - b, fmt])
+                start += t
+            self._segs[layer] = kept
+            w = self._work[layer]
+            if w is not None:
+                self._work[layer] = tuple(torch.cat((x[:, :, :lo], x[:, :, hi:]), 2) for x in w)
+        self.events.append({"layer": "all", "tokens": [lo + self.dropped, hi + self.dropped], "from": "held", "to": "dropped",
+                            "layer_bytes_after": self.layer_bytes(0)})  # fmt: skip
+        self.dropped += n
+
     def truncate(self, n: int) -> None:
         """Keep the first `n` tokens of every layer (a rejected speculation's rollback)."""
         if n < 0:
             raise MinifloatError(f"truncate keeps n ≥ 0 tokens, got {n}")
+        if self.dropped:
+            raise MinifloatError("a cache that dropped tokens cannot roll back (speculative decoding needs drop=False)")
         for layer, segs in enumerate(self._segs):
             kept, total = [], 0
             for kq, vq, t, fmt in segs:

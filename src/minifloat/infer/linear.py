@@ -29,7 +29,7 @@ from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
 
 
-def pow2_global_amax(w: torch.Tensor) -> torch.Tensor | None:
+def pow2_global_amax(w: torch.Tensor, numerator: float = rules.NVFP4_GLOBAL_NUMERATOR) -> torch.Tensor | None:
     """For an NVFP4 weight: the tensor amax that makes its global encode scale S = 448·6 / amax
     the power of two at or below the one of w's own amax (None for a NaN or inf amax).
 
@@ -39,9 +39,9 @@ def pow2_global_amax(w: torch.Tensor) -> torch.Tensor | None:
     a = w.float().abs().max()
     if not torch.isfinite(a):
         return None
-    s = rules.nvfp4_global_scale(a)
+    s = rules.nvfp4_global_scale(a, numerator)
     s = torch.exp2(torch.floor(torch.log2(s)))
-    return torch.tensor(rules.NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32) / s
+    return torch.tensor(numerator, dtype=torch.float32) / s
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -88,7 +88,9 @@ class QuantizedLinear(torch.nn.Module):
         config = get_quant_config(config)
         w = linear.weight.detach()
         with torch.no_grad():
-            amax = pow2_global_amax(w) if config.weight_scheme.is_nvfp4 and config.pow2_global_scale else None
+            ws = config.weight_scheme
+            numerator = rules.NVFP4_4OVER6_NUMERATOR if ws.scale_rule == "4over6" else rules.NVFP4_GLOBAL_NUMERATOR
+            amax = pow2_global_amax(w, numerator) if ws.is_nvfp4 and config.pow2_global_scale else None
             weight = quantize(w, config.weight_scheme, amax=amax)
         return cls(weight, linear.bias, config, input_amax=input_amax, backend=backend)
 

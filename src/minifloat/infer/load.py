@@ -20,7 +20,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.infer.config import QUANT_CONFIGS, QuantConfig
-from minifloat.infer.export import ct_args
+from minifloat.infer.export import CT_FORMAT, ct_args
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.nn.convert import swap_modules
 from minifloat.quant import QuantizedTensor
@@ -70,7 +70,17 @@ def configs_from_quantization_config(qc: dict) -> list[tuple[list[str], QuantCon
     groups = qc.get("config_groups") or {}
     if not groups:
         raise MinifloatError("the checkpoint's quantization_config has no config_groups")
-    return [(list(g.get("targets") or ["Linear"]), _config_of_group(g)) for g in groups.values()]
+    found = [(list(g.get("targets") or ["Linear"]), _config_of_group(g)) for g in groups.values()]
+    # minifloat's own checkpoints name their configs (group i ↔ configs[i]): a choice the format
+    # does not record (Four Over Six's input scaling) comes back with them
+    producer = qc.get("producer") or {}
+    names = producer.get("configs") if producer.get("name") == "minifloat" else None
+    if isinstance(names, list) and len(names) == len(found):
+        for i, (g, name) in enumerate(zip(groups.values(), names, strict=True)):
+            c = QUANT_CONFIGS.get(name)
+            if c is not None and CT_FORMAT.get(name) == g.get("format") and c.weight_scheme.element == found[i][1].weight_scheme.element:
+                found[i] = (found[i][0], c)
+    return found
 
 
 def config_from_quantization_config(qc: dict) -> QuantConfig:

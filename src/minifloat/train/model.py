@@ -61,9 +61,9 @@ class CausalSelfAttention(nn.Module):
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         else:  # incremental decoding: the cache returns every position's K and V, these T last
-            past = cache.length(layer)
-            k, v = cache.update(layer, k, v)  # (B, nh, past + T, hs)
-            # query i (at position past + i) sees keys 0 .. past + i
+            k, v = cache.update(layer, k, v)  # (B, nh, held, hs): the held tokens, these T last
+            # query i sees every held key up to its own (a cache may have dropped old ones)
+            past = k.shape[2] - T
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
@@ -117,7 +117,8 @@ class GPT(nn.Module):
         and ``update(layer, k, v) -> (K, V)``, as `minifloat.infer.KVCache`), `idx` continues the
         sequence the cache holds: its positions start at the cache's length."""
         B, T = idx.shape
-        past = 0 if cache is None else cache.length(0)
+        # positions count every token seen, also those a cache dropped (KVCache(drop=True))
+        past = 0 if cache is None else getattr(cache, "position", cache.length)(0)
         if past + T > self.config.block_size:
             raise MinifloatError(f"sequence of {past + T} tokens exceeds the model's block_size {self.config.block_size}")
         x = self.wte(idx) + self.wpe(torch.arange(past, past + T, device=idx.device))  # (B, T, C)
