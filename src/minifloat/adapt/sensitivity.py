@@ -36,7 +36,7 @@ from minifloat.infer.metrics import kl_and_agreement
 from minifloat.infer.models import logits_of
 from minifloat.infer.ptq import calibrate, matches, why_not
 
-DEFAULT_CANDIDATES = ("fp8-dynamic", "mxfp6", "mxfp4", "nvfp4")
+DEFAULT_CANDIDATES = ("fp8-dynamic", "mxfp6", "mxfp4", "nvfp4", "nvfp4-4over6")  # the last: the heuristic's FP4
 
 
 @dataclass
