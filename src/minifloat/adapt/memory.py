@@ -18,7 +18,9 @@ reverse order — only where `headroom_tokens` more tokens would still fit, so t
 move up and down on alternate steps. Every move is logged in `events`. A context that cannot
 fit even with every layer in `low` and the KV at its least is an error before anything is
 stored. KV tokens that moved to FP4 stay there (their FP8 values are gone); new tokens enter in
-`kv_format` again.
+`kv_format` again. The budget holds between forwards; a move builds a layer's new copy before it
+lets the old one go, so for that moment one layer's copy more is held (a server would keep that
+much aside).
 
 Example:
     >>> from minifloat.train.model import GPT, GPTConfig
