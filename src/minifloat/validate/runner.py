@@ -95,6 +95,12 @@ def phase(name: str, nvtx: bool = False) -> Iterator[None]:
             torch.cuda.nvtx.range_pop()
 
 
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64."""
+    ref = ref.detach().double()
+    return float((x.detach().double() - ref).norm() / ref.norm())
+
+
 def phased(name: str, fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)`` inside `phase(name)`."""
     with phase(name):

@@ -108,6 +108,18 @@ def confidence_strategy(model, train, val, high: str, low: str, echo: Callable[[
             "rows": rows, "calib_tokens": sum(b[:, 1:].numel() for b in calib)}  # fmt: skip
 
 
+def _quality(triples) -> dict:
+    """Δppl %, mean per-token KL and top-1 of logits against the unquantized model's, from
+    (reference logits, logits, targets) per batch."""
+    kl = nll = ref_nll = agree = n = 0.0
+    for ref, logits, y in triples:
+        k, a = kl_and_agreement(ref, logits)
+        kl, agree, n = kl + k, agree + a, n + y.numel()
+        nll += F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="sum").item()
+        ref_nll += F.cross_entropy(ref.flatten(0, 1), y.reshape(-1), reduction="sum").item()
+    return {"delta_ppl_pct": 100 * (math.exp((nll - ref_nll) / n) - 1), "kl": kl / n, "top1": agree / n}
+
+
 @torch.no_grad()
 def _cascade_quality(model, lo_m, hi_m, batches, cascade) -> dict:
     """Quality of the cascade's token distribution (the low model's where it is confident, the
@@ -115,33 +127,28 @@ def _cascade_quality(model, lo_m, hi_m, batches, cascade) -> dict:
     from minifloat.adapt.confidence import confidence
     from minifloat.infer.models import logits_of
 
-    kl = nll = ref_nll = agree = n = 0.0
-    for b in batches:
-        x, y = b[:, :-1], b[:, 1:]
-        ref, lo, hi = (logits_of(m(x)).float() for m in (model, lo_m, hi_m))
-        mix = torch.where((confidence(lo, cascade.measure) >= cascade.threshold)[..., None], lo, hi)
-        k, a = kl_and_agreement(ref, mix)
-        kl, agree, n = kl + k, agree + a, n + y.numel()
-        nll += F.cross_entropy(mix.flatten(0, 1), y.reshape(-1), reduction="sum").item()
-        ref_nll += F.cross_entropy(ref.flatten(0, 1), y.reshape(-1), reduction="sum").item()
-    return {"delta_ppl_pct": 100 * (math.exp((nll - ref_nll) / n) - 1), "kl": kl / n, "top1": agree / n}
+    def triples():
+        for b in batches:
+            x, y = b[:, :-1], b[:, 1:]
+            ref, lo, hi = (logits_of(m(x)).float() for m in (model, lo_m, hi_m))
+            yield ref, torch.where((confidence(lo, cascade.measure) >= cascade.threshold)[..., None], lo, hi), y
+
+    return _quality(triples())
 
 
 @torch.no_grad()
 def _decode_under(policy: MemoryPolicy, reference, seqs) -> dict:
     """Teacher-forced token-by-token decoding of `seqs` under the policy, scored against the
     unquantized model's full-sequence logits."""
-    kl = nll = ref_nll = agree = n = 0.0
-    for s in seqs:
-        policy.new_sequence()
-        x, y = s[:, :-1], s[:, 1:]
-        logits = torch.cat([policy.forward(x[:, t : t + 1]) for t in range(x.shape[1])], 1).float()
-        ref = reference(x).float()
-        k, a = kl_and_agreement(ref, logits)
-        kl, agree, n = kl + k, agree + a, n + y.numel()
-        nll += F.cross_entropy(logits[0], y[0], reduction="sum").item()
-        ref_nll += F.cross_entropy(ref[0], y[0], reduction="sum").item()
-    return {"delta_ppl_pct": 100 * (math.exp((nll - ref_nll) / n) - 1), "kl": kl / n, "top1": agree / n}
+
+    def triples():
+        for s in seqs:
+            policy.new_sequence()
+            x, y = s[:, :-1], s[:, 1:]
+            logits = torch.cat([policy.forward(x[:, t : t + 1]) for t in range(x.shape[1])], 1).float()
+            yield reference(x).float(), logits, y
+
+    return _quality(triples())
 
 
 def memory_strategy(model, train, val, high: str, low: str, echo: Callable[[str], None] = print,

@@ -14,7 +14,7 @@ import copy
 import torch
 
 from minifloat.nn.convert import convert
-from minifloat.validate.runner import Check, Context, Outcome, phase
+from minifloat.validate.runner import Check, Context, Outcome, phase, rel_error
 
 NAME, TITLE = "compile", "FP16 and FP8, eager and torch.compile"
 
@@ -58,7 +58,7 @@ def run(ctx: Context) -> Outcome:
         out.rows.append({"case": key, "median_s": t, "tflops": flops / t / 1e12,
                          "speedup_vs_fp16_eager": med["fp16 eager"] / t, "speedup_vs_eager": med[key.replace("compiled", "eager")] / t})  # fmt: skip
     def dist(a, b):
-        return max(float((a[i].float() - b[i].float()).norm() / b[i].float().norm()) for i in (0, 1))
+        return max(rel_error(a[i], b[i]) for i in (0, 1))
 
     ref = copy.deepcopy(base)
     y = ref(x)

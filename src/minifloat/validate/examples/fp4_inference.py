@@ -19,7 +19,7 @@ from minifloat.infer.ptq import model_bytes
 from minifloat.quant.api import quantize
 from minifloat.scaling.schemes import get_scheme
 from minifloat.validate.analysis import sqnr_db
-from minifloat.validate.runner import Check, Context, Outcome, phased
+from minifloat.validate.runner import Check, Context, Outcome, phased, rel_error
 
 NAME, TITLE = "fp4_inference", "FP4 tensor, FP4 Linear, FP4 MLP; FP6 next to FP4 and FP8"
 
@@ -50,11 +50,10 @@ def run(ctx: Context) -> Outcome:
             ref_lin = x.double() @ wf.T + fc.bias.double()
             ref = torch.nn.functional.gelu(ref_lin) @ wp.T + proj.bias.double()
             y_fp32 = mlp(x)
-        err_lin = float((y_lin.double() - ref_lin).norm() / ref_lin.norm())
-        err = float((y.double() - ref).norm() / ref.norm())
+        err_lin, err = rel_error(y_lin, ref_lin), rel_error(y, ref)
         ratio = model_bytes(torch.nn.Sequential(fc, proj)) / 2 / model_bytes(q_mlp)
         out.rows.append({"case": f"FP4 MLP {config}", "bytes": model_bytes(q_mlp), "bf16_bytes": model_bytes(torch.nn.Sequential(fc, proj)) // 2,
-                         "memory_vs_bf16": ratio, "rel_error_vs_fp32_mlp": float((y - y_fp32).norm() / y_fp32.norm())})  # fmt: skip
+                         "memory_vs_bf16": ratio, "rel_error_vs_fp32_mlp": rel_error(y, y_fp32)})  # fmt: skip
         out.checks.append(Check(f"FP4 Linear {config}: error against its dequantized weight (float64)", err_lin, 1e-5))
         out.checks.append(Check(f"FP4 MLP {config}: error against its dequantized weights (float64)", err, 1e-5))
         cases[f"{config} MLP"] = lambda m=q_mlp: phased("gemm", m, x)

@@ -14,7 +14,7 @@ import torch
 from minifloat.gemm import choose_backend, scaled_mm
 from minifloat.quant.api import quantize
 from minifloat.scaling.schemes import get_scheme
-from minifloat.validate.runner import Check, Context, Outcome, phased
+from minifloat.validate.runner import Check, Context, Outcome, phased, rel_error
 
 NAME, TITLE = "gemm", "Scaled GEMM per precision"
 # precision → (activation scheme, weight scheme)
@@ -22,10 +22,6 @@ QUANTIZED = {"fp8 tensor": ("fp8", "fp8"), "fp8 row": ("fp8_rowwise", "fp8_rowwi
              "fp8 block": ("fp8_block128", "fp8_block128x128"), "mxfp8": ("mxfp8", "mxfp8"),
              "mxfp6": ("mxfp6_e2m3", "mxfp6_e2m3"), "mxfp4": ("mxfp4", "mxfp4"), "nvfp4": ("nvfp4", "nvfp4")}  # fmt: skip
 FLOAT_LIMIT = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}
-
-
-def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.double() - ref).norm() / ref.norm())
 
 
 def run(ctx: Context) -> Outcome:
@@ -38,15 +34,15 @@ def run(ctx: Context) -> Outcome:
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         ad, bd = a.to(dtype), b.to(dtype)
         cases[name] = lambda ad=ad, bd=bd: phased("gemm", torch.matmul, ad, bd.T)
-        errors[name] = rel(ad @ bd.T, ref)
+        errors[name] = rel_error(ad @ bd.T, ref)
     backends = {}
     for name, (sa, sb) in QUANTIZED.items():
         qa, qb = quantize(a, get_scheme(sa)), quantize(b, get_scheme(sb))
         backends[name] = choose_backend([qa.scheme, qb.scheme], ctx.device)
         cases[name] = lambda sa=sa, qb=qb: phased("gemm", scaled_mm, phased("quantize", quantize, a, get_scheme(sa)), qb, backend="auto")
         y = scaled_mm(qa, qb, backend="auto")
-        errors[name] = rel(y, ref)
-        exact[name] = rel(y, qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).T)
+        errors[name] = rel_error(y, ref)
+        exact[name] = rel_error(y, qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).T)
         out.tensor_bytes += qa.nbytes + qb.nbytes
     med = ctx.time(cases)
     flops = 2 * m * n * k

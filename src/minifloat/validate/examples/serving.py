@@ -20,7 +20,7 @@ from minifloat.infer.decoding import generate
 from minifloat.infer.metrics import weight_bytes
 from minifloat.infer.ptq import calibrate, quantize_model
 from minifloat.train.model import GPT, GPT_SIZES
-from minifloat.validate.runner import Check, Context, Outcome, phase
+from minifloat.validate.runner import Check, Context, Outcome, phase, rel_error
 
 NAME, TITLE = "serving", "Quantized forward, KV-cache decoding, speculative decoding"
 KV = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4")
@@ -42,7 +42,7 @@ def run(ctx: Context) -> Outcome:
             q = copy.deepcopy(model)
             with phase("quantize"):
                 quantize_model(q, name, calibration=cal)
-            err = float((q(ids) - ref).norm() / ref.norm())
+            err = rel_error(q(ids), ref)
             limit = 0.35 if "fp4" in name else 0.1
             out.rows.append({"case": f"forward {name}", "weight_bytes": weight_bytes(q), "rel_error_vs_fp32": err})
             out.checks.append(Check(f"forward {name}: logits against FP32's (relative)", err, limit))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from minifloat.nn.convert import convert
 from minifloat.recipes import RECIPES
 from minifloat.train.model import GPT, GPT_SIZES
-from minifloat.validate.runner import Check, Context, Outcome, phase
+from minifloat.validate.runner import Check, Context, Outcome, phase, rel_error
 
 NAME, TITLE = "training", "A training step per recipe"
 
@@ -55,7 +55,7 @@ def run(ctx: Context) -> Outcome:
     tokens = batch * seq
     for name, t in med.items():
         loss, finite = first[name]
-        err = float((logits[name] - logits["fp32"]).norm() / logits["fp32"].norm())
+        err = rel_error(logits[name], logits["fp32"])
         out.rows.append({"precision": name, "median_s": t, "tokens_per_s": tokens / t, "speedup_vs_fp32": med["fp32"] / t,
                          "speedup_vs_bf16": med["bf16"] / t, "first_loss": loss, "logits_rel_error": err})  # fmt: skip
         out.checks.append(Check(f"{name}: every gradient finite", float(finite), 1.0, "=="))

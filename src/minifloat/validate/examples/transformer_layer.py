@@ -15,7 +15,7 @@ import torch
 
 from minifloat.nn.convert import convert
 from minifloat.train.model import Block, GPTConfig
-from minifloat.validate.runner import Check, Context, Outcome, phase
+from minifloat.validate.runner import Check, Context, Outcome, phase, rel_error
 
 NAME, TITLE = "transformer_layer", "Transformer layer forward + backward per precision"
 PRECISIONS = ("fp32", "bf16", "fp8", "fp8-block", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
@@ -56,7 +56,7 @@ def run(ctx: Context) -> Outcome:
             return y, xi.grad
 
         y, gx = step()
-        errs[p] = float((y.detach().float() - ref).norm() / ref.norm())
+        errs[p] = rel_error(y, ref)
         finite[p] = bool(torch.isfinite(gx).all()) and all(bool(torch.isfinite(q.grad).all()) for q in m.parameters())
         cases[p] = step
     med = ctx.time(cases)
