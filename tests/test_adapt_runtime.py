@@ -211,3 +211,11 @@ def test_convert_takes_a_layer_policy_first_match_wins():
     loss = gpt(torch.randint(0, 256, (2, 16))).float().logsumexp(-1).mean()
     loss.backward()  # it trains
     assert gpt.blocks[1].mlp.fc.weight.grad is not None
+
+
+def test_a_policy_keeps_a_layer_its_recipe_cannot_take_in_high_precision():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 64))
+    minifloat.convert(model, {"*": "fp8-block"})  # 128-wide blocks: neither layer's dimensions fit
+    assert all(type(m) is torch.nn.Linear for m in model if isinstance(m, torch.nn.Linear))
+    minifloat.convert(model, {"0": "fp8", "*": None})
+    assert isinstance(model[0], minifloat.Linear) and type(model[2]) is torch.nn.Linear

@@ -26,7 +26,7 @@ from minifloat.errors import MinifloatError
 from minifloat.formats.packing import codes_per_group
 from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config
 from minifloat.infer.linear import QuantizedLinear
-from minifloat.nn.convert import matches, swap_modules
+from minifloat.nn.convert import matches, rule_for, swap_modules
 
 CALIBRATION_METHODS = ("max", "percentile")
 
@@ -215,10 +215,10 @@ def _layer_config(name: str, policy) -> tuple[QuantConfig | None, str | None, st
     """(config, rule, reason it stays in high precision) of layer `name` under `policy`."""
     if isinstance(policy, QuantConfig):
         return policy, None, None
-    for pattern, c in policy.items():
-        if matches(name, [pattern]):
-            return c, pattern, None if c is not None else f"rule {pattern!r} keeps it in high precision"
-    return None, None, "no rule of the policy matches it"
+    pattern, c = rule_for(name, policy)
+    if pattern is None:
+        return None, None, "no rule of the policy matches it"
+    return c, pattern, None if c is not None else f"rule {pattern!r} keeps it in high precision"
 
 
 def quantize_model(

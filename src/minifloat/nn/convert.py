@@ -89,8 +89,10 @@ def convert(
         for fqn, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and fqn:
                 pattern, r = rule_for(fqn, policy)
-                log.info("minifloat.convert: %s gets rule %r → %s", fqn, pattern, given.get(pattern) or "high precision")
-                if r is not None and (filter is None or filter(fqn, module)):
+                why = None if r is None or filter is not None else _why_not(module, r)
+                log.info("minifloat.convert: %s gets rule %r → %s%s", fqn, pattern, given.get(pattern) or "high precision",
+                         f" (kept in high precision: {why})" if why else "")  # fmt: skip
+                if r is not None and why is None and (filter is None or filter(fqn, module)):
                     chosen[fqn] = r
         for r in {id(r): r for r in chosen.values()}.values():
             group = {f for f, x in chosen.items() if x is r}
