@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from minifloat.cli.defaults import print_result
 from minifloat.errors import MinifloatError
-from minifloat.io import jsonio
 
 STRATEGIES = ("auto", "layer", "token", "confidence", "memory")
 
@@ -61,14 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
         metrics = run_strategy(args.model, args.out, args.strategy, high=args.high, low=args.low, source=source,
                                plots=not args.no_plots, echo=echo)  # fmt: skip
-        print(jsonio.dumps(metrics, indent=2) if args.json else f"\n{strategy_table(metrics)}\n\nreport: {args.out}/report.md")
+        print_result(metrics, strategy_table(metrics), args.out, args.json)
         return 0
     metrics = run_adapt(args.model, args.out, candidates=candidates, budgets=budgets, source=source,
                         plots=not args.no_plots, echo=echo)  # fmt: skip
-    if args.json:
-        print(jsonio.dumps(metrics, indent=2))
-    else:
-        print()
-        print(adapt_table(metrics))
-        print(f"\nreport: {args.out}/report.md   metrics: {args.out}/metrics.json")
+    print_result(metrics, adapt_table(metrics), args.out, args.json)
     return 0

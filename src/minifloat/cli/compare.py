@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from minifloat.cli.defaults import print_result
 from minifloat.cli.train import add_training_arguments, config_from_args
-from minifloat.io import jsonio
 from minifloat.validate.compare import DEFAULT_PRECISIONS
 
 
@@ -33,10 +33,5 @@ def run(args: argparse.Namespace) -> int:
     precisions = parse_precisions(args.precisions)
     base = config_from_args(args, precision=precisions[0])
     metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite, seeds=args.seeds)
-    if args.json:
-        print(jsonio.dumps(metrics, indent=2))
-    else:
-        print()
-        print(summary_table(metrics))
-        print(f"\nreport: {args.out}/report.md   metrics: {args.out}/metrics.json")
+    print_result(metrics, summary_table(metrics), args.out, args.json)
     return 0 if all(m["status"] != "failed" for m in metrics["runs"]) else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from minifloat.cli.defaults import print_result
 from minifloat.errors import MinifloatError
 from minifloat.infer.config import QUANT_CONFIGS
 from minifloat.infer.export import FORMATS
@@ -95,10 +96,5 @@ def run_ptq_compare(args: argparse.Namespace) -> int:
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     metrics = ptq_compare(args.model, schemes, args.out, source=_source(args), torchao=not args.no_torchao,
                           plots=not args.no_plots, echo=(lambda s: None) if args.json else print)  # fmt: skip
-    if args.json:
-        print(jsonio.dumps(metrics, indent=2))
-    else:
-        print()
-        print(ptq_table(metrics))
-        print(f"\nreport: {args.out}/report.md   metrics: {args.out}/metrics.json")
+    print_result(metrics, ptq_table(metrics), args.out, args.json)
     return 0
