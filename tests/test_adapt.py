@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import minifloat
-from minifloat.adapt import auto_precision, choose, heuristic_policy, sensitivity, solve
+from minifloat.adapt import (
+    Sensitivity,
+    auto_precision,
+    choose,
+    fill_policy,
+    heuristic_policy,
+    sensitivity,
+    solve,
+)
 from minifloat.infer import evaluate, quantize_model
 from minifloat.train.model import GPT, GPTConfig
 
@@ -81,3 +89,22 @@ def test_the_heuristic_keeps_the_first_and_last_blocks_high():
     layers = [f"blocks.{i}.{p}" for i in range(4) for p in ("attn.qkv", "mlp.fc")]
     h = heuristic_policy(layers)
     assert [h[n] for n in layers] == ["fp8-dynamic"] * 2 + ["nvfp4"] * 4 + ["fp8-dynamic"] * 2
+
+
+def test_the_budget_heuristic_fills_from_the_ends_within_the_budget():
+    # weights 3, 1, 4, 4 (as qkv, proj, fc, proj); 8 bits high, 4.5 low: 54 bits in all low, 72 allowed at 6 bits
+    layers = ["l0", "l1", "l2", "l3"]
+    params = dict(zip(layers, (3, 1, 4, 4), strict=True))
+    s = Sensitivity(layers, ["hi", "lo"], params, {n: {"hi": 8.0, "lo": 4.5} for n in layers})
+
+    def high_layers(budget, end="both"):
+        return sorted(n for n, c in fill_policy(s, budget, "hi", "lo", end).items() if c == "hi")
+
+    high = {end: high_layers(6.0, end) for end in ("first", "last", "both")}
+    # first: l0 (+10.5) fits, l1 (+3.5) fits, l2 (+14) and l3 do not; last: l3 (+14), then l1; both walks l0, l3, l1, l2
+    assert high == {"first": ["l0", "l1"], "last": ["l1", "l3"], "both": ["l0", "l1"]}
+    assert high_layers(7.0) == ["l0", "l1", "l3"] and high_layers(4.5) == []
+    with pytest.raises(minifloat.MinifloatError, match="already takes 4.50 bits"):
+        fill_policy(s, 4.0, "hi", "lo")
+    with pytest.raises(minifloat.MinifloatError, match="end='middle'"):
+        fill_policy(s, 6.0, "hi", "lo", "middle")

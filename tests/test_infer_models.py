@@ -186,6 +186,7 @@ def test_adapt_and_sensitivity_commands(trained, tmp_path, capsys):
                  "--eval-batches", "1", "--batch-size", "2", "--seq-len", "32", "--out", str(out)]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "| auto 5 bits" in printed and "| heuristic" not in printed and "| first/last blocks" in printed
+    assert "| first+last layers fp8-dynamic to 5 bits, rest mxfp4" in printed and "| last layers fp8-dynamic" in printed
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["auto"][0]["average_bits"] <= 5 and {u["name"] for u in metrics["uniform"]} == {"fp8-dynamic", "mxfp4"}
     assert (out / "pareto.png").is_file() and (out / "sensitivity.png").is_file() and "Spearman" in (out / "report.md").read_text()

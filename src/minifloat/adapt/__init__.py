@@ -5,7 +5,7 @@
 - `knapsack`: the exact multiple-choice knapsack solver.
 - `auto`: `auto_precision` (the assignment of least summed KL within a budget of average bits),
   `fit_to_memory` (the same within a byte budget that counts the KV cache) and the
-  first-and-last-blocks heuristic.
+  rules of thumb it is compared with (first and last blocks; layers from the ends to a budget).
 - `token`: FP8 for important tokens, FP4 for the rest, inside each Linear (`token_precision`).
 - `confidence`: the FP4 → FP8 cascade with a calibrated confidence threshold.
 - `memory`: `MemoryPolicy`, which keeps weights and KV cache within a byte budget at run time.
@@ -17,6 +17,7 @@ from minifloat.adapt.auto import (
     auto_precision,
     choose,
     evaluate_policy,
+    fill_policy,
     fit_to_memory,
     heuristic_policy,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "choose",
     "evaluate_policy",
     "heuristic_policy",
+    "fill_policy",
     "MemoryFit",
     "fit_to_memory",
     "Cascade",

@@ -4,8 +4,10 @@
 single-layer KL (`sensitivity`) is least with the average bits per weight (codes and scales,
 weighted by each layer's weight count) at most `budget_bits` — a multiple-choice knapsack solved
 exactly (`knapsack.solve`) — then quantizes a copy of the model with that assignment and
-evaluates it. `heuristic_policy` is the rule of thumb it is compared with: the first and last
-blocks in 8 bits, the rest in FP4.
+evaluates it. The rules of thumb it is compared with: `heuristic_policy`, the first and last
+blocks in 8 bits and the rest in FP4 (whatever that costs), and `fill_policy`, the layers nearest
+the embedding, the head or both ends in 8 bits until the same budget is spent — the comparison
+AutoRound's AutoScheme reports at equal average bits ("tail" and "head layers 8-bit").
 
 Example:
     >>> from minifloat.train.model import GPT, GPTConfig
@@ -129,6 +131,38 @@ def heuristic_policy(layers: Sequence[str], high: str = "fp8-dynamic", low: str 
         raise MinifloatError("the layers' names hold no block numbers: no first and last block to keep")
     ends = {min(blocks), max(blocks)}
     return {n: (high if block_index(n) in ends else low) for n in layers}
+
+
+FILL_ENDS = ("both", "first", "last")
+
+
+def fill_policy(s: Sensitivity, budget_bits: float, high: str, low: str, end: str = "both") -> dict[str, str]:
+    """The layers nearest one end in `high`, the rest in `low`, within `budget_bits` average bits.
+
+    `end`: ``"first"`` walks from the embedding, ``"last"`` from the head, ``"both"`` alternates
+    first, last, second, second-to-last, …. In that order every layer that still fits the budget
+    goes to `high` (one that does not is passed over and the walk goes on), so the heuristic spends
+    the budget as fully as whole layers allow. Layer order is the model's (`s.layers`)."""
+    if end not in FILL_ENDS:
+        raise MinifloatError(f"end={end!r}: use one of {', '.join(FILL_ENDS)}")
+    for c in (high, low):
+        if c not in s.candidates:
+            raise MinifloatError(f"{c!r} is not among the sensitivity's candidates {s.candidates}")
+    layers = list(s.layers)
+    if end == "last":
+        layers.reverse()
+    elif end == "both":
+        layers = [layers[i // 2] if i % 2 == 0 else layers[-1 - i // 2] for i in range(len(layers))]
+    policy = {n: low for n in s.layers}
+    total = sum(s.params.values())
+    spent = sum(s.bits[n][low] * s.params[n] for n in s.layers)
+    if spent > budget_bits * total:
+        raise MinifloatError(f"budget_bits={budget_bits}: every layer in {low} already takes {spent / total:.2f} bits")
+    for n in layers:
+        extra = (s.bits[n][high] - s.bits[n][low]) * s.params[n]
+        if spent + extra <= budget_bits * total:
+            policy[n], spent = high, spent + extra
+    return policy
 
 
 @dataclass

@@ -14,7 +14,7 @@ STRATEGIES = ("auto", "layer", "token", "confidence", "memory")
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a `minifloat train` output folder or checkpoint, or a transformers model folder")
     p.add_argument("--candidates", default="fp8-dynamic,mxfp6,mxfp4,nvfp4,nvfp4-4over6",
-                   help="comma-separated PTQ configs (the first and the last: the heuristic's high and low)")
+                   help="comma-separated PTQ configs (the first and the last: the rules of thumb's high and low)")
     p.add_argument("--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")

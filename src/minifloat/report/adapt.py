@@ -1,4 +1,4 @@
-"""The `minifloat adapt` report: automatic precision against the uniform schemes and the heuristic,
+"""The `minifloat adapt` report: automatic precision against the uniform schemes and the rules of thumb,
 a sensitivity heat map and a Pareto plot of quality against average bits."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from minifloat.report.table import cell, markdown_table
 
 
 def adapt_rows(metrics: dict) -> list[dict]:
-    return [*metrics["auto"], *metrics["uniform"], metrics["heuristic"]]
+    return [*metrics["auto"], *metrics["uniform"], *metrics["heuristics"]]
 
 
 def adapt_table(metrics: dict) -> str:
@@ -40,11 +40,12 @@ def plot_pareto(metrics: dict, path: Path) -> None:
     plt = require_matplotlib()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "kl", "KL(reference ‖ quantized)"), (axes[1], "delta_ppl_pct", "Δ perplexity (%)")):
-        for group, style in ((metrics["auto"], "o-"), (metrics["uniform"], "s"), ([metrics["heuristic"]], "^")):
+        for group, style in ((metrics["auto"], "o-"), (metrics["uniform"], "s"), (metrics["heuristics"], "^")):
             xs, ys = [r["average_bits"] for r in group], [r[key] for r in group]
             ax.plot(xs, ys, style, label={"o-": "auto", "s": "uniform", "^": "heuristic"}[style])
             for r in group:
-                ax.annotate(r["name"], (r["average_bits"], r[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+                tag = r.get("short", r["name"])  # the table names the heuristics in full
+                ax.annotate(tag, (r["average_bits"], r[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel("average bits per weight")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
@@ -70,8 +71,9 @@ def write_adapt_report(metrics: dict, out: str | Path, *, plots: bool = True) ->
     lines = [
         "# minifloat adapt", "",
         f"`{metrics['model']}`: one candidate per layer chosen to minimise the summed single-layer KL within a budget "
-        f"of average bits per weight (codes and scales), against every uniform candidate and the first-and-last-blocks "
-        f"heuristic, on held-out text. The Fisher estimate ranks the measured single-layer KLs with Spearman "
+        f"of average bits per weight (codes and scales), against every uniform candidate and the rules of thumb "
+        f"(the first and last blocks in 8 bits; at each budget, the layers nearest the embedding, the head or both ends "
+        f"in 8 bits until the budget is spent), on held-out text. The Fisher estimate ranks the measured single-layer KLs with Spearman "
         f"ρ = {s['spearman']:.3f}.", "",
         adapt_table(metrics), "",
     ]  # fmt: skip

@@ -1,6 +1,7 @@
 """`minifloat sensitivity` and `minifloat adapt --strategy auto`: per-layer sensitivity of a trained
-model, and automatic precision at several bit budgets against every uniform candidate and the
-first-and-last-blocks heuristic, on the same held-out text.
+model, and automatic precision at several bit budgets against every uniform candidate and the rules of
+thumb — the first and last blocks in 8 bits, and at each budget the layers nearest the embedding,
+the head or both ends in 8 bits until that budget is spent — on the same held-out text.
 
 Sensitivity and calibration use the corpus' training split, the comparisons its held-out split.
 """
@@ -11,8 +12,15 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from minifloat.adapt import DEFAULT_CANDIDATES, auto_precision, evaluate_policy, heuristic_policy, sensitivity
-from minifloat.adapt.auto import average_bits
+from minifloat.adapt import (
+    DEFAULT_CANDIDATES,
+    auto_precision,
+    evaluate_policy,
+    fill_policy,
+    heuristic_policy,
+    sensitivity,
+)
+from minifloat.adapt.auto import FILL_ENDS, average_bits
 from minifloat.errors import MinifloatError
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.models import load_model
@@ -34,7 +42,7 @@ def run_adapt(
     echo: Callable[[str], None] = print,
 ) -> dict:
     """Sensitivity, then (with `budgets`) automatic precision against the uniform candidates and
-    the heuristic; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`."""
+    the rules of thumb; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`."""
     for c in candidates:
         get_quant_config(c)  # an unknown name fails before any work
     if any(b <= 0 for b in budgets):
@@ -57,15 +65,29 @@ def run_adapt(
         m = evaluate_policy(model, {n: c for n in s.layers}, val, calib=train)
         metrics["uniform"].append({"name": c, "average_bits": average_bits({n: c for n in s.layers}, s), **_q(m)})
         echo(f"  uniform {c}: Δppl {m['delta_ppl_pct']:+.2f} %, KL {m['kl']:.2e}")
-    h = heuristic_policy(s.layers, high=candidates[0], low=candidates[-1])
-    m = evaluate_policy(model, h, val, calib=train)
-    metrics["heuristic"] = {"name": f"first/last blocks {candidates[0]}, rest {candidates[-1]}",
-                            "average_bits": average_bits(h, s), "assignment": h, **_q(m)}  # fmt: skip
-    echo(f"  heuristic: {metrics['heuristic']['average_bits']:.2f} bits, Δppl {m['delta_ppl_pct']:+.2f} %")
+    high, low = candidates[0], candidates[-1]
+    rules = [(f"first/last blocks {high}, rest {low}", "blocks", heuristic_policy(s.layers, high=high, low=low))]
+    for b in budgets:
+        for end in FILL_ENDS:
+            try:
+                h = fill_policy(s, b, high, low, end)
+            except MinifloatError:  # a budget below uniform `low`: no such heuristic
+                break
+            if high in h.values():  # else it is uniform `low`, measured above
+                rules.append((f"{END_WORDS[end]} layers {high} to {b:g} bits, rest {low}", f"{END_WORDS[end]} {b:g}", h))
+    metrics["heuristics"] = []
+    for name, short, h in rules:
+        m = evaluate_policy(model, h, val, calib=train)
+        row = {"name": name, "short": short, "average_bits": average_bits(h, s), "assignment": h, **_q(m)}
+        metrics["heuristics"].append(row)
+        echo(f"  {name}: {row['average_bits']:.2f} bits, Δppl {m['delta_ppl_pct']:+.2f} %, KL {m['kl']:.2e}")
     with atomic_path(out / "metrics.json") as t:
         t.write_text(jsonio.dumps(metrics, indent=2))
     write_adapt_report(metrics, out, plots=plots)
     return metrics
+
+
+END_WORDS = {"both": "first+last", "first": "first", "last": "last"}
 
 
 def _q(m: dict) -> dict:
