@@ -18,6 +18,7 @@ from minifloat.adapt import (
     sensitivity,
     solve,
 )
+from minifloat.adapt.auto import uniform_bits
 from minifloat.infer import evaluate, quantize_model
 from minifloat.train.model import GPT, GPTConfig
 
@@ -89,6 +90,16 @@ def test_the_heuristic_keeps_the_first_and_last_blocks_high():
     layers = [f"blocks.{i}.{p}" for i in range(4) for p in ("attn.qkv", "mlp.fc")]
     h = heuristic_policy(layers)
     assert [h[n] for n in layers] == ["fp8-dynamic"] * 2 + ["nvfp4"] * 4 + ["fp8-dynamic"] * 2
+
+
+def test_uniform_bits_follow_the_formats_layouts(tiny):
+    model, _, s = tiny
+    # MXFP4: 4-bit codes + one 8-bit E8M0 scale per 32; NVFP4: + one E4M3 per 16, and per layer two float32
+    # global scales (the weight's, and the calibrated input's)
+    assert uniform_bits(model, s.layers, "mxfp4") == 4.25
+    weights = sum(s.params.values())
+    assert uniform_bits(model, s.layers, "nvfp4") == pytest.approx(4.5 + 64 * len(s.layers) / weights, rel=1e-12)
+    assert uniform_bits(model, s.layers, "nvfp4") == pytest.approx(sum(s.bits[n]["nvfp4"] * s.params[n] for n in s.layers) / weights)
 
 
 def test_the_budget_heuristic_fills_from_the_ends_within_the_budget():

@@ -194,6 +194,10 @@ def test_adapt_and_sensitivity_commands(trained, tmp_path, capsys):
                  "--batch-size", "2", "--seq-len", "32", "--out", str(tmp_path / "s"), "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["auto"] == []
     assert main(["adapt", str(trained), "--candidates", "fp9", "--out", str(tmp_path / "x")]) == 2
+    capsys.readouterr()
+    assert main(["adapt", str(trained), "--candidates", "fp8-dynamic,mxfp4", "--budget-bits", "4,5", "--out", str(tmp_path / "y")]) == 2
+    out, err = capsys.readouterr()
+    assert "--budget-bits 4: the cheapest candidate takes 4.25 bits" in err and "sensitivity" not in out  # before any work
 
 
 @pytest.mark.parametrize("strategy", ["layer", "token", "confidence", "memory"])

@@ -55,6 +55,23 @@ def average_bits(assignment: dict[str, str], s: Sensitivity) -> float:
     return sum(s.bits[n][c] * s.params[n] for n, c in assignment.items()) / total
 
 
+def uniform_bits(model: torch.nn.Module, layers: Sequence[str], candidate: str) -> float:
+    """Average bits per weight (codes and scales) of `candidate` on every layer of `layers`, from
+    the quantized weights alone — no data: a calibrated input scale's value does not change the
+    bytes. Lets a command refuse a budget no assignment can meet before it measures anything."""
+    from minifloat.infer.config import get_quant_config
+    from minifloat.infer.linear import QuantizedLinear
+
+    cfg = get_quant_config(candidate)
+    bits = params = 0
+    for name in layers:
+        lin = model.get_submodule(name)
+        q = QuantizedLinear.from_linear(lin, cfg, input_amax=1.0 if cfg.static else None)
+        bits += 8 * sum(b.nbytes for n, b in q.named_buffers() if n != "bias")
+        params += lin.weight.numel()
+    return bits / params
+
+
 def choose(s: Sensitivity, budget_bits: float) -> dict[str, str]:
     """The assignment of least summed KL within `budget_bits` average bits per weight."""
     unit = math.gcd(*s.params.values())

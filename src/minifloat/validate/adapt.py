@@ -20,7 +20,8 @@ from minifloat.adapt import (
     heuristic_policy,
     sensitivity,
 )
-from minifloat.adapt.auto import FILL_ENDS, average_bits
+from minifloat.adapt.auto import FILL_ENDS, average_bits, uniform_bits
+from minifloat.adapt.sensitivity import quantizable
 from minifloat.errors import MinifloatError
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.models import load_model
@@ -52,6 +53,12 @@ def run_adapt(
     model = load_model(model_path)
     tok = tokenizer_for(model_path)
     train, val = batches_for(model, source, "train", tok), batches_for(model, source, "val", tok)
+    if budgets:  # a budget below every candidate fails now, not after the measurements
+        layers = quantizable(model, candidates)
+        least = min(uniform_bits(model, layers, c) for c in candidates) if layers else 0.0
+        if min(budgets) < least:
+            raise MinifloatError(f"--budget-bits {min(budgets):g}: the cheapest candidate takes {least:.2f} bits "
+                                 f"per weight on this model; give budgets ≥ {least:.2f}")  # fmt: skip
     echo(f"sensitivity of every layer to {', '.join(candidates)} ({len(train)} batches) …")
     s = sensitivity(model, train, candidates)
     echo(f"  {len(s.layers)} layers; the Fisher estimate ranks the measured KL with Spearman ρ = {s.spearman:.3f}")
