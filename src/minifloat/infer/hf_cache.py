@@ -35,7 +35,8 @@ def _classes():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             k, v = self.kv.update(0, key_states, value_states)
-            self.keys, self.values = k.to(self.dtype), v.to(self.dtype)
+            # the model's dtype is the incoming states' (transformers 5.24 no longer keeps `self.dtype`)
+            self.keys, self.values = k.to(key_states.dtype), v.to(value_states.dtype)
             return self.keys, self.values
 
         def get_seq_length(self) -> int:
