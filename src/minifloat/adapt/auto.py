@@ -67,7 +67,7 @@ def uniform_bits(model: torch.nn.Module, layers: Sequence[str], candidate: str) 
     for name in layers:
         lin = model.get_submodule(name)
         q = QuantizedLinear.from_linear(lin, cfg, input_amax=1.0 if cfg.static else None)
-        bits += 8 * sum(b.nbytes for n, b in q.named_buffers() if n != "bias")
+        bits += 8 * q.packed_nbytes()
         params += lin.weight.numel()
     return bits / params
 
@@ -125,7 +125,7 @@ def layer_bits(model: torch.nn.Module, ignore: Sequence[str] = ("lm_head",)) -> 
             continue
         if isinstance(m, QuantizedLinear):
             n = m.in_features * m.out_features
-            bits += 8 * sum(b.nbytes for k, b in m.named_buffers() if k != "bias")
+            bits += 8 * m.packed_nbytes()
         elif isinstance(m, torch.nn.Linear):
             n = m.weight.numel()
             bits += 8 * m.weight.nbytes

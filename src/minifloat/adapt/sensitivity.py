@@ -150,7 +150,7 @@ def sensitivity(
                 amax = calibration.get(name) if cfg.needs_calibration else None
                 q = QuantizedLinear.from_linear(lin, cfg, input_amax=amax)
                 built[name][c] = q
-                res.bits.setdefault(name, {})[c] = 8 * sum(b.nbytes for n, b in q.named_buffers() if n != "bias") / res.params[name]
+                res.bits.setdefault(name, {})[c] = 8 * q.packed_nbytes() / res.params[name]
                 with swapped(model, name, q):
                     logits, loss = _losses(model, data)
                 res.kl.setdefault(name, {})[c] = _kl(ref_logits, logits)

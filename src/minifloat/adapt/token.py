@@ -139,7 +139,7 @@ class TokenPrecisionLinear(torch.nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def weight_bytes(self) -> int:
-        return sum(b.nbytes for q in (self.high, self.low) for n, b in q.named_buffers() if n != "bias")
+        return self.high.packed_nbytes() + self.low.packed_nbytes()
 
     def extra_repr(self) -> str:
         return f"high={self.high.config.name}, low={self.low.config.name}, policy={self.policy.describe()}"

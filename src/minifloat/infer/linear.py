@@ -131,5 +131,9 @@ class QuantizedLinear(torch.nn.Module):
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
+    def packed_nbytes(self) -> int:
+        """Bytes the layer stores for its weight and input scale: codes and scales, the bias not counted."""
+        return sum(b.nbytes for n, b in self.named_buffers() if n != "bias")
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, config={self.config.name}"

@@ -72,7 +72,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
-            total += sum(b.nbytes for name, b in m.named_buffers() if name != "bias")
+            total += m.packed_nbytes()
         elif isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings:
             total += tensor_bytes(m.weight, set())
     return total
