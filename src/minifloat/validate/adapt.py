@@ -81,7 +81,8 @@ def run_adapt(
             except MinifloatError:  # a budget below uniform `low`: no such heuristic
                 break
             if high in h.values():  # else it is uniform `low`, measured above
-                rules.append((f"{END_WORDS[end]} layers {high} to {b:g} bits, rest {low}", f"{END_WORDS[end]} {b:g}", h))
+                word = "first+last" if end == "both" else end
+                rules.append((f"{word} layers {high} to {b:g} bits, rest {low}", f"{word} {b:g}", h))
     metrics["heuristics"] = []
     for name, short, h in rules:
         m = evaluate_policy(model, h, val, calib=train)
@@ -92,9 +93,6 @@ def run_adapt(
         t.write_text(jsonio.dumps(metrics, indent=2))
     write_adapt_report(metrics, out, plots=plots)
     return metrics
-
-
-END_WORDS = {"both": "first+last", "first": "first", "last": "last"}
 
 
 def _q(m: dict) -> dict:
