@@ -25,6 +25,7 @@ from minifloat.infer.config import get_quant_config
 from minifloat.infer.kvcache import KVCache
 from minifloat.infer.ptq import model_bytes
 from minifloat.train.model import GPT, GPTConfig
+from tests.reachable import reachable_storage_bytes
 
 
 def _gpt(**kw):
@@ -155,20 +156,25 @@ def test_the_memory_policy_never_exceeds_its_budget_and_moves_back_up():
     assert probe.usage() == probe.weight_bytes(0) == model_bytes(probe.model)  # prediction = the measured bytes
     for budget in (205_000, 195_000, 185_000, 160_000):
         p = MemoryPolicy(copy.deepcopy(gpt), budget, low="mxfp4", headroom_tokens=4, recent_tokens=8)
-        usage = []
-        p.model.register_forward_hook(lambda *_, p=p, usage=usage: usage.append(model_bytes(p.model) + p.kv.nbytes()))  # measured
-        seq = p.generate(prompt, 50)
-        assert seq.shape == (1, 58) and p.peak_bytes <= budget
-        assert max(usage) <= budget and max(usage) == p.peak_bytes
+        # decoded step by step, the memory counted independently of the policy after every forward:
+        # every storage reachable from the served model and from its KV cache
+        p.new_sequence()
+        seq, usage = prompt, []
+        for i in range(50):
+            logits = p.forward(seq if i == 0 else seq[:, -1:])[0, -1]
+            usage.append(reachable_storage_bytes(p.model) + reachable_storage_bytes(p.kv))
+            seq = torch.cat((seq, logits.argmax().view(1, 1)), 1)
+        assert seq.shape == (1, 58) and torch.equal(seq, p.generate(prompt, 50))
+        assert max(usage) <= budget and p.peak_bytes <= budget
         for e in p.events:
             assert e.get("bytes_after", 0) <= budget or e["what"] == "kv"
         if budget < 200_000:
             assert moves(p.events)["weight_down"] >= 1
             assert {e["layer"] for e in p.events if e["what"] == "weight"} <= set(p.order)
-        level = p.level
+        level, ups = p.level, moves(p.events)["weight_up"]
         p.generate(prompt[:, :2], 1)  # a short request: room again
         if 185_000 <= budget < 200_000:
-            assert p.level < level and moves(p.events)["weight_up"] == level - p.level
+            assert p.level < level and moves(p.events)["weight_up"] - ups == level - p.level
     p = MemoryPolicy(copy.deepcopy(gpt), 160_000, low="mxfp4", recent_tokens=8)
     p.generate(prompt, 50)
     assert moves(p.events)["kv"] >= 1  # under this budget the KV cache moves to FP4 too
@@ -186,12 +192,12 @@ def test_fit_to_memory_counts_a_real_kv_cache_and_fits():
     for _ in range(3):
         kv.update(0, torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32))
         kv.update(1, torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32))
-    assert kv_bytes(gpt, 48, "fp8") == kv.nbytes()
+    assert kv_bytes(gpt, 48, "fp8") == reachable_storage_bytes(kv)
     for budget in (160_000, 180_000, 400_000):
         fit = fit_to_memory(gpt, budget, context_tokens=48, sens=s)
         q = copy.deepcopy(gpt)
         quantize_model(q, fit.assignment, ignore=())
-        assert model_bytes(q) + kv.nbytes() <= budget
+        assert reachable_storage_bytes(q) + reachable_storage_bytes(kv) <= budget
         assert model_bytes(q) == fit.fixed_bytes + fit.weight_bytes
     assert set(fit.assignment.values()) == {"fp8-dynamic"}  # room for everything in 8 bits
     with pytest.raises(minifloat.MinifloatError, match="cannot hold the model and its KV cache"):

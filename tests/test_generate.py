@@ -13,6 +13,7 @@ from minifloat.infer import KV_FORMATS, KVCache, generate
 from minifloat.infer.decoding import probabilities
 from minifloat.kernels import reference
 from minifloat.train.model import GPT, GPTConfig
+from tests.reachable import reachable_storage_bytes
 
 
 def gpt(seed=0, n_embd=128, n_head=2, n_layer=2):
@@ -66,7 +67,7 @@ def test_truncation_keeps_whole_tokens_exactly():
     K, _ = cache.update(0, k, k)
     K2, _ = cache.update(0, k[:, :, :3], k[:, :, :3])
     cache.truncate(8)
-    assert cache.length() == 8 and torch.equal(cache._work[0][0], K2[:, :, :8])
+    assert cache.length() == 8 and torch.equal(cache.keys_values(0)[0], K2[:, :, :8])
     (a, _), (b, _) = cache.stored(0)
     assert b.shape == (2 * 2, 32) and torch.equal(b.dequantize().reshape(2, 1, 2, 32).permute(1, 2, 0, 3), K2[:, :, 6:8])
 
@@ -152,13 +153,13 @@ def test_memory_pressure_moves_old_tokens_to_fp4_within_the_budget():
     assert g.new_tokens == 80 and len(g.kv_precisions) == 99  # the last token is not fed back: nothing lost
     assert g.kv_bytes <= budget and g.kv_events
     cache = KVCache(2, "fp8", budget_bytes=budget, sink_tokens=4, recent_tokens=16)
-    for t in range(99):  # the budget is never exceeded: after every token of every layer
+    for t in range(80):  # the budget is never exceeded: after every token of every layer (20 + 79 = 99 tokens)
         for layer in range(2):
             x = torch.randn(1, 2, 1 if t else 20, 64)
             cache.update(layer, x, x)
-        assert cache.nbytes() <= budget
-        if t == 79:
-            break
+            held = reachable_storage_bytes(cache)  # counted independently: every storage the cache reaches
+            assert held == cache.nbytes() and held <= budget, (t, layer, held)
+    assert cache.length(1) == 99 and "nvfp4" in cache.precisions(1)
     p = g.kv_precisions
     assert p[:4] == ["fp8"] * 4 and p[-16:] == ["fp8"] * 16 and "nvfp4" in p[4:-16]
     moved = [t for e in g.kv_events if e["layer"] == 0 for t in range(*e["tokens"])]
@@ -194,8 +195,10 @@ def test_dropping_is_explicit_keeps_the_budget_and_the_positions():
     assert all(e["to"] == "dropped" for e in cache.events)
     kept = list(range(4)) + list(range(4 + cache.dropped, 50))  # the sinks, then the newest tokens
     # layer 0's keys depend on the token and its position only: equal to the full run's at the kept positions
-    assert torch.allclose(cache._work[0][0], ref._work[0][0][:, :, kept], rtol=0, atol=1e-5)  # GEMM order only
-    assert not torch.allclose(cache._work[0][0][:, :, 4:], ref._work[0][0][:, :, 4 : 50 - cache.dropped], atol=1e-2)
+    K, K_ref = cache.keys_values(0)[0], ref.keys_values(0)[0]
+    assert torch.allclose(K, K_ref[:, :, kept], rtol=0, atol=1e-5)  # GEMM order only
+    assert not torch.allclose(K[:, :, 4:], K_ref[:, :, 4 : 50 - cache.dropped], atol=1e-2)
+    assert reachable_storage_bytes(cache) == cache.nbytes() <= budget
     with pytest.raises(minifloat.MinifloatError, match="cannot roll back"):
         cache.truncate(10)
     with pytest.raises(minifloat.MinifloatError, match="kv_drop works with plain decoding"):
@@ -241,7 +244,8 @@ def test_a_transformers_llama_decodes_with_the_quantized_cache(fmt):
             cos, sin = model.model.rotary_emb(x, torch.arange(10)[None])
             k = k * cos[:, None] + torch.cat((-k[..., 16:], k[..., :16]), -1) * sin[:, None]
         data, scale, _ = reference.quantize(k.permute(2, 0, 1, 3).reshape(-1, 32), scheme)
-        assert torch.equal(kq.data, data) and torch.equal(kq.scale.view(torch.uint8), scale.view(torch.uint8))
+        n = data.shape[0]  # the prompt's rows: the first of the run (FP8) or the first chunk (NVFP4)
+        assert torch.equal(kq.data[:n], data) and torch.equal(kq.scale[:n].view(torch.uint8), scale.view(torch.uint8))
 
 
 def test_a_transformers_llama_generates_and_speculates():
@@ -278,7 +282,7 @@ def test_a_high_precision_recent_window():
     for t in range(10):
         cache.update(0, k[:, :, t : t + 1], k[:, :, t : t + 1])
     assert cache.precisions() == ["bf16"] * 2 + ["fp8"] * 5 + ["bf16"] * 3
-    K = cache._work[0][0]
+    K = cache.keys_values(0)[0]
     bf = k.bfloat16().float()
     assert torch.equal(K[:, :, 7:], bf[:, :, 7:]) and torch.equal(K[:, :, :2], bf[:, :, :2])
     rows = bf[:, :, 2:7].permute(2, 0, 1, 3).reshape(-1, 64)  # aged: the bf16 values, quantized to FP8
@@ -286,3 +290,21 @@ def test_a_high_precision_recent_window():
     assert torch.equal(K[:, :, 2:7], want.reshape(5, 1, 2, 64).permute(1, 2, 0, 3))
     g = generate(gpt(), prompt(0), 30, kv_cache="fp8", kv_recent_format="bf16", kv_recent_tokens=8)
     assert g.kv_precisions.count("bf16") == 4 + 8
+
+
+@pytest.mark.slow
+def test_a_quantized_cache_holds_less_memory_than_an_fp32_one():
+    """The process's own peak memory over a long decode (1,200 tokens of a random 4-layer Llama,
+    8 KV heads of 64; each format in a fresh process): a quantized cache must cost less than an
+    FP32 one, as its packed bytes do (before, its FP32 working copy made FP8 cost 2.2× FP32)."""
+    import subprocess
+    import sys
+
+    growth, counted = {}, {}
+    for fmt in ("fp32", "fp8", "nvfp4"):
+        out = subprocess.run([sys.executable, "-m", "tests.kv_memory_worker", fmt, "1200"], capture_output=True,
+                             text=True, timeout=300, check=True)  # fmt: skip
+        growth[fmt], counted[fmt] = map(int, out.stdout.split()[-2:])
+    assert counted["fp32"] == 4 * 2 * 8 * 64 * 4 * 1200  # layers × K/V × heads × head_dim × bytes × tokens
+    assert growth["fp32"] >= counted["fp32"]  # the store itself, at least
+    assert growth["fp8"] <= 0.65 * growth["fp32"] and growth["nvfp4"] <= 0.65 * growth["fp32"], (growth, counted)

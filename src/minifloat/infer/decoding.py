@@ -114,10 +114,8 @@ def calibrate_kv(model, batches) -> dict[int, tuple[float, float]]:
         for batch in batches:
             cache = new_cache(model, "fp32")
             forward(model, batch, cache)
-            layers = [layer.kv for layer in cache.layers] if hasattr(cache, "layers") else None
-            for i in range(len(layers) if layers else cache.n_layer):
-                kv, j = (layers[i], 0) if layers else (cache, i)
-                k, v = kv._work[j]
+            for i in range(cache.n_layer):
+                k, v = cache.keys_values(i)
                 a = amax.setdefault(i, [0.0, 0.0])
                 a[0], a[1] = max(a[0], float(k.abs().max())), max(a[1], float(v.abs().max()))
     if not amax:
@@ -232,7 +230,7 @@ def _plain(model, ids, n, make_cache, temperature, top_k, top_p, gen, stream):
     seq = ids
     for i in range(n):
         tok = _pick(logits, temperature, top_k, top_p, gen)
-        seq = torch.cat((seq, torch.tensor([[tok]])), 1)
+        seq = torch.cat((seq, torch.tensor([[tok]], dtype=seq.dtype, device=seq.device)), 1)
         if stream:
             stream(tok)
         if i + 1 < n:
@@ -265,10 +263,10 @@ def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, ge
                     qs.append(q)
                 drafts.append(tok)
                 if i + 1 < kk:
-                    logits = forward(draft, torch.tensor([[tok]]), draft_cache)[0, -1]
+                    logits = forward(draft, torch.tensor([[tok]], dtype=seq.dtype, device=seq.device), draft_cache)[0, -1]
         # the target scores the sequence's unseen tokens and the drafts in one pass
         base = target_cache.length()
-        feed = torch.cat((seq[:, base:], torch.tensor([drafts], dtype=seq.dtype).reshape(1, -1)), 1)
+        feed = torch.cat((seq[:, base:], torch.tensor([drafts], dtype=seq.dtype, device=seq.device).reshape(1, -1)), 1)
         logits = forward(model, feed, target_cache)[0]  # (len(feed), vocab)
         forwards += 1
         first = seq.shape[1] - 1 - base  # logits row that predicts drafts[0]
@@ -293,7 +291,7 @@ def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, ge
             out = _pick(logits[first + n_ok], temperature, top_k, top_p, gen)
         kept_counts.append(n_ok)
         new = drafts[:n_ok] + [out]
-        seq = torch.cat((seq, torch.tensor([new], dtype=seq.dtype)), 1)
+        seq = torch.cat((seq, torch.tensor([new], dtype=seq.dtype, device=seq.device)), 1)
         if stream:
             for tok in new:
                 stream(tok)

@@ -25,7 +25,9 @@ def _classes():
         raise MinifloatError("a KV cache for transformers models needs transformers: pip install transformers") from None
 
     class MinifloatCacheLayer(DynamicLayer):
-        """One layer's K and V in a `KVCache` (one layer, its share of the budget)."""
+        """One layer's K and V in a `KVCache` (one layer, its share of the budget). It keeps no
+        float copy: ``keys`` / ``values`` stay empty tensors that tell the model's dtype and
+        device, and each `update` returns the layer's K and V decoded for that attention call."""
 
         def __init__(self, scales: tuple[float, float] | None = None, **kv) -> None:
             super().__init__()
@@ -36,8 +38,7 @@ def _classes():
                 self.lazy_initialization(key_states, value_states)
             k, v = self.kv.update(0, key_states, value_states)
             # the model's dtype is the incoming states' (transformers 5.24 no longer keeps `self.dtype`)
-            self.keys, self.values = k.to(key_states.dtype), v.to(value_states.dtype)
-            return self.keys, self.values
+            return k.to(key_states.device, key_states.dtype), v.to(value_states.device, value_states.dtype)
 
         def get_seq_length(self) -> int:
             return self.kv.length(0)
@@ -49,15 +50,11 @@ def _classes():
 
         def truncate(self, n: int) -> None:
             self.kv.truncate(n)
-            if self.is_initialized and self.keys is not None:
-                self.keys, self.values = self.keys[..., :n, :], self.values[..., :n, :]
 
         def reset(self) -> None:
-            kv = self.kv
+            settings = self.kv.settings()
             super().reset()
-            self.kv = KVCache(1, kv.format, budget_bytes=kv.budget_bytes, pressure_format=kv.pressure_format,
-                              sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens, scales=kv.scales,
-                              recent_format=kv.recent_format)  # fmt: skip
+            self.kv = KVCache(1, **settings)
 
     class MinifloatCache(Cache):
         """A transformers ``Cache`` of `MinifloatCacheLayer` layers; `nbytes`, `truncate`,
@@ -69,6 +66,17 @@ def _classes():
 
         def nbytes(self) -> int:
             return sum(layer.kv.nbytes() for layer in self.layers)
+
+        @property
+        def n_layer(self) -> int:
+            return len(self.layers)
+
+        def tensors(self) -> list:
+            return [t for layer in self.layers for t in layer.kv.tensors()]
+
+        def keys_values(self, layer: int):
+            """Layer `layer`'s held K and V (B, heads, length, head_dim), float32 (`KVCache.keys_values`)."""
+            return self.layers[layer].kv.keys_values(0)
 
         def length(self, layer: int = 0) -> int:
             return self.layers[layer].kv.length(0)

@@ -8,8 +8,9 @@ the PTQ configs); ``nvfp4`` with E4M3 scales per 16 values and an FP32 scale per
 K and V of shape (B, heads, T, head_dim) are stored as 2-D tensors of rows (token, batch, head)
 × head_dim — token-major, so that keeping the first n tokens (a speculative rollback) is a slice
 of whole rows, exact for every format (block rows are 1; an NVFP4 chunk keeps its tensor scale).
-Attention reads the exactly dequantized values; a float working copy of them is kept beside the
-packed store, and `nbytes` counts the packed store — what a cache of that format holds.
+Consecutive tokens of one format form a run whose rows grow in place of being re-chunked (NVFP4
+keeps each appended chunk's tensor scale). Attention reads the exactly dequantized values, decoded
+from the packed store at each call and not kept: `nbytes` counts every tensor the cache holds.
 
 Example:
     >>> cache = KVCache(n_layer=1, format="fp8")
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from minifloat import kernels
 from minifloat.errors import MinifloatError
 from minifloat.quant import QuantizedTensor, quantize
+from minifloat.scaling import rules
 from minifloat.scaling.schemes import Scheme, get_scheme
 
 
@@ -62,12 +65,124 @@ def _unrows(r: torch.Tensor, b: int, nh: int) -> torch.Tensor:
     return r.reshape(-1, b, nh, r.shape[-1]).permute(1, 2, 0, 3)
 
 
-def _slice_rows(q: QuantizedTensor | torch.Tensor, r0: int, r1: int) -> QuantizedTensor | torch.Tensor:
-    """Rows [r0, r1) of a stored chunk (whole rows: exact for every format; an NVFP4 chunk's
-    pieces keep its tensor scale)."""
-    if isinstance(q, torch.Tensor):
-        return q[r0:r1]
-    return QuantizedTensor(q.data[r0:r1], q.scale[r0:r1], q.tensor_scale, (r1 - r0, q.shape[1]), q.scheme, q.orig_dtype)
+class _Packed:
+    """The K or V rows of one run of tokens in one store, packed: ``data`` (rows, bytes of a row)
+    or the plain rows of a dtype store; ``scale`` the per-row / per-block scale grid (one (1, 1)
+    scale for a calibrated per-tensor run); NVFP4 keeps one FP32 tensor scale per appended chunk
+    (``ts``) and the rows of each chunk (``chunks``). Every tensor here is its own storage (no view
+    of a caller's tensor or of a larger store), so what it counts is what the process holds."""
+
+    __slots__ = ("store", "data", "scale", "ts", "chunks", "hs")
+
+    def __init__(self, store, data, scale=None, ts=None, chunks=None, hs=0) -> None:
+        self.store, self.data, self.scale, self.ts, self.chunks, self.hs = store, data, scale, ts, chunks, hs
+
+    @classmethod
+    def pack(cls, rows: torch.Tensor, store, amax=None) -> _Packed:
+        """Quantize (or cast) `rows` (n, head_dim) into `store` as one chunk."""
+        if isinstance(store, torch.dtype):  # a fresh tensor: never a view of the model's activations
+            return cls(store, torch.empty(rows.shape, dtype=store, device=rows.device).copy_(rows), hs=rows.shape[1])
+        q = quantize(rows, store, amax=amax)
+        ts = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
+        return cls(store, q.data, q.scale, ts, None if ts is None else [rows.shape[0]], rows.shape[1])
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.data, self.scale, self.ts) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def _per_tensor(self) -> bool:
+        return not isinstance(self.store, torch.dtype) and self.store.granularity == "tensor"
+
+    def extend(self, other: _Packed) -> bool:
+        """Append `other`'s rows (same store); False when the two cannot share one store (two
+        per-tensor runs of different scales)."""
+        if other.store != self.store or other.hs != self.hs:
+            return False
+        if self._per_tensor() and not torch.equal(self.scale, other.scale):
+            return False
+        self.data = torch.cat((self.data, other.data))
+        if self.scale is not None and not self._per_tensor():
+            self.scale = torch.cat((self.scale, other.scale))
+        if self.ts is not None:
+            self.ts, self.chunks = torch.cat((self.ts, other.ts)), self.chunks + other.chunks
+        return True
+
+    def slice(self, r0: int, r1: int) -> _Packed:
+        """Rows [r0, r1) as a store of their own (copies: whole rows, exact for every format; an
+        NVFP4 chunk's rows keep its tensor scale)."""
+        scale = None if self.scale is None else (self.scale if self._per_tensor() else self.scale[r0:r1].clone())
+        ts = chunks = None
+        if self.ts is not None:
+            keep, chunks, start = [], [], 0
+            for i, n in enumerate(self.chunks):
+                a, b = max(start, r0), min(start + n, r1)
+                if a < b:
+                    keep.append(i)
+                    chunks.append(b - a)
+                start += n
+            ts = self.ts[keep].clone()
+        return _Packed(self.store, self.data[r0:r1].clone(), scale, ts, chunks, self.hs)
+
+    def pieces(self) -> list[QuantizedTensor | torch.Tensor]:
+        """The store as QuantizedTensors (plain tensors for a dtype store): one a chunk for NVFP4
+        (its own tensor scale), else one for the whole run."""
+        if isinstance(self.store, torch.dtype):
+            return [self.data]
+        if self.ts is None:
+            return [QuantizedTensor(self.data, self.scale, None, (self.rows, self.hs), self.store)]
+        out, start = [], 0
+        for n, ts in zip(self.chunks, self.ts, strict=True):
+            out.append(QuantizedTensor(self.data[start : start + n], self.scale[start : start + n], ts.reshape(()),
+                                       (n, self.hs), self.store))  # fmt: skip
+            start += n
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The rows' values, float32 (n, head_dim): exactly `quantize`'s decode."""
+        if isinstance(self.store, torch.dtype):
+            return self.data.float()
+        if self.ts is None or len(self.chunks) == 1:
+            ts = None if self.ts is None else self.ts.reshape(())
+            return QuantizedTensor(self.data, self.scale, ts, (self.rows, self.hs), self.store).dequantize()
+        # chunks of different tensor scales: each row's decode scales (E4M3 code × its chunk's
+        # tensor scale, the same float32 product as one chunk's decode) handed over as FP32 scales
+        per_row = torch.repeat_interleave(self.ts, torch.tensor(self.chunks, device=self.ts.device))
+        scales = rules.decode_scales(self.scale, per_row[:, None], "e4m3")
+        fp32 = self.store.replace(scale_format="fp32", scale_rule="floor")
+        return kernels.dequantize(self.data, scales, None, (self.rows, self.hs), fp32)
+
+
+class _Run:
+    """Consecutive tokens of one layer stored in one format: their K and V."""
+
+    __slots__ = ("k", "v", "tokens", "fmt")
+
+    def __init__(self, k: _Packed, v: _Packed, tokens: int, fmt: str) -> None:
+        self.k, self.v, self.tokens, self.fmt = k, v, tokens, fmt
+
+    def extend(self, other: _Run) -> bool:
+        if other.fmt != self.fmt or other.k.store != self.k.store:
+            return False
+        if self.k._per_tensor() and not (torch.equal(self.k.scale, other.k.scale) and torch.equal(self.v.scale, other.v.scale)):
+            return False
+        self.k.extend(other.k)
+        self.v.extend(other.v)
+        self.tokens += other.tokens
+        return True
+
+    def slice(self, t0: int, t1: int, per: int) -> _Run:
+        return _Run(self.k.slice(t0 * per, t1 * per), self.v.slice(t0 * per, t1 * per), t1 - t0, self.fmt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
 
 def _row_bytes(store: Scheme | torch.dtype, hs: int) -> int:
@@ -94,7 +209,11 @@ class KVCache:
     is stored or dropped — unless `drop=True` asks for it: then the oldest tokens after the sinks
     leave the cache (StreamingLLM's eviction; an event ``"to": "dropped"`` each time), and
     `position()` keeps counting them, so that positions stay those of the whole sequence. The
-    budget counts every layer; each layer keeps to its equal share."""
+    budget counts every layer; each layer keeps to its equal share.
+
+    What the cache holds is its packed store and nothing else: `update` decodes the layer's
+    tokens for the attention that asked (a temporary the caller drops), so `nbytes()` — the
+    bytes the budget counts — is every byte of every tensor the cache keeps (`tensors()`)."""
 
     def __init__(self, n_layer: int, format: str = "bf16", *, budget_bytes: int | None = None,
                  pressure_format: str = "nvfp4", sink_tokens: int = 4, recent_tokens: int = 32,
@@ -124,14 +243,19 @@ class KVCache:
         self.drop = drop  # only when asked: past the budget even in pressure_format, drop the oldest non-sink tokens
         self.dropped = 0  # tokens dropped so far (positions keep counting them)
         self.n_layer = n_layer
-        self._segs: list[list[list]] = [[] for _ in range(n_layer)]  # [K, V, tokens, format name]
-        self._work: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
+        self._runs: list[list[_Run]] = [[] for _ in range(n_layer)]  # oldest first; neighbours differ in format
         self._shape: tuple[int, int, int] | None = None  # (batch, heads, head_dim)
         self.events: list[dict] = []
 
+    def settings(self) -> dict:
+        """The arguments that make an empty cache like this one."""
+        return dict(format=self.format, budget_bytes=self.budget_bytes, pressure_format=self.pressure_format,
+                    sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens, scales=self.scales,
+                    recent_format=self.recent_format, drop=self.drop)  # fmt: skip
+
     def length(self, layer: int = 0) -> int:
         """Tokens held for `layer`."""
-        return sum(seg[2] for seg in self._segs[layer])
+        return sum(run.tokens for run in self._runs[layer])
 
     def position(self, layer: int = 0) -> int:
         """Tokens seen: those held and those dropped (the next token's position)."""
@@ -139,14 +263,7 @@ class KVCache:
 
     def precisions(self, layer: int = 0) -> list[str]:
         """The format each held token of `layer` is stored in, oldest first."""
-        return [seg[3] for seg in self._segs[layer] for _ in range(seg[2])]
-
-    def _pack(self, rows: torch.Tensor, store):
-        return rows.to(store) if isinstance(store, torch.dtype) else quantize(rows, store)
-
-    @staticmethod
-    def _unpack(stored) -> torch.Tensor:
-        return stored.float() if isinstance(stored, torch.Tensor) else stored.dequantize(torch.float32)
+        return [run.fmt for run in self._runs[layer] for _ in range(run.tokens)]
 
     def _check_shape(self, k: torch.Tensor) -> None:
         b, nh, _, hs = k.shape
@@ -168,42 +285,57 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the T new tokens' `k`, `v` (B, heads, T, head_dim) to `layer`; return every
-        token's K and V (B, heads, length, head_dim), as stored (dequantized, float32)."""
+        token's K and V (B, heads, length, head_dim), as stored (dequantized, float32, built for
+        this call: the cache keeps only its packed store)."""
         self._check_shape(k)
-        b, nh, t, _ = k.shape
+        t = k.shape[2]
         if self.budget_bytes is not None and layer == 0:
             self._check_budget(t)  # before anything is stored: every layer has layer 0's sizes
+        kr, vr = _rows(k.detach()), _rows(v.detach())
         if self.scales is not None:  # the calibrated per-tensor scale; values past its amax saturate
             if layer not in self.scales:
                 raise MinifloatError(f"the calibrated KV scales have no entry for layer {layer}")
-            per_tensor = get_scheme("fp8")
             ka, va = self.scales[layer]
-            kq, vq = quantize(_rows(k.detach()), per_tensor, amax=ka), quantize(_rows(v.detach()), per_tensor, amax=va)
+            per_tensor = get_scheme("fp8")
+            run = _Run(_Packed.pack(kr, per_tensor, ka), _Packed.pack(vr, per_tensor, va), t, self.format)
         else:
             entry = self.format if self.recent_format is None else self.recent_format
             store = kv_format(entry)
-            kq, vq = self._pack(_rows(k.detach()), store), self._pack(_rows(v.detach()), store)
-        self._segs[layer].append([kq, vq, t, entry if self.scales is None else self.format])
-        new = (_unrows(self._unpack(kq), b, nh), _unrows(self._unpack(vq), b, nh))
-        old = self._work[layer]
-        self._work[layer] = new if old is None else (torch.cat((old[0], new[0]), 2), torch.cat((old[1], new[1]), 2))
+            run = _Run(_Packed.pack(kr, store), _Packed.pack(vr, store), t, entry)
+        runs = self._runs[layer]
+        if not (runs and runs[-1].extend(run)):
+            runs.append(run)
         if self.recent_format is not None:
             self._age(layer)
         if self.budget_bytes is not None:
             self._fit(layer)
-        return self._work[layer]
+        return self.keys_values(layer)
+
+    def keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every held token's K and V of `layer` (B, heads, length, head_dim), float32, decoded
+        from the packed store on the store's device."""
+        runs = self._runs[layer]
+        if not runs:
+            raise MinifloatError(f"layer {layer} of the KV cache holds no tokens yet")
+        b, nh, _ = self._shape
+        out = []
+        for part in ("k", "v"):
+            rows = [getattr(run, part).dequantize() for run in runs]
+            out.append(_unrows(rows[0] if len(rows) == 1 else torch.cat(rows), b, nh))
+        return out[0], out[1]
 
     def _age(self, layer: int) -> None:
         """Move the tokens that left the recent window (not the sinks) from `recent_format` to `format`."""
         lo, hi = self.sink_tokens, self.length(layer) - self.recent_tokens
         start, i = 0, 0
-        while i < len(self._segs[layer]):
-            seg = self._segs[layer][i]
-            a, b = max(start, lo), min(start + seg[2], hi)
-            if seg[3] == self.recent_format and a < b:
+        while i < len(self._runs[layer]):
+            run = self._runs[layer][i]
+            a, b = max(start, lo), min(start + run.tokens, hi)
+            if run.fmt == self.recent_format and a < b:
                 self._demote(layer, i, start, a - start, b - start, self.format)
-                continue  # the segment was split: look at the same index again
-            start += seg[2]
+                start, i = 0, 0  # the runs were split and merged: walk them again
+                continue
+            start += run.tokens
             i += 1
 
     def expect(self, batch: int, heads: int, head_dim: int) -> None:
@@ -216,7 +348,7 @@ class KVCache:
         n = self.length(0) + new_tokens
         kept = min(n, self.sink_tokens + self.recent_tokens)
         # per-chunk bytes beyond the per-token ones (NVFP4's tensor scales): those held, and two more chunks
-        extra = self.layer_bytes(0) - sum(seg[2] * self.token_bytes(kv_format(seg[3])) for seg in self._segs[0])
+        extra = self.layer_bytes(0) - sum(run.tokens * self.token_bytes(kv_format(run.fmt)) for run in self._runs[0])
         extra += 16 if not isinstance(self.pressure, torch.dtype) and self.pressure.is_nvfp4 else 0
         entry = self.store if self.recent_format is None else kv_format(self.recent_format)
         return self.n_layer * (kept * self.token_bytes(entry) + (n - kept) * self.token_bytes(self.pressure) + extra)
@@ -249,56 +381,60 @@ class KVCache:
             # at least DEMOTE_AT_ONCE tokens a move: fewer, larger chunks (each NVFP4 chunk holds a tensor scale)
             need = max(DEMOTE_AT_ONCE, -(-(self.layer_bytes(layer) - share) // max(saving, 1)))
             start = 0
-            for i, seg in enumerate(self._segs[layer]):
-                a, b = max(start, lo), min(start + seg[2], hi)
-                if seg[3] == self.format and a < b:
+            for i, run in enumerate(self._runs[layer]):
+                a, b = max(start, lo), min(start + run.tokens, hi)
+                if run.fmt == self.format and a < b:
                     self._demote(layer, i, start, a - start, min(b, a + need) - start, self.pressure_format)
                     break
-                start += seg[2]
+                start += run.tokens
             else:
                 raise MinifloatError(f"the KV budget of {self.budget_bytes:,} bytes is exceeded and no token can move to "
                                      f"{self.pressure_format}")  # fmt: skip
 
     def _demote(self, layer: int, i: int, start: int, a: int, b: int, to: str) -> None:
-        """Move tokens [a, b) of segment i (which starts at token `start`) to format `to`."""
-        kq, vq, t, fmt = self._segs[layer][i]
-        bsz, nh, _ = self._shape
-        per = bsz * nh
+        """Move tokens [a, b) of run i (which starts at token `start`) to format `to`."""
+        run = self._runs[layer][i]
+        per = self._shape[0] * self._shape[1]
         before = self.layer_bytes(layer)
-        parts = []
-        if a:
-            parts.append([_slice_rows(kq, 0, a * per), _slice_rows(vq, 0, a * per), a, fmt])
-        mid = [self._pack(self._unpack(_slice_rows(q, a * per, b * per)), kv_format(to)) for q in (kq, vq)]
-        parts.append([mid[0], mid[1], b - a, to])
-        if b < t:
-            parts.append([_slice_rows(kq, b * per, t * per), _slice_rows(vq, b * per, t * per), t - b, fmt])
-        self._segs[layer][i : i + 1] = parts
-        w = self._work[layer]
-        w[0][:, :, start + a : start + b] = _unrows(self._unpack(mid[0]), bsz, nh)
-        w[1][:, :, start + a : start + b] = _unrows(self._unpack(mid[1]), bsz, nh)
-        self.events.append({"layer": layer, "tokens": [start + a, start + b], "from": fmt, "to": to,
+        store = kv_format(to)
+        mid = _Run(_Packed.pack(run.k.slice(a * per, b * per).dequantize(), store),
+                   _Packed.pack(run.v.slice(a * per, b * per).dequantize(), store), b - a, to)  # fmt: skip
+        parts = ([run.slice(0, a, per)] if a else []) + [mid] + ([run.slice(b, run.tokens, per)] if b < run.tokens else [])
+        self._runs[layer][i : i + 1] = parts
+        self._merge(layer)
+        self.events.append({"layer": layer, "tokens": [start + a, start + b], "from": run.fmt, "to": to,
                             "layer_bytes_before": before, "layer_bytes_after": self.layer_bytes(layer)})  # fmt: skip
+
+    def _merge(self, layer: int) -> None:
+        """Join neighbouring runs of one format (fewer pieces to decode at each step)."""
+        merged: list[_Run] = []
+        for run in self._runs[layer]:
+            if not (merged and merged[-1].extend(run)):
+                merged.append(run)
+        self._runs[layer] = merged
+
+    def _keep(self, layer: int, t0: int, t1: int) -> None:
+        """Keep the held tokens outside [t0, t1) of `layer`."""
+        per = self._shape[0] * self._shape[1]
+        kept, start = [], 0
+        for run in self._runs[layer]:
+            a, b = max(start, t0) - start, min(start + run.tokens, t1) - start
+            if a >= b:
+                kept.append(run)
+            else:
+                if a > 0:
+                    kept.append(run.slice(0, a, per))
+                if b < run.tokens:
+                    kept.append(run.slice(b, run.tokens, per))
+            start += run.tokens
+        self._runs[layer] = kept
+        self._merge(layer)
 
     def _drop(self, n: int) -> None:
         """Remove the `n` oldest tokens after the sinks from every layer."""
         lo, hi = self.sink_tokens, self.sink_tokens + n
-        per = self._shape[0] * self._shape[1]
         for layer in range(self.n_layer):
-            kept, start = [], 0
-            for kq, vq, t, fmt in self._segs[layer]:
-                a, b = max(start, lo) - start, min(start + t, hi) - start
-                if a >= b:
-                    kept.append([kq, vq, t, fmt])
-                else:
-                    if a > 0:
-                        kept.append([_slice_rows(kq, 0, a * per), _slice_rows(vq, 0, a * per), a, fmt])
-                    if b < t:
-                        kept.append([_slice_rows(kq, b * per, t * per), _slice_rows(vq, b * per, t * per), t - b, fmt])
-                start += t
-            self._segs[layer] = kept
-            w = self._work[layer]
-            if w is not None:
-                self._work[layer] = tuple(torch.cat((x[:, :, :lo], x[:, :, hi:]), 2) for x in w)
+            self._keep(layer, lo, hi)
         self.events.append({"layer": "all", "tokens": [lo + self.dropped, hi + self.dropped], "from": "held", "to": "dropped",
                             "layer_bytes_after": self.layer_bytes(0)})  # fmt: skip
         self.dropped += n
@@ -309,32 +445,25 @@ class KVCache:
             raise MinifloatError(f"truncate keeps n ≥ 0 tokens, got {n}")
         if self.dropped:
             raise MinifloatError("a cache that dropped tokens cannot roll back (speculative decoding needs drop=False)")
-        for layer, segs in enumerate(self._segs):
-            kept, total = [], 0
-            for kq, vq, t, fmt in segs:
-                if total >= n:
-                    break
-                take = min(t, n - total)
-                if take < t:
-                    rows = take * self._shape[0] * self._shape[1]
-                    kq, vq = _slice_rows(kq, 0, rows), _slice_rows(vq, 0, rows)
-                kept.append([kq, vq, take, fmt])
-                total += take
-            self._segs[layer] = kept
-            w = self._work[layer]
-            if w is not None:
-                self._work[layer] = (w[0][:, :, :n], w[1][:, :, :n])
+        for layer in range(self.n_layer):
+            if self.length(layer) > n:
+                self._keep(layer, n, self.length(layer))
 
     def layer_bytes(self, layer: int) -> int:
-        return sum(seg[0].nbytes + seg[1].nbytes for seg in self._segs[layer])
+        return sum(run.nbytes for run in self._runs[layer])
 
     def nbytes(self) -> int:
-        """Bytes of the packed store: codes, scales and tensor scales of every chunk."""
+        """Bytes the cache holds: codes, scales and tensor scales of every layer."""
         return sum(self.layer_bytes(layer) for layer in range(self.n_layer))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds (what `nbytes` adds up)."""
+        return [t for runs in self._runs for run in runs for p in (run.k, run.v) for t in p.tensors()]
+
     def stored(self, layer: int) -> list[tuple[object, object]]:
-        """The packed K and V chunks of `layer` (plain tensors or QuantizedTensors)."""
-        return [(seg[0], seg[1]) for seg in self._segs[layer]]
+        """The packed K and V of `layer`, oldest first: per run of one format a plain tensor or
+        a QuantizedTensor (NVFP4: one per appended chunk, each with its own tensor scale)."""
+        return [pair for run in self._runs[layer] for pair in zip(run.k.pieces(), run.v.pieces(), strict=True)]
 
 
 def _key(name: str) -> str:
