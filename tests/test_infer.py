@@ -239,3 +239,35 @@ def test_four_over_six_weights_err_no_more_than_plain_nvfp4_per_block():
     err_four = (four.dequantize(torch.float64) - w).square().view(64, 16, 16).sum(-1)
     assert err_four.sum() < 0.9 * err_plain.sum()
     assert (err_four <= err_plain * 1.05 + 1e-12).float().mean() > 0.9
+
+
+def test_the_compute_layout_is_made_once_and_weight_only_calls_go_through_the_dispatch():
+    from minifloat.gemm import register_weight_only_kernel, weight_only_kernels
+    from minifloat.gemm import weight_only as wo
+
+    lin = torch.nn.Linear(64, 200)  # 200 rows: 128×128 blocks pad them to 256
+    block = QuantizedLinear.from_linear(lin, "fp8-block")
+    assert block.weight is block.weight and block.weight.data.shape == (256, 128)  # padded once, then kept
+    assert block.compute_extra_nbytes() == 256 * 128  # 200 × 64 FP8 codes in whole 128×128 blocks
+    assert block.weight_data.shape == (200, 128)  # the checkpoint layout: the real rows only
+    layer = QuantizedLinear.from_linear(lin, "nvfp4-weight-only")
+    assert layer.weight.data.data_ptr() == layer.weight_data.data_ptr() and layer.compute_extra_nbytes() == 0
+    x = torch.randn(5, 64)
+    want = (x.double() @ layer.weight.dequantize().double().t() + lin.bias.double()).float()  # float64 oracle
+    assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5)
+    calls = []
+
+    def fn(x, w):
+        calls.append(w.scheme.name)
+        return torch.zeros(x.shape[0], w.shape[0])
+
+    register_weight_only_kernel("test-zeros", lambda x, w: w.scheme.is_nvfp4, fn)
+    try:
+        assert "test-zeros" in weight_only_kernels()
+        out = layer(x)  # "auto" takes the registered kernel that supports the weight
+        assert calls == ["nvfp4"] and torch.equal(out, lin.bias.detach().expand(5, -1))
+        assert torch.allclose(layer.prepare("emulated")(x), want, rtol=1e-5, atol=1e-5) and calls == ["nvfp4"]
+        with pytest.raises(minifloat.MinifloatError, match="does not take a mxfp4"):
+            QuantizedLinear.from_linear(lin, "mxfp4-weight-only").prepare("test-zeros")(x)
+    finally:
+        wo._KERNELS.pop("test-zeros")

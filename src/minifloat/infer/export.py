@@ -104,7 +104,7 @@ def _codes(q: QuantizedTensor) -> torch.Tensor:
 
 def layer_tensors(prefix: str, layer: QuantizedLinear, fmt: str) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized layer in `fmt` (see the module docstring)."""
-    q, c = layer.weight, layer.config
+    q, c = layer.checkpoint_weight(), layer.config
     s = q.scheme
     n, _ = q.shape
     out: dict[str, torch.Tensor] = {}

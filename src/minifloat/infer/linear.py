@@ -6,7 +6,9 @@ the high-precision weight is gone. The forward quantizes the input as its config
 weight-only), multiplies with `minifloat.gemm.scaled_mm` — on a CPU the exact emulation (the
 dequantized operands, FP32 accumulation), on a GPU that has the format the native
 ``torch._scaled_mm`` — adds the bias in FP32 and returns the input's dtype. The same result on
-every backend up to summation order.
+every backend up to summation order. Weight-only calls go through `minifloat.gemm.weight_only_mm`,
+the dispatch decode kernels register with; the weight the GEMMs read is the compute layout that
+`prepare` makes once from the buffers (the checkpoint layout, which `export` reads).
 
 Example:
     >>> layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 32), "fp8-dynamic")
@@ -19,10 +21,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from minifloat.errors import MinifloatError
-from minifloat.gemm import scaled_mm
+from minifloat.gemm import scaled_mm, weight_only_mm
 from minifloat.infer.config import QuantConfig, get_quant_config
 from minifloat.quant import QuantizedTensor, quantize
 from minifloat.scaling import rules
@@ -80,6 +81,8 @@ class QuantizedLinear(torch.nn.Module):
             if not (torch.isfinite(amax) and amax > 0):
                 raise MinifloatError(f"input_amax must be a finite number > 0, got {float(amax)}")
         self.register_buffer("input_amax", amax)
+        self._compute: QuantizedTensor | None = None  # the compute layout, made once (`prepare`)
+        self.prepare()
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: str | QuantConfig, *,
@@ -104,17 +107,48 @@ class QuantizedLinear(torch.nn.Module):
         for k, old in kept.items():
             if self._buffers[k].dtype != old.dtype:
                 self._buffers[k] = old.to(self._buffers[k].device)
+        self._compute = None  # built again from the moved parts
         return self
 
-    @property
-    def weight(self) -> QuantizedTensor:
-        """The packed weight (its parts are this module's buffers, so it follows ``.to()``)."""
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._compute = None
+
+    def checkpoint_weight(self) -> QuantizedTensor:
+        """The weight as the buffers hold it, the 128×128 blocks' padding rows rebuilt as zeros."""
         shape, scheme, dtype = self._weight_meta
         data = self.weight_data
         rows_pad = layout_for(shape, scheme).rows_pad
         if rows_pad != data.shape[0]:
             data = torch.cat((data, data.new_zeros(rows_pad - data.shape[0], data.shape[1])))
         return QuantizedTensor(data, self.weight_scale, self.weight_tensor_scale, shape, scheme, dtype)
+
+    def prepare(self, backend: str | None = None) -> QuantizedLinear:
+        """Make the compute layout once: the weight as the GEMMs read it (today the packed weight
+        with the block padding in place, sharing the buffers where there is none). The checkpoint
+        layout (the buffers, what `state_dict` and `export` read) is untouched; moving the module
+        or loading a state dict makes the layout again on the next call. `backend` also sets the
+        GEMM backend (``"auto"``, ``"emulated"``, ``"native"`` or a weight-only kernel's name)."""
+        if backend is not None:
+            self.backend = backend
+        self._compute = self.checkpoint_weight()
+        return self
+
+    def compute_extra_nbytes(self) -> int:
+        """Bytes the compute layout holds beyond the checkpoint buffers (padding rows made real)."""
+        if self._compute is None:
+            return 0
+        own = {b.untyped_storage().data_ptr() for b in self.buffers()}
+        parts = (self._compute.data, self._compute.scale, self._compute.tensor_scale)
+        return sum(t.nbytes for t in parts if t is not None and t.untyped_storage().data_ptr() not in own)
+
+    @property
+    def weight(self) -> QuantizedTensor:
+        """The packed weight, as the GEMMs read it (its parts are this module's buffers, or made
+        from them once, so it follows ``.to()``)."""
+        if self._compute is None:
+            self.prepare()
+        return self._compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -123,7 +157,7 @@ class QuantizedLinear(torch.nn.Module):
         x2 = x.reshape(math.prod(lead), self.in_features)
         c = self.config
         if c.activation is None:  # weight-only: the high-precision input times the exact weight
-            y = F.linear(x2.float(), self.weight.dequantize(torch.float32))
+            y = weight_only_mm(x2, self.weight, backend=self.backend)
         else:
             qx = quantize(x2, c.activation_scheme, amax=self.input_amax if c.static else None)
             y = scaled_mm(qx, self.weight, out_dtype=torch.float32, backend=self.backend)

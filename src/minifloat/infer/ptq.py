@@ -88,13 +88,14 @@ class QuantizeSummary:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` (a tensor shared by two names counted once;
+    """Bytes of every parameter and buffer of `model` and of its compute layouts (a tensor shared by two names counted once;
     a tensor subclass, such as torchao's quantized weights, by the tensors it holds)."""
     seen: set = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
         total += tensor_bytes(t, seen)
-    return total
+    # what a QuantizedLinear's compute layout holds beyond its buffers (block padding made real)
+    return total + sum(m.compute_extra_nbytes() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
 def tensor_bytes(t: torch.Tensor, seen: set) -> int:

@@ -1,0 +1,78 @@
+"""`weight_only_mm`: ``x · Wᵀ`` for a high-precision input `x` and a packed weight `W` — the one
+dispatch every weight-only Linear goes through, where decode kernels plug in.
+
+A kernel is registered with `register_weight_only_kernel(name, supports, fn)`: `supports(x, w)`
+says whether it takes this input and weight (device, scheme, shapes), `fn(x, w)` returns the
+float32 product. ``backend="auto"`` takes the first registered kernel that supports the call, and
+the reference otherwise; a name asks for that kernel (a clear error where it does not apply);
+``"emulated"`` is the reference: the weight dequantized exactly (codes × scales, float32) and a
+float32 GEMM, so every kernel must equal it up to summation order.
+
+Example:
+    >>> from minifloat import quantize
+    >>> w = quantize(torch.randn(8, 64), "nvfp4")
+    >>> x = torch.randn(3, 64)
+    >>> torch.equal(weight_only_mm(x, w), x @ w.dequantize().t())
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minifloat.errors import MinifloatError
+from minifloat.gemm.emulated import without_autocast
+from minifloat.quant.tensor import QuantizedTensor
+
+
+@dataclass(frozen=True)
+class WeightOnlyKernel:
+    name: str
+    supports: Callable[[torch.Tensor, QuantizedTensor], bool]
+    fn: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]
+
+
+_KERNELS: dict[str, WeightOnlyKernel] = {}
+
+
+def register_weight_only_kernel(name: str, supports, fn) -> None:
+    """Add (or replace) the weight-only kernel `name` (see the module docstring)."""
+    if name in ("auto", "emulated"):
+        raise MinifloatError(f"{name!r} names the dispatch itself; give the kernel another name")
+    _KERNELS[name] = WeightOnlyKernel(name, supports, fn)
+
+
+def weight_only_kernels() -> list[str]:
+    """The names of the registered kernels, in the order ``"auto"`` tries them."""
+    return list(_KERNELS)
+
+
+def _reference(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
+    with without_autocast(x.device):
+        return F.linear(x.float(), w.dequantize(torch.float32))
+
+
+def weight_only_mm(x: torch.Tensor, w: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
+    """``x · Wᵀ`` in float32 for `x` (M, K) and the packed `w` (N, K); see the module docstring."""
+    if not isinstance(w, QuantizedTensor) or w.dim() != 2:
+        raise MinifloatError(f"weight_only_mm takes a 2-D QuantizedTensor weight; got {type(w).__name__}")
+    if x.shape[-1] != w.shape[1]:
+        raise MinifloatError(f"the input has {x.shape[-1]} features, the weight takes {w.shape[1]}")
+    if backend in ("auto", "native"):  # "native": a Linear's GEMM backend; weight-only kernels are its native path
+        for k in _KERNELS.values():
+            if k.supports(x, w):
+                return k.fn(x, w)
+        return _reference(x, w)
+    if backend == "emulated":
+        return _reference(x, w)
+    if backend not in _KERNELS:
+        raise MinifloatError(f"unknown weight-only backend {backend!r}; use auto, emulated or one of {weight_only_kernels()}")
+    k = _KERNELS[backend]
+    if not k.supports(x, w):
+        raise MinifloatError(f"the weight-only kernel {backend!r} does not take a {w.scheme.name} weight of "
+                             f"{tuple(w.shape)} on {w.device} with a {x.dtype} input; use backend='auto'")  # fmt: skip
+    return k.fn(x, w)
