@@ -110,45 +110,42 @@ class QuantizedLinear(torch.nn.Module):
         self._compute = None  # built again from the moved parts
         return self
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self._compute = None
-
     def checkpoint_weight(self) -> QuantizedTensor:
-        """The weight as the buffers hold it, the 128×128 blocks' padding rows rebuilt as zeros."""
+        """The weight as the format defines it: the buffers, with the rows that 128×128 blocks pad
+        N up to (zeros, which the checkpoint does not store)."""
+        if self._compute is None:
+            self.prepare()
+        return self._compute
+
+    def prepare(self, backend: str | None = None) -> QuantizedLinear:
+        """Make the compute layout once: the weight as the GEMMs read it — today the packed weight
+        with the block padding in place: the codes' buffer is then a view of the first N rows of
+        the padded codes, so the padding rows are all the layout adds. The checkpoint layout (the
+        buffers, what `state_dict` and `export` read) keeps its shape; moving the module makes the
+        layout again. `backend` also sets the GEMM backend (``"auto"``, ``"emulated"``,
+        ``"native"`` or a weight-only kernel's name)."""
+        if backend is not None:
+            self.backend = backend
         shape, scheme, dtype = self._weight_meta
         data = self.weight_data
         rows_pad = layout_for(shape, scheme).rows_pad
         if rows_pad != data.shape[0]:
-            data = torch.cat((data, data.new_zeros(rows_pad - data.shape[0], data.shape[1])))
-        return QuantizedTensor(data, self.weight_scale, self.weight_tensor_scale, shape, scheme, dtype)
-
-    def prepare(self, backend: str | None = None) -> QuantizedLinear:
-        """Make the compute layout once: the weight as the GEMMs read it (today the packed weight
-        with the block padding in place, sharing the buffers where there is none). The checkpoint
-        layout (the buffers, what `state_dict` and `export` read) is untouched; moving the module
-        or loading a state dict makes the layout again on the next call. `backend` also sets the
-        GEMM backend (``"auto"``, ``"emulated"``, ``"native"`` or a weight-only kernel's name)."""
-        if backend is not None:
-            self.backend = backend
-        self._compute = self.checkpoint_weight()
+            padded = data.new_zeros(rows_pad, data.shape[1])
+            padded[: data.shape[0]] = data
+            self._buffers["weight_data"] = padded[: data.shape[0]]
+            data = padded
+        self._compute = QuantizedTensor(data, self.weight_scale, self.weight_tensor_scale, shape, scheme, dtype)
         return self
 
     def compute_extra_nbytes(self) -> int:
-        """Bytes the compute layout holds beyond the checkpoint buffers (padding rows made real)."""
-        if self._compute is None:
-            return 0
-        own = {b.untyped_storage().data_ptr() for b in self.buffers()}
-        parts = (self._compute.data, self._compute.scale, self._compute.tensor_scale)
-        return sum(t.nbytes for t in parts if t is not None and t.untyped_storage().data_ptr() not in own)
+        """Bytes the compute layout holds beyond the checkpoint buffers (the padding rows)."""
+        return self.weight_data.untyped_storage().nbytes() - self.weight_data.nbytes
 
     @property
     def weight(self) -> QuantizedTensor:
-        """The packed weight, as the GEMMs read it (its parts are this module's buffers, or made
-        from them once, so it follows ``.to()``)."""
-        if self._compute is None:
-            self.prepare()
-        return self._compute
+        """The packed weight, as the GEMMs read it (its parts are this module's buffers, so it
+        follows ``.to()``)."""
+        return self.checkpoint_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
