@@ -104,6 +104,9 @@ def _codes(q: QuantizedTensor) -> torch.Tensor:
 
 def layer_tensors(prefix: str, layer: QuantizedLinear, fmt: str) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized layer in `fmt` (see the module docstring)."""
+    if layer.input_transform is not None:
+        raise MinifloatError(f"layer {prefix!r} transforms its input before the GEMM ({type(layer.input_transform).__name__}); "
+                             f"no {fmt} reader applies such a transform: quantize without it to export")  # fmt: skip
     q, c = layer.checkpoint_weight(), layer.config
     s = q.scheme
     n, _ = q.shape

@@ -25,32 +25,20 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.gemm import scaled_mm, weight_only_mm
 from minifloat.infer.config import QuantConfig, get_quant_config
+from minifloat.infer.rtn import Transform, WeightQuantizer, round_to_nearest
 from minifloat.quant import QuantizedTensor, quantize
-from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
-
-
-def pow2_global_amax(w: torch.Tensor, numerator: float = rules.NVFP4_GLOBAL_NUMERATOR) -> torch.Tensor | None:
-    """For an NVFP4 weight: the tensor amax that makes its global encode scale S = 448·6 / amax
-    the power of two at or below the one of w's own amax (None for a NaN or inf amax).
-
-    A power-of-two S makes every reader's decode agree bit for bit: compressed-tensors divides
-    the E4M3 block scale by S (and rounds its dequantized weights to bf16), minifloat multiplies
-    by 1/S; with S = 2^k both are exact. It costs accuracy, measured (`QuantConfig`)."""
-    a = w.float().abs().max()
-    if not torch.isfinite(a):
-        return None
-    s = rules.nvfp4_global_scale(a, numerator)
-    s = torch.exp2(torch.floor(torch.log2(s)))
-    return torch.tensor(numerator, dtype=torch.float32) / s
 
 
 class QuantizedLinear(torch.nn.Module):
     """``y = x · Wᵀ + b`` with W packed in `config.weight`'s scheme; see the module docstring."""
 
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, config: QuantConfig, *,
-                 input_amax: torch.Tensor | None = None, backend: str = "auto") -> None:  # fmt: skip
+                 input_amax: torch.Tensor | None = None, backend: str = "auto",
+                 input_transform: torch.nn.Module | None = None) -> None:  # fmt: skip
         super().__init__()
+        # applied to the input before it is quantized (a rotation or smoothing folded into W)
+        self.input_transform = input_transform
         config = get_quant_config(config)
         if not isinstance(weight, QuantizedTensor) or weight.dim() != 2:
             raise MinifloatError(
@@ -86,16 +74,21 @@ class QuantizedLinear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: str | QuantConfig, *,
-                    input_amax: torch.Tensor | float | None = None, backend: str = "auto") -> QuantizedLinear:  # fmt: skip
-        """Quantize `linear`'s weight (round to nearest) and keep its bias in its dtype."""
+                    input_amax: torch.Tensor | float | None = None, backend: str = "auto",
+                    weight_quantizer: WeightQuantizer = round_to_nearest, stats: dict | None = None,
+                    transform: Transform | None = None) -> QuantizedLinear:  # fmt: skip
+        """Quantize `linear`'s weight with `weight_quantizer` (round to nearest by default; it
+        reads the layer's calibration `stats`) and keep its bias in its dtype. `transform`, if
+        given, first turns the weight into the one to quantize and gives the input transform
+        that keeps the product (e.g. a rotation: W·R with x → x·R)."""
         config = get_quant_config(config)
-        w = linear.weight.detach()
+        stats = stats or {}
         with torch.no_grad():
-            ws = config.weight_scheme
-            numerator = rules.NVFP4_4OVER6_NUMERATOR if ws.scale_rule == "4over6" else rules.NVFP4_GLOBAL_NUMERATOR
-            amax = pow2_global_amax(w, numerator) if ws.is_nvfp4 and config.pow2_global_scale else None
-            weight = quantize(w, config.weight_scheme, amax=amax)
-        return cls(weight, linear.bias, config, input_amax=input_amax, backend=backend)
+            w, input_transform = linear.weight.detach(), None
+            if transform is not None:
+                w, input_transform = transform(w, stats)
+            weight = weight_quantizer(w, config, stats)
+        return cls(weight, linear.bias, config, input_amax=input_amax, backend=backend, input_transform=input_transform)
 
     _EXACT = ("weight_scale", "weight_tensor_scale", "input_amax")  # float32 by the formats' definition
 
@@ -152,6 +145,8 @@ class QuantizedLinear(torch.nn.Module):
             raise MinifloatError(f"input has {x.shape[-1]} features, the layer takes {self.in_features}")
         lead = x.shape[:-1]
         x2 = x.reshape(math.prod(lead), self.in_features)
+        if self.input_transform is not None:
+            x2 = self.input_transform(x2)
         c = self.config
         if c.activation is None:  # weight-only: the high-precision input times the exact weight
             y = weight_only_mm(x2, self.weight, backend=self.backend)
@@ -164,7 +159,7 @@ class QuantizedLinear(torch.nn.Module):
 
     def packed_nbytes(self) -> int:
         """Bytes the layer stores for its weight and input scale: codes and scales, the bias not counted."""
-        return sum(b.nbytes for n, b in self.named_buffers() if n != "bias")
+        return sum(b.nbytes for n, b in self.named_buffers() if n != "bias" and not n.startswith("input_transform."))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, config={self.config.name}"

@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,9 +25,9 @@ from minifloat.errors import MinifloatError
 from minifloat.formats.packing import codes_per_group
 from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config
 from minifloat.infer.linear import QuantizedLinear
+from minifloat.infer.observers import AmaxObserver, observe
+from minifloat.infer.rtn import Transform, WeightQuantizer, round_to_nearest
 from minifloat.nn.convert import matches, rule_for, swap_modules
-
-CALIBRATION_METHODS = ("max", "percentile")
 
 
 @dataclass(frozen=True)
@@ -146,60 +145,10 @@ def calibrate(
         >>> float(calibrate(model, [torch.ones(4, 32)])["0"])
         1.0
     """
-    if method not in CALIBRATION_METHODS:
-        raise MinifloatError(
-            f"unknown calibration method {method!r}; use one of {', '.join(CALIBRATION_METHODS)}"
-        )
-    if not 0 < percentile <= 100:
-        raise MinifloatError(f"percentile must be in (0, 100], got {percentile}")
-    result = Calibration()
+    stats = observe(model, batches, {"amax": lambda: AmaxObserver(method, percentile)})
+    result = Calibration({name: st["amax"] for name, st in stats.items()})
     result.method = method
-
-    def hook(name):
-        def record(module, args):
-            x = args[0].detach()
-            if not x.is_floating_point() or x.numel() == 0:
-                return
-            a = x.abs().float().flatten()
-            if torch.isnan(a).any():
-                raise MinifloatError(
-                    f"calibration: the input of {name} holds a NaN; check the model and data"
-                )
-            if method == "max":
-                v = a.max()
-            else:
-                sample = (
-                    a if a.numel() <= 1 << 24 else a[torch.randperm(a.numel(), device=a.device)[: 1 << 24]]
-                )
-                v = torch.quantile(sample, percentile / 100.0)
-            result[name] = torch.maximum(result[name], v.cpu()) if name in result else v.cpu()
-
-        return record
-
-    handles = [m.register_forward_pre_hook(hook(name)) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear)]  # fmt: skip
-    n = 0
-    try:
-        with torch.no_grad(), _eval(model):
-            for batch in batches:
-                model(**batch) if isinstance(batch, Mapping) else model(batch)
-                n += 1
-    finally:
-        for h in handles:
-            h.remove()
-    if n == 0:
-        raise MinifloatError("calibrate got no batches; pass an iterable of token-id tensors")
     return result
-
-
-@contextlib.contextmanager
-def _eval(model: torch.nn.Module):
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
 
 
 def resolve_policy(config) -> QuantConfig | dict[str, QuantConfig | None]:
@@ -229,6 +178,8 @@ def quantize_model(
     calibration: Mapping[str, torch.Tensor] | Iterable | None = None,
     ignore: Sequence[str] = ("lm_head",),
     backend: str = "auto",
+    weight_quantizer: WeightQuantizer = round_to_nearest,
+    transform: Transform | None = None,
 ) -> QuantizeSummary:
     """Replace every eligible Linear of `model` (in place) by a `QuantizedLinear` in `config`.
 
@@ -237,7 +188,11 @@ def quantize_model(
     ``{"*.attn.*": "fp8-dynamic", "*.mlp.*": "nvfp4", "lm_head": None}``.
     `calibration`: what `calibrate` returned, or batches to calibrate on (method ``"max"``);
     configs with a calibrated input scale (``fp8-static``, ``nvfp4``) need it. `ignore`: globs of
-    layer names kept in high precision. Returns the `QuantizeSummary`."""
+    layer names kept in high precision. `weight_quantizer` (round to nearest by default) and
+    `transform` (none by default) are the stages each layer goes through (`minifloat.infer.rtn`);
+    the observer kinds they list in a ``needs`` attribute (e.g. ``("hessian",)``) are measured on
+    the calibration batches in one pass over the model and handed to them per layer.
+    Returns the `QuantizeSummary`."""
     if not isinstance(model, torch.nn.Module):
         raise MinifloatError(f"quantize_model takes a torch.nn.Module, got {type(model).__name__}")
     policy = resolve_policy(config)
@@ -245,14 +200,19 @@ def quantize_model(
     if isinstance(ignore, str):
         ignore = (ignore,)
     static = [c.name for c in configs if c.needs_calibration]
-    if static:
-        if calibration is None:
-            raise MinifloatError(
-                f"config {static[0]!r} quantizes inputs with calibrated scales: pass calibration= "
-                f"(minifloat.infer.calibrate(model, batches), or the batches themselves)"
-            )
-        if not isinstance(calibration, Mapping):
-            calibration = calibrate(model, calibration)
+    needs = sorted({*getattr(weight_quantizer, "needs", ()), *getattr(transform, "needs", ())})
+    if (static or needs) and calibration is None:
+        what = f"config {static[0]!r} quantizes inputs with calibrated scales" if static else f"the PTQ stages need {needs}"
+        raise MinifloatError(f"{what}: pass calibration= (minifloat.infer.calibrate(model, batches), or the batches themselves)")
+    stats: dict[str, dict] = {}
+    if needs:
+        if isinstance(calibration, Mapping):
+            raise MinifloatError(f"the PTQ stages need {needs} of every layer's input: pass the calibration batches, "
+                                 f"not a Calibration of amaxes")  # fmt: skip
+        stats = observe(model, calibration, [*needs, *(["amax"] if static else [])])
+        calibration = Calibration({n: st["amax"] for n, st in stats.items() if st.get("amax") is not None})
+    elif static and not isinstance(calibration, Mapping):
+        calibration = calibrate(model, calibration)
     summary = QuantizeSummary(policy, model_bytes_before=model_bytes(model))
     swaps: dict[str, QuantizedLinear] = {}
     by_old: dict[int, QuantizedLinear] = {}
@@ -266,6 +226,8 @@ def quantize_model(
         elif c is not None:
             reason = why_not(m, c)
         amax = None
+        if reason is None and needs and name not in stats:
+            reason = "calibration never reached it"
         if reason is None and c.needs_calibration:
             amax = calibration.get(name)
             if amax is None:
@@ -275,7 +237,8 @@ def quantize_model(
         if reason is not None:
             summary.layers.append(LayerSummary(name, tuple(m.weight.shape), None, None, before, before, reason, rule=rule))
             continue
-        q = QuantizedLinear.from_linear(m, c, input_amax=amax, backend=backend)
+        q = QuantizedLinear.from_linear(m, c, input_amax=amax, backend=backend, weight_quantizer=weight_quantizer,
+                                        stats=stats.get(name, {}), transform=transform)  # fmt: skip
         after = sum(b.nbytes for b in q.buffers())
         summary.layers.append(
             LayerSummary(name, tuple(m.weight.shape), c.weight, c.activation, before, after, config=c.name, rule=rule)
