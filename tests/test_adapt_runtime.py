@@ -225,3 +225,24 @@ def test_a_policy_keeps_a_layer_its_recipe_cannot_take_in_high_precision():
     assert all(type(m) is torch.nn.Linear for m in model if isinstance(m, torch.nn.Linear))
     minifloat.convert(model, {"0": "fp8", "*": None})
     assert isinstance(model[0], minifloat.Linear) and type(model[2]) is torch.nn.Linear
+
+
+def test_the_memory_policy_serves_a_transformers_llama_within_its_budget():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    llama = transformers.LlamaForCausalLM(cfg).eval()
+    prompt = torch.randint(0, 256, (1, 8))
+    probe = MemoryPolicy(copy.deepcopy(llama), 10**9, low="mxfp4")
+    assert probe._shape == (1, 2, 16)  # GQA: the KV heads, not the query heads
+    budget = probe.weight_bytes(len(probe.order)) + 2 * 40 * 2 * 2 * 2 * (16 + 4)  # all low + 40 FP8 tokens
+    p = MemoryPolicy(copy.deepcopy(llama), budget, low="mxfp4", headroom_tokens=4, recent_tokens=8)
+    p.new_sequence()
+    seq = prompt
+    for i in range(50):
+        logits = p.forward(seq if i == 0 else seq[:, -1:])[0, -1]
+        # every storage reachable from the served model and its cache (the transformers Cache form)
+        assert reachable_storage_bytes(p.model) + reachable_storage_bytes(p.cache) <= budget, i
+        seq = torch.cat((seq, logits.argmax().view(1, 1)), 1)
+    assert moves(p.events)["weight_down"] >= 1 and moves(p.events)["kv"] >= 1

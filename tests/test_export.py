@@ -285,7 +285,7 @@ def test_calibrated_kv_scales_are_exported_as_vllm_reads_them(tmp_path):
     cal = quantized_cache(model.config, "fp8", scales=scales)
     with torch.no_grad():
         model(input_ids=IDS[:1], past_key_values=cal, use_cache=True)
-    (kq, _), = cal.layers[0].kv.stored(0)
+    (kq, _), = cal.kv.stored(0)
     assert kq.scheme.granularity == "tensor" and float(kq.scale) == pytest.approx(scales[0][0] / 448, rel=1e-6)
 
 

@@ -145,7 +145,7 @@ def test_a_transformers_model_folder_goes_through_the_commands(tmp_path, capsys)
     assert "reference perplexity" in capsys.readouterr().out
     assert main(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "6", "--kv-cache", "fp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] == 6  # the quantized checkpoint decodes, FP8 cache
-    with pytest.raises(minifloat.MinifloatError, match="neither a `minifloat train` output"):
+    with pytest.raises(minifloat.MinifloatError, match="not a model minifloat loads .a `minifloat train` output"):
         minifloat.infer.load_model(tmp_path)
 
 
@@ -216,3 +216,24 @@ def test_adapt_strategies_write_their_tradeoff(trained, tmp_path, capsys, strate
         assert costs["all mxfp4"] == 4.25 and costs["all fp8-dynamic"] > 8 > costs["top 5 % rows by amax"] > 4.25
     assert (out / "tradeoff.png").is_file() and f"--strategy {strategy}" in (out / "report.md").read_text()
     assert "| strategy" in capsys.readouterr().out
+
+
+def test_a_registered_loader_and_the_adapters(tmp_path):
+    from minifloat.infer import models
+    from minifloat.infer.adapter import adapter_for
+
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "m.tiny").write_text("tiny")
+    with pytest.raises(minifloat.MinifloatError, match="not a model minifloat loads"):
+        minifloat.infer.load_model(tmp_path / "m.tiny")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=99)  # fmt: skip
+    models.register_loader("tiny", lambda p: p.suffix == ".tiny", lambda p: transformers.LlamaForCausalLM(cfg), "a .tiny file")
+    try:
+        model = minifloat.infer.load_model(tmp_path / "m.tiny")
+    finally:
+        models.LOADERS.pop(0)
+    a = adapter_for(model)
+    assert (a.kind, tuple(vars(a.kv_geometry).values()), a.context_length) == ("transformers", (3, 1, 16), 99)
+    with pytest.raises(minifloat.MinifloatError, match="inference runs the built-in GPT and transformers causal LMs; got Linear"):
+        adapter_for(torch.nn.Linear(2, 2))

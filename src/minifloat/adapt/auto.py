@@ -204,17 +204,13 @@ class MemoryFit:
 
 def kv_bytes(model: torch.nn.Module, context_tokens: int, kv_format: str = "fp8", batch_size: int = 1) -> int:
     """Bytes of a `KVCache` in `kv_format` holding `context_tokens` tokens of every layer."""
+    from minifloat.infer.adapter import adapter_for
     from minifloat.infer.kvcache import KVCache
 
-    c = model.config
-    if hasattr(c, "n_embd"):  # the built-in GPT
-        n_layer, heads, head_dim = c.n_layer, c.n_head, c.n_embd // c.n_head
-    else:  # a transformers config
-        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        n_layer, head_dim = c.num_hidden_layers, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv = KVCache(n_layer, kv_format)
-    kv.expect(batch_size, heads, head_dim)
-    return n_layer * context_tokens * kv.token_bytes(kv.store)
+    g = adapter_for(model).kv_geometry
+    kv = KVCache(g.n_layer, kv_format)
+    kv.expect(batch_size, g.kv_heads, g.head_dim)
+    return g.n_layer * context_tokens * kv.token_bytes(kv.store)
 
 
 def fit_to_memory(

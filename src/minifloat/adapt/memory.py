@@ -2,7 +2,7 @@
 cache — within a byte budget, moving precision down as the context grows and back up when
 memory frees.
 
-`MemoryPolicy` takes a high-precision model (the built-in GPT), quantizes its Linears to `high`
+`MemoryPolicy` takes a high-precision model (the built-in GPT or a transformers causal LM), quantizes its Linears to `high`
 (FP8) and owns a `KVCache` in `kv_format` (FP8). The original Linears are the source every
 re-quantization starts from; they are what a server keeps in host memory or reads again from
 the checkpoint, and are not counted against the budget. The budget counts every parameter and
@@ -43,12 +43,12 @@ from collections.abc import Sequence
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.infer.adapter import adapter_for
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.kvcache import KVCache
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.infer.ptq import calibrate, model_bytes
 from minifloat.nn.convert import swap_modules
-from minifloat.train.model import GPT
 
 
 def sensitivity_order(sens, high: str, low: str) -> list[str]:
@@ -71,8 +71,7 @@ class MemoryPolicy:
     def __init__(self, model: torch.nn.Module, budget_bytes: int, *, order=None, high: str = "fp8-dynamic",
                  low: str = "nvfp4", kv_format: str = "fp8", kv_pressure_format: str = "nvfp4", sink_tokens: int = 4,
                  recent_tokens: int = 32, calibration=None, headroom_tokens: int = 64) -> None:  # fmt: skip
-        if not isinstance(model, GPT):
-            raise MinifloatError(f"MemoryPolicy serves the built-in GPT; got {type(model).__name__}")
+        self.adapter = adapter_for(model)  # the built-in GPT or a transformers causal LM
         if budget_bytes < 1:
             raise MinifloatError(f"budget_bytes must be ≥ 1, got {budget_bytes}")
         self.high, self.low = get_quant_config(high), get_quant_config(low)
@@ -104,14 +103,14 @@ class MemoryPolicy:
                                  f"{self.low.name} ({self.weight_bytes(len(self.order)):,})")  # fmt: skip
         at = {n: (self.low if i < self.level else self.high) for i, n in enumerate(self.order)}
         swap_modules(model, self.order, lambda old: self._build(self._name(old), at[self._name(old)]))
-        c = model.config
         self.kv_args = dict(format=kv_format, pressure_format=kv_pressure_format, sink_tokens=sink_tokens,
                             recent_tokens=recent_tokens)  # fmt: skip
         self.events: list[dict] = []
         self.peak_bytes = 0
         self.steps = 0
         self.new_sequence()
-        self._shape = (1, c.n_head, c.n_embd // c.n_head)
+        g = self.adapter.kv_geometry
+        self._shape = (1, g.kv_heads, g.head_dim)
 
     def _name(self, source: torch.nn.Module) -> str:
         return next(n for n, m in self.source.items() if m is source)
@@ -130,7 +129,8 @@ class MemoryPolicy:
 
     def new_sequence(self) -> None:
         """Clear the KV cache (a new request): memory frees, layers may move back up."""
-        self.kv = KVCache(self.model.config.n_layer, budget_bytes=self.budget_bytes, **self.kv_args)
+        self.cache = self.adapter.new_cache(budget_bytes=self.budget_bytes, **self.kv_args)
+        self.kv: KVCache = self.adapter.kv_of(self.cache)  # what the cache holds, every layer
 
     def _move(self, name: str, config, tokens: int) -> None:
         before = self.usage()
@@ -171,7 +171,7 @@ class MemoryPolicy:
         """Logits of `ids` (1, T) continuing the cache, within the budget."""
         self.prepare(ids.shape[1])
         before = len(self.kv.events)
-        logits = self.model(ids, self.kv)
+        logits = self.adapter.forward(ids, self.cache)
         self.events += [{"step": self.steps, "what": "kv", **e} for e in self.kv.events[before:]]
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, self.usage())
@@ -181,9 +181,9 @@ class MemoryPolicy:
         """Greedy continuation of `input_ids` (1, T) in a new sequence; returns the whole sequence."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise MinifloatError(f"generate takes input_ids of shape (1, T), got {tuple(input_ids.shape)}")
-        if input_ids.shape[1] + max_new_tokens > self.model.config.block_size:
+        if input_ids.shape[1] + max_new_tokens > self.adapter.context_length:
             raise MinifloatError(f"{input_ids.shape[1]} + {max_new_tokens} tokens exceed the model's context of "
-                                 f"{self.model.config.block_size}")  # fmt: skip
+                                 f"{self.adapter.context_length}")  # fmt: skip
         self.new_sequence()
         seq = input_ids
         logits = self.forward(seq)[0, -1]

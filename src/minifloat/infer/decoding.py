@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.hf_cache import quantized_cache
+from minifloat.infer.adapter import adapter_for
 from minifloat.infer.kvcache import KVCache, kv_format
-from minifloat.infer.models import is_transformers
 from minifloat.infer.ptq import quantize_model
-from minifloat.train.model import GPT
 
 DRAFTS = {"nvfp4": "nvfp4-weight-only", "mxfp4": "mxfp4-weight-only"}
 
@@ -83,25 +81,9 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, t
     return p
 
 
-def context_length(model) -> int:
-    """The longest sequence `model` takes: the built-in GPT's block size, a transformers model's
-    max_position_embeddings."""
-    c = model.config
-    return c.block_size if isinstance(model, GPT) else int(getattr(c, "max_position_embeddings", 0) or 2**31)
-
-
-def new_cache(model, fmt: str, **kv) -> KVCache:
-    """An empty cache for `model`: a `KVCache`, or for transformers models its ``Cache`` form."""
-    if isinstance(model, GPT):
-        return KVCache(model.config.n_layer, fmt, **kv)
-    return quantized_cache(model.config, fmt, **kv)
-
-
 def forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
     """Logits (1, T, vocab) of `ids` continuing what `cache` holds (which takes their K and V)."""
-    if isinstance(model, GPT):
-        return model(ids, cache)
-    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    return adapter_for(model).forward(ids, cache)
 
 
 def calibrate_kv(model, batches) -> dict[int, tuple[float, float]]:
@@ -111,9 +93,10 @@ def calibrate_kv(model, batches) -> dict[int, tuple[float, float]]:
     that `export` writes for vLLM."""
     amax: dict[int, list[float]] = {}
     with torch.no_grad():
+        adapter = adapter_for(model)
         for batch in batches:
-            cache = new_cache(model, "fp32")
-            forward(model, batch, cache)
+            cache = adapter.new_cache("fp32")
+            adapter.forward(batch, cache)
             for i in range(cache.n_layer):
                 k, v = cache.keys_values(i)
                 a = amax.setdefault(i, [0.0, 0.0])
@@ -124,16 +107,15 @@ def calibrate_kv(model, batches) -> dict[int, tuple[float, float]]:
 
 
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens) -> None:
-    if not (isinstance(model, GPT) or is_transformers(model)):
-        raise MinifloatError(f"generate runs the built-in GPT and transformers causal LMs; got {type(model).__name__}")
+    context = adapter_for(model).context_length  # a model no adapter drives: a clear error
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] >= 1):
         raise MinifloatError("input_ids must be a (1, T) tensor of token ids with T ≥ 1 (one prompt)")
     if max_new_tokens < 1:
         raise MinifloatError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
     need = input_ids.shape[1] + max_new_tokens
-    if need > context_length(model):
+    if need > context:
         raise MinifloatError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "
-                             f"the model's context of {context_length(model)} tokens")  # fmt: skip
+                             f"the model's context of {context} tokens")  # fmt: skip
     if not temperature >= 0:
         raise MinifloatError(f"temperature must be ≥ 0, got {temperature}")
     if top_k is not None and top_k < 1:
@@ -190,12 +172,12 @@ def generate(
     id as it is decided."""
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
     kv_format(kv_cache)  # an unknown format: a clear error before any work
-    if kv_drop and (draft is not None or not isinstance(model, GPT)):
+    if kv_drop and (draft is not None or not adapter_for(model).drops_tokens):
         raise MinifloatError("kv_drop works with plain decoding of the built-in GPT: speculative decoding rolls "
                              "its cache back, and a transformers model counts positions from the cache's length")  # fmt: skip
 
     def make_cache(m) -> KVCache:
-        return new_cache(m, kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
+        return adapter_for(m).new_cache(kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
                          sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens,
                          scales=kv_scales if m is model else None, recent_format=kv_recent_format,
                          **({"drop": True} if kv_drop else {}))  # fmt: skip

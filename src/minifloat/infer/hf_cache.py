@@ -25,85 +25,78 @@ def _classes():
         raise MinifloatError("a KV cache for transformers models needs transformers: pip install transformers") from None
 
     class MinifloatCacheLayer(DynamicLayer):
-        """One layer's K and V in a `KVCache` (one layer, its share of the budget). It keeps no
-        float copy: ``keys`` / ``values`` stay empty tensors that tell the model's dtype and
-        device, and each `update` returns the layer's K and V decoded for that attention call."""
+        """Layer `index` of the cache's one `KVCache`. It keeps no float copy: ``keys`` /
+        ``values`` stay empty tensors that tell the model's dtype and device, and each `update`
+        returns the layer's K and V decoded for that attention call."""
 
-        def __init__(self, scales: tuple[float, float] | None = None, **kv) -> None:
+        def __init__(self, cache, index: int) -> None:
             super().__init__()
-            self.kv = KVCache(1, scales=None if scales is None else {0: scales}, **kv)
+            self.cache, self.index = cache, index
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            k, v = self.kv.update(0, key_states, value_states)
+            k, v = self.cache.kv.update(self.index, key_states, value_states)
             # the model's dtype is the incoming states' (transformers 5.24 no longer keeps `self.dtype`)
             return k.to(key_states.device, key_states.dtype), v.to(value_states.device, value_states.dtype)
 
         def get_seq_length(self) -> int:
-            return self.kv.length(0)
+            return self.cache.kv.length(self.index)
 
         def crop(self, tokens_to_remove: int) -> None:
-            n = self.kv.length(0)
-            keep = n - abs(tokens_to_remove) if tokens_to_remove <= 0 else tokens_to_remove
-            self.truncate(keep)
+            n = self.get_seq_length()
+            self.cache.truncate(n - abs(tokens_to_remove) if tokens_to_remove <= 0 else tokens_to_remove)
+
+        def reset(self) -> None:
+            super().reset()
+            if self.index == 0:
+                self.cache.kv = KVCache(self.cache.kv.n_layer, **self.cache.kv.settings())
+
+    class MinifloatCache(Cache):
+        """A transformers ``Cache`` whose layers are those of one `KVCache` (``.kv``: its budget
+        counts every layer, as for the built-in GPT); `nbytes`, `truncate`, `events`,
+        `precisions`, `keys_values` and `tensors` are the `KVCache`'s."""
+
+        def __init__(self, n_layer: int, **kv) -> None:
+            self.kv = KVCache(n_layer, **kv)
+            super().__init__(layers=[MinifloatCacheLayer(self, i) for i in range(n_layer)])
+
+        @property
+        def n_layer(self) -> int:
+            return self.kv.n_layer
+
+        def nbytes(self) -> int:
+            return self.kv.nbytes()
+
+        def tensors(self) -> list:
+            return self.kv.tensors()
+
+        def keys_values(self, layer: int):
+            return self.kv.keys_values(layer)
+
+        def length(self, layer: int = 0) -> int:
+            return self.kv.length(layer)
 
         def truncate(self, n: int) -> None:
             self.kv.truncate(n)
 
-        def reset(self) -> None:
-            settings = self.kv.settings()
-            super().reset()
-            self.kv = KVCache(1, **settings)
-
-    class MinifloatCache(Cache):
-        """A transformers ``Cache`` of `MinifloatCacheLayer` layers; `nbytes`, `truncate`,
-        `events` and `precisions` as `KVCache`'s."""
-
-        def __init__(self, n_layer: int, scales: dict[int, tuple[float, float]] | None = None, **kv) -> None:
-            layers = [MinifloatCacheLayer(None if scales is None else scales[i], **kv) for i in range(n_layer)]
-            super().__init__(layers=layers)
-
-        def nbytes(self) -> int:
-            return sum(layer.kv.nbytes() for layer in self.layers)
-
-        @property
-        def n_layer(self) -> int:
-            return len(self.layers)
-
-        def tensors(self) -> list:
-            return [t for layer in self.layers for t in layer.kv.tensors()]
-
-        def keys_values(self, layer: int):
-            """Layer `layer`'s held K and V (B, heads, length, head_dim), float32 (`KVCache.keys_values`)."""
-            return self.layers[layer].kv.keys_values(0)
-
-        def length(self, layer: int = 0) -> int:
-            return self.layers[layer].kv.length(0)
-
-        def truncate(self, n: int) -> None:
-            for layer in self.layers:
-                layer.truncate(n)
-
         @property
         def events(self) -> list[dict]:
-            return [e | {"layer": i} for i, layer in enumerate(self.layers) for e in layer.kv.events]
+            return self.kv.events
 
         def precisions(self, layer: int = 0) -> list[str]:
-            return self.layers[layer].kv.precisions()
+            return self.kv.precisions(layer)
 
     return MinifloatCache
 
 
 def quantized_cache(config, format: str = "bf16", *, budget_bytes: int | None = None, pressure_format: str = "nvfp4",
                     sink_tokens: int = 4, recent_tokens: int = 32, scales: dict | None = None,
-                    recent_format: str | None = None):  # fmt: skip
+                    recent_format: str | None = None, drop: bool = False):  # fmt: skip
     """A transformers ``Cache`` for a model with `config` (its decoder layers), storing K and V in
-    `format`; `budget_bytes` (the whole cache) is split evenly over the layers; `scales`
-    (`calibrate_kv`'s) make an FP8 cache per-tensor with calibrated scales."""
+    `format`; `budget_bytes` counts the whole cache (each layer keeps to its equal share);
+    `scales` (`calibrate_kv`'s) make an FP8 cache per-tensor with calibrated scales."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    n_layer = int(text.num_hidden_layers)
-    share = None if budget_bytes is None else max(budget_bytes // n_layer, 1)
-    return _classes()(n_layer, scales=scales, format=format, budget_bytes=share, pressure_format=pressure_format,
-                      sink_tokens=sink_tokens, recent_tokens=recent_tokens, recent_format=recent_format)  # fmt: skip
-
+    return _classes()(int(text.num_hidden_layers), format=format, budget_bytes=budget_bytes, pressure_format=pressure_format,
+                      sink_tokens=sink_tokens, recent_tokens=recent_tokens, scales=scales, recent_format=recent_format,
+                      drop=drop)  # fmt: skip

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -101,22 +103,54 @@ def load_gpt(path: str | os.PathLike[str]) -> GPT:
     return model.eval()
 
 
+@dataclass(frozen=True)
+class Loader:
+    """A kind of model file or folder: `detect(path)` says whether `path` is one, `load(path)`
+    loads it; `what` names it in the error for a path no loader takes."""
+
+    name: str
+    detect: Callable[[Path], bool]
+    load: Callable[[Path], torch.nn.Module]
+    what: str
+
+
+def _config(path: Path) -> dict | None:
+    try:
+        raw = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
+    except json.JSONDecodeError as err:
+        raise MinifloatError(f"{path / 'config.json'}: not valid JSON ({err})") from None
+    return raw if isinstance(raw, dict) and "model_type" in raw else None
+
+
+def _load_transformers(path: Path) -> torch.nn.Module:
+    return _transformers().AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+LOADERS: list[Loader] = [
+    Loader("minifloat-gpt", lambda p: (p / "checkpoints").is_dir() or (p / "manifest.json").is_file(), load_gpt,
+           "a `minifloat train` output (checkpoints/) or checkpoint (manifest.json)"),
+    Loader("quantized", lambda p: bool((_config(p) or {}).get("quantization_config")), load_quantized,
+           "a quantized checkpoint (config.json with quantization_config)"),
+    Loader("transformers", lambda p: _config(p) is not None, _load_transformers,
+           "a transformers model folder (config.json with model_type)"),
+]  # fmt: skip
+"""The loaders `load_model` tries, first match wins (`register_loader` adds one in front)."""
+
+
+def register_loader(name: str, detect: Callable[[Path], bool], load: Callable[[Path], torch.nn.Module], what: str) -> None:
+    """Let `load_model` take another kind of model path (tried before the built-in ones)."""
+    LOADERS.insert(0, Loader(name, detect, load, what))
+
+
 def load_model(path: str | os.PathLike[str]) -> torch.nn.Module:
-    """A model folder: a `minifloat train` output or checkpoint (the built-in GPT), a
-    transformers model folder, or a quantized checkpoint (`load_quantized`)."""
+    """The model at `path`, by the first of `LOADERS` that recognises it: a `minifloat train`
+    output or checkpoint (the built-in GPT), a quantized checkpoint (`load_quantized`), or a
+    transformers model folder."""
     path = Path(path)
     if not path.exists():
         raise MinifloatError(f"{path}: no such model folder")
-    config = path / "config.json"
-    if (path / "checkpoints").is_dir() or (path / "manifest.json").is_file():
-        return load_gpt(path)
-    if config.is_file():
-        raw = json.loads(config.read_text())
-        if "model_type" in raw:
-            if raw.get("quantization_config"):
-                return load_quantized(path)
-            return _transformers().AutoModelForCausalLM.from_pretrained(path).eval()
-    raise MinifloatError(
-        f"{path}: neither a `minifloat train` output (checkpoints/), a checkpoint (manifest.json), "
-        f"nor a transformers model folder (config.json with model_type)"
-    )
+    for loader in LOADERS:
+        if loader.detect(path):
+            return loader.load(path)
+    kinds = "; ".join(loader.what for loader in LOADERS)
+    raise MinifloatError(f"{path}: not a model minifloat loads ({kinds})")

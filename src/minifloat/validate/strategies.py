@@ -156,10 +156,6 @@ def memory_strategy(model, train, val, high: str, low: str, echo: Callable[[str]
     """Budgets from all-`high` with a full KV cache (1.0) down to all-`low` with the KV at its
     least (0.0; the lowest default, 0.1, leaves the per-chunk NVFP4 scales room); layers ordered by their
     measured sensitivity."""
-    from minifloat.train.model import GPT
-
-    if not isinstance(model, GPT):
-        raise MinifloatError("the memory strategy decodes the built-in GPT (MemoryPolicy); this model is not one")
     model.eval()
     cal = calibrate(model, [b[:, :-1] for b in train])
     sens = sensitivity(model, train[:2], [high, low])
