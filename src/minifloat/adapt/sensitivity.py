@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from minifloat.errors import MinifloatError
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.linear import QuantizedLinear
-from minifloat.infer.metrics import kl_and_agreement
+from minifloat.infer.metrics import Quality
 from minifloat.infer.models import logits_of
 from minifloat.infer.ptq import calibrate, matches, why_not
 
@@ -101,22 +101,20 @@ def swapped(model: torch.nn.Module, name: str, new: torch.nn.Module):
 
 
 def _losses(model, batches) -> tuple[list[torch.Tensor], float]:
-    logits, nll, n = [], 0.0, 0
+    logits, q = [], Quality()
     with torch.no_grad():
         for b in batches:
             lg = logits_of(model(b[:, :-1])).float()
             logits.append(lg)
-            nll += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), b[:, 1:].reshape(-1), reduction="sum").item()
-            n += b[:, 1:].numel()
-    return logits, nll / n
+            q.add(lg, b[:, 1:])
+    return logits, q.result()["nll"]
 
 
 def _kl(ref: list[torch.Tensor], new: list[torch.Tensor]) -> float:
-    total = n = 0
-    for r, q in zip(ref, new, strict=True):
-        total += kl_and_agreement(r, q)[0]
-        n += r.shape[0] * r.shape[1]
-    return max(total / n, 0.0)
+    q = Quality()
+    for r, lg in zip(ref, new, strict=True):
+        q.add(lg, reference=r)
+    return q.result()["kl"]
 
 
 def sensitivity(

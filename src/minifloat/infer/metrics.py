@@ -86,6 +86,56 @@ def kl_and_agreement(reference: torch.Tensor, logits: torch.Tensor) -> tuple[flo
     return kl, int((logits.argmax(-1) == reference.argmax(-1)).sum())
 
 
+class Quality:
+    """The one accumulator of the quality figures, fed batch by batch (`add`), read once
+    (`result`). Definitions: perplexity = exp(mean next-token NLL); Δppl % = 100·(ppl / ppl_ref −
+    1); KL(reference ‖ model) per token, averaged, clamped at 0 (two equal distributions can sum
+    to −1e-9 in float32); top-1 agreement = share of positions whose argmaxes match.
+
+    Example:
+        >>> q = Quality()
+        >>> q.add(torch.tensor([[0.0, 2.0]]), targets=torch.tensor([1]), reference=torch.tensor([[0.0, 2.0]]))
+        >>> r = q.result()
+        >>> round(r["ppl"], 4), r["kl"], r["top1"], r["delta_ppl_pct"]
+        (1.1353, 0.0, 1.0, 0.0)
+    """
+
+    def __init__(self) -> None:
+        self.nll = self.ref_nll = self.kl = 0.0
+        self.agree = self.tokens = 0
+        self.scored = self.compared = False
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> None:
+        """One batch: `logits` (..., vocab), the next tokens `targets` (...) for perplexity, the
+        unquantized model's `reference` logits for KL and top-1."""
+        lg = logits.float()
+        if targets is not None:
+            self.nll += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), reduction="sum").item()
+            self.scored = True
+        if reference is not None:
+            ref = reference.float()
+            k, a = kl_and_agreement(ref, lg)
+            self.kl, self.agree, self.compared = self.kl + k, self.agree + a, True
+            if targets is not None:
+                self.ref_nll += F.cross_entropy(ref.reshape(-1, ref.shape[-1]), targets.reshape(-1), reduction="sum").item()
+        self.tokens += lg[..., 0].numel()
+
+    def result(self) -> dict:
+        """``tokens``; with targets ``nll``, ``ppl``; with a reference ``kl``, ``top1``; with both
+        ``nll_ref``, ``ppl_ref``, ``delta_ppl_pct``."""
+        if not self.tokens:
+            raise MinifloatError("no tokens were scored: give at least one batch")
+        n, out = self.tokens, {"tokens": self.tokens}
+        if self.scored:
+            out |= {"nll": self.nll / n, "ppl": math.exp(self.nll / n)}
+        if self.compared:
+            out |= {"kl": max(self.kl / n, 0.0), "top1": self.agree / n}
+            if self.scored:
+                out |= {"nll_ref": self.ref_nll / n, "ppl_ref": math.exp(self.ref_nll / n),
+                        "delta_ppl_pct": 100.0 * (math.exp(self.nll / n - self.ref_nll / n) - 1.0)}  # fmt: skip
+        return out
+
+
 @torch.no_grad()
 def _logits(model: torch.nn.Module, batches: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], float, int]:
     out, tokens = [], 0
@@ -99,8 +149,8 @@ def _logits(model: torch.nn.Module, batches: Iterable[torch.Tensor]) -> tuple[li
 
 def evaluate(model: torch.nn.Module, reference: torch.nn.Module | None, batches: Sequence[torch.Tensor]) -> dict:
     """Quality and cost of `model` on `batches` (from `token_batches`: each (B, T + 1)), against
-    `reference` when given. Returns ``ppl``, ``ppl_ref``, ``delta_ppl_pct``, ``kl``, ``top1``,
-    ``weight_bytes``, ``model_bytes``, ``tokens_per_s``, ``tokens``."""
+    `reference` when given. Returns ``ppl``, ``ppl_ref``, ``delta_ppl_pct``, ``kl``, ``top1``
+    (`Quality`), ``weight_bytes``, ``model_bytes``, ``tokens_per_s``, ``tokens``."""
     if not batches:
         raise MinifloatError("evaluate needs at least one batch (minifloat.infer.token_batches cuts them from text)")
     was = model.training
@@ -109,22 +159,15 @@ def evaluate(model: torch.nn.Module, reference: torch.nn.Module | None, batches:
         logits, seconds, tokens = _logits(model, batches)
     finally:
         model.train(was)
-    targets = [b[:, 1:] for b in batches]
-    nll = sum(F.cross_entropy(lg.reshape(-1, lg.shape[-1]), t.reshape(-1), reduction="sum").item()
-              for lg, t in zip(logits, targets, strict=True)) / tokens  # fmt: skip
-    m = {"ppl": math.exp(nll), "nll": nll, "weight_bytes": weight_bytes(model), "model_bytes": model_bytes(model),
+    ref_logits = _logits(reference.eval(), batches)[0] if reference is not None else [None] * len(logits)
+    q = Quality()
+    for lg, ref, b in zip(logits, ref_logits, batches, strict=True):
+        q.add(lg, b[:, 1:], ref)
+    r = q.result()
+    if not math.isfinite(r["nll"]):
+        raise MinifloatError(f"the model's loss is {r['nll']} on the evaluation text: its outputs hold NaN or inf")
+    m = {"ppl": r["ppl"], "nll": r["nll"], "weight_bytes": weight_bytes(model), "model_bytes": model_bytes(model),
          "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"), "tokens": tokens}  # fmt: skip
-    if not math.isfinite(nll):
-        raise MinifloatError(f"the model's loss is {nll} on the evaluation text: its outputs hold NaN or inf")
-    if reference is None:
-        return m
-    ref_logits, _, _ = _logits(reference.eval(), batches)
-    ref_nll = sum(F.cross_entropy(lg.reshape(-1, lg.shape[-1]), t.reshape(-1), reduction="sum").item()
-                  for lg, t in zip(ref_logits, targets, strict=True)) / tokens  # fmt: skip
-    kl = agree = 0.0
-    for lq, lr in zip(logits, ref_logits, strict=True):
-        k, a = kl_and_agreement(lr, lq)
-        kl, agree = kl + k, agree + a
-    m |= {"ppl_ref": math.exp(ref_nll), "delta_ppl_pct": 100.0 * (math.exp(nll - ref_nll) - 1.0),
-          "kl": max(kl / tokens, 0.0), "top1": agree / tokens}  # fmt: skip
+    if reference is not None:
+        m |= {k: r[k] for k in ("ppl_ref", "delta_ppl_pct", "kl", "top1")}
     return m

@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer import KVCache, generate
+from minifloat.infer import generate
+from minifloat.infer.adapter import adapter_for
 from minifloat.infer.decoding import draft_model
-from minifloat.infer.metrics import kl_and_agreement
+from minifloat.infer.metrics import Quality
 
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
 FP4_COST_RATIO = 0.25  # an FP4 draft's forward against a BF16 target's: a quarter of the weight bytes (memory-bound decode)
@@ -36,11 +37,12 @@ def _decode_logits(model, window: torch.Tensor, fmt: str, prefill: int) -> tuple
     """`fmt`: a KV format, or ``FORMAT+RECENT`` (e.g. ``fp8+bf16``): the sinks and the last 32
     tokens in RECENT, older ones in FORMAT."""
     name, _, recent = fmt.partition("+")
-    cache = KVCache(model.config.n_layer, name, recent_format=recent or None)
-    rows = [model(window[:, :prefill], cache)[0, -1:]]
+    adapter = adapter_for(model)
+    cache = adapter.new_cache(name, recent_format=recent or None)
+    rows = [adapter.forward(window[:, :prefill], cache)[0, -1:]]
     t0 = time.perf_counter()
     for t in range(prefill, window.shape[1] - 1):
-        rows.append(model(window[:, t : t + 1], cache)[0, -1:])
+        rows.append(adapter.forward(window[:, t : t + 1], cache)[0, -1:])
     return torch.cat(rows).float(), time.perf_counter() - t0, cache.nbytes()
 
 
@@ -59,15 +61,13 @@ def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMA
             ws = [generate(model, w[:, :prefill], ctx - prefill, kv_cache="fp32").tokens for w in ws]
         ref = [_decode_logits(model, w, "fp32", prefill)[0] for w in ws]
         for fmt in formats:
-            kl = agree = n = 0.0
-            secs = 0.0
+            q, secs = Quality(), 0.0
             for w, r in zip(ws, ref, strict=True):
                 lg, s, nbytes = _decode_logits(model, w, fmt, prefill)
-                k, a = kl_and_agreement(r, lg)
-                kl, agree = kl + k, agree + a
-                n += lg.shape[0]
+                q.add(lg, reference=r)
                 secs += s
-            row = {"format": fmt, "context": ctx, "source": source, "tokens": int(n), "kl": max(kl / n, 0.0), "top1": agree / n,
+            n, quality = q.tokens, q.result()
+            row = {"format": fmt, "context": ctx, "source": source, "tokens": int(n), "kl": quality["kl"], "top1": quality["top1"],
                    "kv_bytes": nbytes, "tokens_per_s": (n - len(ws)) / secs if secs else float("inf")}  # fmt: skip
             rows.append(row)
             echo(f"  ctx {ctx:>4} {fmt:<9} KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  KV {nbytes:,} B  "

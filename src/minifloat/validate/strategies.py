@@ -15,11 +15,9 @@ KL, top-1 agreement) and the strategy's own cost:
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from minifloat.adapt import evaluate_policy, heuristic_policy, sensitivity
 from minifloat.adapt.confidence import calibrate_cascade, evaluate_cascade
@@ -27,7 +25,7 @@ from minifloat.adapt.memory import MemoryPolicy, moves
 from minifloat.adapt.sensitivity import quantizable
 from minifloat.adapt.token import TokenPolicy, token_precision
 from minifloat.errors import MinifloatError
-from minifloat.infer.metrics import evaluate, kl_and_agreement
+from minifloat.infer.metrics import Quality, evaluate
 from minifloat.infer.ptq import calibrate, quantize_model
 
 QUALITY = ("delta_ppl_pct", "kl", "top1")
@@ -111,13 +109,11 @@ def confidence_strategy(model, train, val, high: str, low: str, echo: Callable[[
 def _quality(triples) -> dict:
     """Δppl %, mean per-token KL and top-1 of logits against the unquantized model's, from
     (reference logits, logits, targets) per batch."""
-    kl = nll = ref_nll = agree = n = 0.0
+    q = Quality()
     for ref, logits, y in triples:
-        k, a = kl_and_agreement(ref, logits)
-        kl, agree, n = kl + k, agree + a, n + y.numel()
-        nll += F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="sum").item()
-        ref_nll += F.cross_entropy(ref.flatten(0, 1), y.reshape(-1), reduction="sum").item()
-    return {"delta_ppl_pct": 100 * (math.exp((nll - ref_nll) / n) - 1), "kl": kl / n, "top1": agree / n}
+        q.add(logits, y, ref)
+    r = q.result()
+    return {"delta_ppl_pct": r["delta_ppl_pct"], "kl": r["kl"], "top1": r["top1"]}
 
 
 @torch.no_grad()
