@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import minifloat
-from minifloat.adapt.auto import fit_to_memory, kv_bytes
+from minifloat.adapt.auto import fit_to_memory
+from minifloat.infer.accounting import kv_bytes
 from minifloat.adapt.confidence import (
     binomial_upper,
     calibrate_cascade,
@@ -153,7 +154,7 @@ def test_the_memory_policy_never_exceeds_its_budget_and_moves_back_up():
     gpt = _gpt()
     prompt = torch.randint(0, 256, (1, 8))
     probe = MemoryPolicy(copy.deepcopy(gpt), 10**9, low="mxfp4")
-    assert probe.usage() == probe.weight_bytes(0) == model_bytes(probe.model)  # prediction = the measured bytes
+    assert probe.usage() == probe.served_bytes(0) == model_bytes(probe.model)  # prediction = the measured bytes
     for budget in (205_000, 195_000, 185_000, 160_000):
         p = MemoryPolicy(copy.deepcopy(gpt), budget, low="mxfp4", headroom_tokens=4, recent_tokens=8)
         # decoded step by step, the memory counted independently of the policy after every forward:
@@ -198,7 +199,7 @@ def test_fit_to_memory_counts_a_real_kv_cache_and_fits():
         q = copy.deepcopy(gpt)
         quantize_model(q, fit.assignment, ignore=())
         assert reachable_storage_bytes(q) + reachable_storage_bytes(kv) <= budget
-        assert model_bytes(q) == fit.fixed_bytes + fit.weight_bytes
+        assert model_bytes(q) == fit.fixed_bytes + fit.quantized_bytes
     assert set(fit.assignment.values()) == {"fp8-dynamic"}  # room for everything in 8 bits
     with pytest.raises(minifloat.MinifloatError, match="cannot hold the model and its KV cache"):
         fit_to_memory(gpt, 150_000, context_tokens=48, sens=s)
@@ -236,7 +237,7 @@ def test_the_memory_policy_serves_a_transformers_llama_within_its_budget():
     prompt = torch.randint(0, 256, (1, 8))
     probe = MemoryPolicy(copy.deepcopy(llama), 10**9, low="mxfp4")
     assert probe._shape == (1, 2, 16)  # GQA: the KV heads, not the query heads
-    budget = probe.weight_bytes(len(probe.order)) + 2 * 40 * 2 * 2 * 2 * (16 + 4)  # all low + 40 FP8 tokens
+    budget = probe.served_bytes(len(probe.order)) + 2 * 40 * 2 * 2 * 2 * (16 + 4)  # all low + 40 FP8 tokens
     p = MemoryPolicy(copy.deepcopy(llama), budget, low="mxfp4", headroom_tokens=4, recent_tokens=8)
     p.new_sequence()
     seq = prompt

@@ -32,6 +32,7 @@ import torch
 from minifloat.adapt.knapsack import solve
 from minifloat.adapt.sensitivity import DEFAULT_CANDIDATES, Sensitivity, sensitivity
 from minifloat.errors import MinifloatError
+from minifloat.infer.accounting import bits_per_weight, kv_bytes, layer_bytes, model_bytes
 from minifloat.infer.metrics import evaluate
 from minifloat.infer.ptq import calibrate, quantize_model
 
@@ -67,7 +68,7 @@ def uniform_bits(model: torch.nn.Module, layers: Sequence[str], candidate: str) 
     for name in layers:
         lin = model.get_submodule(name)
         q = QuantizedLinear.from_linear(lin, cfg, input_amax=1.0 if cfg.static else None)
-        bits += 8 * q.packed_nbytes()
+        bits += 8 * layer_bytes(q, bias=False)
         params += lin.weight.numel()
     return bits / params
 
@@ -110,29 +111,7 @@ def evaluate_policy(model: torch.nn.Module, policy: dict[str, str | None], data,
     q = copy.deepcopy(model)
     cal = calibrate(model, [b[:, :-1] for b in (calib or data)])
     quantize_model(q, {**policy}, calibration=cal, ignore=())
-    return {**evaluate(q, model, data), "average_bits": layer_bits(q)}
-
-
-def layer_bits(model: torch.nn.Module, ignore: Sequence[str] = ("lm_head",)) -> float:
-    """Average bits per weight (codes and scales, weighted by weight count) over the Linears not
-    in `ignore` — a quantized layer's buffers, a layer kept dense at its dtype's bits."""
-    from minifloat.infer.linear import QuantizedLinear
-    from minifloat.nn.convert import matches
-
-    bits = params = 0
-    for name, m in model.named_modules():
-        if not name or matches(name, ignore):
-            continue
-        if isinstance(m, QuantizedLinear):
-            n = m.in_features * m.out_features
-            bits += 8 * m.packed_nbytes()
-        elif isinstance(m, torch.nn.Linear):
-            n = m.weight.numel()
-            bits += 8 * m.weight.nbytes
-        else:
-            continue
-        params += n
-    return bits / params if params else float("nan")
+    return {**evaluate(q, model, data), "average_bits": bits_per_weight(q)}
 
 
 def block_index(name: str) -> int | None:
@@ -190,27 +169,16 @@ class MemoryFit:
     average_bits: float
     budget_bytes: int
     fixed_bytes: int  # what stays in high precision: embeddings, norms, biases, the ignored layers
-    weight_bytes: int  # the quantized layers' codes and scales
+    quantized_bytes: int  # the quantized layers' codes and scales
     kv_bytes: int  # the KV cache at `context_tokens`
     predicted_kl: float
 
     @property
     def total_bytes(self) -> int:
-        return self.fixed_bytes + self.weight_bytes + self.kv_bytes
+        return self.fixed_bytes + self.quantized_bytes + self.kv_bytes
 
     def to_dict(self) -> dict:
         return {**vars(self), "total_bytes": self.total_bytes}
-
-
-def kv_bytes(model: torch.nn.Module, context_tokens: int, kv_format: str = "fp8", batch_size: int = 1) -> int:
-    """Bytes of a `KVCache` in `kv_format` holding `context_tokens` tokens of every layer."""
-    from minifloat.infer.adapter import adapter_for
-    from minifloat.infer.kvcache import KVCache
-
-    g = adapter_for(model).kv_geometry
-    kv = KVCache(g.n_layer, kv_format)
-    kv.expect(batch_size, g.kv_heads, g.head_dim)
-    return g.n_layer * context_tokens * kv.token_bytes(kv.store)
 
 
 def fit_to_memory(
@@ -228,8 +196,6 @@ def fit_to_memory(
     """The per-layer assignment of least summed KL whose served model and KV cache (at
     `context_tokens` tokens × `batch_size` sequences, in `kv_format`) fit `budget_bytes`.
     Needs `data` (or a `sensitivity` result `sens`)."""
-    from minifloat.infer.ptq import model_bytes
-
     if context_tokens < 0 or batch_size < 1:
         raise MinifloatError(f"context_tokens must be ≥ 0 and batch_size ≥ 1, got {context_tokens} and {batch_size}")
     if sens is None:

@@ -43,11 +43,12 @@ from collections.abc import Sequence
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.infer.accounting import layer_bytes, model_bytes
 from minifloat.infer.adapter import adapter_for
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.kvcache import KVCache
 from minifloat.infer.linear import QuantizedLinear
-from minifloat.infer.ptq import calibrate, model_bytes
+from minifloat.infer.ptq import calibrate
 from minifloat.nn.convert import swap_modules
 
 
@@ -58,10 +59,6 @@ def sensitivity_order(sens, high: str, low: str) -> list[str]:
         return (sens.kl[n][low] - sens.kl[n][high]) / saved
 
     return sorted(sens.layers, key=cost)
-
-
-def _layer_bytes(q: QuantizedLinear) -> int:
-    return sum(b.nbytes for b in q.buffers())
 
 
 class MemoryPolicy:
@@ -92,15 +89,15 @@ class MemoryPolicy:
             raise MinifloatError("the order names none of the model's Linears")
         self.order: list[str] = list(order)
         self.source = {n: model.get_submodule(n) for n in self.order}  # off budget: host memory / checkpoint
-        self.bytes = {n: {c.name: _layer_bytes(self._build(n, c)) for c in (self.high, self.low)} for n in self.order}
+        self.bytes = {n: {c.name: layer_bytes(self._build(n, c)) for c in (self.high, self.low)} for n in self.order}
         # what is not a served layer (embeddings, norms, the head); a layer's bytes include its bias
         self._base = model_bytes(model) - sum(m.weight.nbytes + (0 if m.bias is None else m.bias.nbytes)
                                               for m in self.source.values())  # fmt: skip
         # the first `level` layers of `order` are in `low`: start at the least that holds the weights alone
-        self.level = next((i for i in range(len(self.order) + 1) if self.weight_bytes(i) <= self.budget_bytes), None)
+        self.level = next((i for i in range(len(self.order) + 1) if self.served_bytes(i) <= self.budget_bytes), None)
         if self.level is None:
             raise MinifloatError(f"{self.budget_bytes:,} bytes cannot hold the model's weights even with every layer in "
-                                 f"{self.low.name} ({self.weight_bytes(len(self.order)):,})")  # fmt: skip
+                                 f"{self.low.name} ({self.served_bytes(len(self.order)):,})")  # fmt: skip
         at = {n: (self.low if i < self.level else self.high) for i, n in enumerate(self.order)}
         swap_modules(model, self.order, lambda old: self._build(self._name(old), at[self._name(old)]))
         self.kv_args = dict(format=kv_format, pressure_format=kv_pressure_format, sink_tokens=sink_tokens,
@@ -119,7 +116,7 @@ class MemoryPolicy:
         amax = self.calibration.get(name) if config.needs_calibration else None
         return QuantizedLinear.from_linear(self.source[name], config, input_amax=amax)
 
-    def weight_bytes(self, level: int | None = None) -> int:
+    def served_bytes(self, level: int | None = None) -> int:
         """The served model's bytes with the first `level` layers of the order in `low`."""
         level = self.level if level is None else level
         return self._base + sum(self.bytes[n][(self.low if i < level else self.high).name] for i, n in enumerate(self.order))
@@ -148,23 +145,23 @@ class MemoryPolicy:
         n = self.kv.length(0) + new_tokens
         least = self.kv.least_bytes(new_tokens)
         level = self.level
-        while level < len(self.order) and self.weight_bytes(level) + least > self.budget_bytes:
+        while level < len(self.order) and self.served_bytes(level) + least > self.budget_bytes:
             level += 1
-        if self.weight_bytes(level) + least > self.budget_bytes:
+        if self.served_bytes(level) + least > self.budget_bytes:
             raise MinifloatError(
                 f"{self.budget_bytes:,} bytes cannot hold the model with every layer in {self.low.name} "
-                f"({self.weight_bytes(len(self.order)):,}) and {n} tokens of KV cache at its least ({least:,}): "
+                f"({self.served_bytes(len(self.order)):,}) and {n} tokens of KV cache at its least ({least:,}): "
                 f"raise the budget or shorten the context"
             )
         full = self.kv.nbytes() + (new_tokens + self.headroom_tokens) * self.kv.token_bytes(self.kv.store) * self.kv.n_layer
-        while level > 0 and self.weight_bytes(level - 1) + full <= self.budget_bytes:
+        while level > 0 and self.served_bytes(level - 1) + full <= self.budget_bytes:
             level -= 1
         for i in range(self.level, level):  # down
             self._move(self.order[i], self.low, n)
         for i in range(self.level - 1, level - 1, -1):  # up
             self._move(self.order[i], self.high, n)
         self.level = level
-        self.kv.budget_bytes = self.budget_bytes - self.weight_bytes(level)
+        self.kv.budget_bytes = self.budget_bytes - self.served_bytes(level)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

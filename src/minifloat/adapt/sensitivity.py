@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from minifloat.errors import MinifloatError
+from minifloat.infer.accounting import layer_bytes
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.infer.metrics import Quality
@@ -148,7 +149,7 @@ def sensitivity(
                 amax = calibration.get(name) if cfg.needs_calibration else None
                 q = QuantizedLinear.from_linear(lin, cfg, input_amax=amax)
                 built[name][c] = q
-                res.bits.setdefault(name, {})[c] = 8 * q.packed_nbytes() / res.params[name]
+                res.bits.setdefault(name, {})[c] = 8 * layer_bytes(q, bias=False) / res.params[name]
                 with swapped(model, name, q):
                     logits, loss = _losses(model, data)
                 res.kl.setdefault(name, {})[c] = _kl(ref_logits, logits)

@@ -2,7 +2,7 @@
 config (FP8) and the rest in a low one (FP4), in the same forward.
 
 `TokenPrecisionLinear` holds the layer in both configs (two `QuantizedLinear`s: the FP4 weight
-adds about 0.56 bytes per weight to the FP8 one, counted in `weight_bytes`). Its forward splits
+adds about 0.56 bytes per weight to the FP8 one, counted in `packed_nbytes`). Its forward splits
 the input's rows by a boolean mask and runs two GEMMs, one per subset; each subset is quantized
 as its config says (dynamic scales are those of the subset's own rows and blocks; a calibrated
 input scale is the layer's). Only the subsets are copied, never a dequantized whole activation.
@@ -83,9 +83,7 @@ def activation_bits(config: QuantConfig, k: int) -> float:
     scheme = config.activation_scheme
     if scheme is None:
         return 16.0
-    q = quantize(torch.zeros(1, k), scheme)
-    scale = 0 if scheme.granularity == "tensor" else q.scale.nbytes
-    return 8 * (q.data.nbytes + scale) / k
+    return quantize(torch.zeros(1, k), scheme).bits_per_element
 
 
 class _State:
@@ -138,7 +136,7 @@ class TokenPrecisionLinear(torch.nn.Module):
         self.rows[1] += lo.numel()
         return y.reshape(*lead, self.out_features)
 
-    def weight_bytes(self) -> int:
+    def packed_nbytes(self) -> int:
         return self.high.packed_nbytes() + self.low.packed_nbytes()
 
     def extra_repr(self) -> str:

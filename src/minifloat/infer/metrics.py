@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.linear import QuantizedLinear
+from minifloat.infer.accounting import linear_weight_bytes, model_bytes
 from minifloat.infer.models import logits_of
-from minifloat.infer.ptq import model_bytes, tensor_bytes
 
 
 def token_batches(
@@ -62,20 +61,6 @@ def token_batches(
     starts = torch.linspace(0, len(ids) - span, need).long()
     windows = torch.stack([ids[s : s + span] for s in starts.tolist()])
     return list(windows.view(n_batches, batch_size, span))
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every Linear's weight at rest: a QuantizedLinear's codes and scales, a dense
-    Linear's weight (a tied weight counted where it is an embedding, not again), a tensor
-    subclass' (torchao's) inner tensors."""
-    total = 0
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            total += m.packed_nbytes()
-        elif isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings:
-            total += tensor_bytes(m.weight, set())
-    return total
 
 
 def kl_and_agreement(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, int]:
@@ -166,7 +151,7 @@ def evaluate(model: torch.nn.Module, reference: torch.nn.Module | None, batches:
     r = q.result()
     if not math.isfinite(r["nll"]):
         raise MinifloatError(f"the model's loss is {r['nll']} on the evaluation text: its outputs hold NaN or inf")
-    m = {"ppl": r["ppl"], "nll": r["nll"], "weight_bytes": weight_bytes(model), "model_bytes": model_bytes(model),
+    m = {"ppl": r["ppl"], "nll": r["nll"], "weight_bytes": linear_weight_bytes(model), "model_bytes": model_bytes(model),
          "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"), "tokens": tokens}  # fmt: skip
     if reference is not None:
         m |= {k: r[k] for k in ("ppl_ref", "delta_ppl_pct", "kl", "top1")}

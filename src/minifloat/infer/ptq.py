@@ -23,6 +23,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.formats.packing import codes_per_group
+from minifloat.infer.accounting import layer_bytes, model_bytes
 from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.infer.observers import AmaxObserver, observe
@@ -84,29 +85,6 @@ class QuantizeSummary:
             f"{self.model_bytes_before:,} → {self.model_bytes_after:,} bytes ({ratio:.2f}× smaller)"
         )
         return "\n".join(lines)
-
-
-def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` and of its compute layouts (a tensor shared by two names counted once;
-    a tensor subclass, such as torchao's quantized weights, by the tensors it holds)."""
-    seen: set = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        total += tensor_bytes(t, seen)
-    # what a QuantizedLinear's compute layout holds beyond its buffers (block padding made real)
-    return total + sum(m.compute_extra_nbytes() for m in model.modules() if isinstance(m, QuantizedLinear))
-
-
-def tensor_bytes(t: torch.Tensor, seen: set) -> int:
-    flatten = getattr(type(t), "__tensor_flatten__", None)
-    if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n), seen) for n in names if isinstance(getattr(t, n), torch.Tensor))
-    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.device.type != "meta" else id(t)
-    if key in seen:
-        return 0
-    seen.add(key)
-    return t.nbytes
 
 
 def why_not(linear: torch.nn.Linear, config: QuantConfig) -> str | None:
@@ -219,7 +197,7 @@ def quantize_model(
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear) or not name:
             continue
-        before = m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
+        before = layer_bytes(m)
         c, rule, reason = _layer_config(name, policy)
         if (p := matches(name, ignore)) is not None:
             reason = f"ignored (matches {p!r})"
@@ -239,7 +217,7 @@ def quantize_model(
             continue
         q = QuantizedLinear.from_linear(m, c, input_amax=amax, backend=backend, weight_quantizer=weight_quantizer,
                                         stats=stats.get(name, {}), transform=transform)  # fmt: skip
-        after = sum(b.nbytes for b in q.buffers())
+        after = layer_bytes(q)
         summary.layers.append(
             LayerSummary(name, tuple(m.weight.shape), c.weight, c.activation, before, after, config=c.name, rule=rule)
         )

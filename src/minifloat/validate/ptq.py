@@ -21,7 +21,8 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.infer import QUANT_CONFIGS, get_quant_config, quantize_model
-from minifloat.infer.metrics import evaluate, weight_bytes
+from minifloat.infer.accounting import bits_per_weight, weight_layers
+from minifloat.infer.metrics import evaluate
 from minifloat.infer.models import load_model
 from minifloat.infer.pipeline import TextSource, batches_for, tokenizer_for
 from minifloat.infer.ptq import calibrate
@@ -32,18 +33,6 @@ from minifloat.validate.bench import _quiet_torchao_import
 from minifloat.validate.compare import environment
 
 DEFAULT_SCHEMES = ("fp8-dynamic", "fp8-block", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
-
-
-def linear_weight_count(model: torch.nn.Module) -> int:
-    """Elements of every Linear weight that is not an embedding tied to it."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    total = 0
-    for m in model.modules():
-        if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, torch.nn.Embedding):
-            w = getattr(m, "weight", None)
-            if w is not None and id(w) not in embeddings:
-                total += m.in_features * m.out_features
-    return total
 
 
 def torchao_peer(name: str) -> tuple[Callable[[], object] | None, str, torch.dtype]:
@@ -96,7 +85,7 @@ def _torchao_run(model, name: str, reference, batches, ignore: Sequence[str]) ->
     try:
         with _quiet_torchao_import():
             quantize_(m, make(), filter_fn=want)
-        metrics = evaluate(m, reference, batches)
+        metrics = evaluate(m, reference, batches) | {"bits_per_weight": bits_per_weight(m)}
     except Exception as err:  # noqa: BLE001 - a peer that fails is reported, not fatal
         return {"config": name, "status": "failed", "why": f"{what}: {type(err).__name__}: {err}"[:300]}
     return {"config": name, "status": "ok", "what": what, **metrics}
@@ -125,17 +114,18 @@ def ptq_compare(
     tokenizer = tokenizer_for(model_path)
     batches = batches_for(reference, source, "val", tokenizer)
     calib = batches_for(reference, source, "train", tokenizer)
-    n_weights = linear_weight_count(reference)
-    echo(f"reference: {type(reference).__name__}, {n_weights:,} Linear weights, {len(batches)} × {tuple(batches[0].shape)} tokens")
+    n_weights = sum(m.weight.numel() for m in weight_layers(reference).values())
+    echo(f"reference: {type(reference).__name__}, {n_weights:,} Linear weights (bits/weight over them: the head and "
+         f"the embedding not counted), {len(batches)} × {tuple(batches[0].shape)} tokens")  # fmt: skip
     base = evaluate(reference, None, batches)
-    base_row = {"config": "reference", "status": "ok", **base, "bits_per_weight": 8 * weight_bytes(reference) / n_weights}
+    base_row = {"config": "reference", "status": "ok", **base, "bits_per_weight": bits_per_weight(reference)}
     runs, peers = [], []
     calibration = calibrate(reference, calib) if any(c.needs_calibration for c in configs) else None
     for c in configs:
         model = copy.deepcopy(reference)
         summary = quantize_model(model, c, calibration=calibration, ignore=ignore)
         m = evaluate(model, reference, batches)
-        row = {"config": c.name, "status": "ok", **m, "bits_per_weight": 8 * m["weight_bytes"] / n_weights,
+        row = {"config": c.name, "status": "ok", **m, "bits_per_weight": bits_per_weight(model),
                "quantized_layers": len(summary.quantized), "skipped": {s.name: s.reason for s in summary.skipped}}  # fmt: skip
         runs.append(row)
         echo(f"  {c.name:<18} Δppl {row['delta_ppl_pct']:+.2f} %  KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  "
@@ -143,7 +133,6 @@ def ptq_compare(
         if torchao:
             p = _torchao_run(reference, c.name, reference, batches, ignore)
             if p["status"] == "ok":
-                p["bits_per_weight"] = 8 * p["weight_bytes"] / n_weights
                 echo(f"  {'torchao ' + c.name:<18} Δppl {p['delta_ppl_pct']:+.2f} %  KL {p['kl']:.2e}  top-1 "
                      f"{p['top1']:.4f}  {p['tokens_per_s']:,.0f} tok/s")  # fmt: skip
             peers.append(p)

@@ -159,8 +159,8 @@ def memory_strategy(model, train, val, high: str, low: str, echo: Callable[[str]
     t = seqs[0].shape[1] - 1
     probe = MemoryPolicy(copy.deepcopy(model), 2**62, order=sens, high=high, low=low, calibration=cal)
     probe.kv.expect(*probe._shape)
-    top = probe.weight_bytes(0) + t * probe.kv.token_bytes(probe.kv.store) * probe.kv.n_layer
-    bottom = probe.weight_bytes(len(probe.order)) + probe.kv.least_bytes(t)
+    top = probe.served_bytes(0) + t * probe.kv.token_bytes(probe.kv.store) * probe.kv.n_layer
+    bottom = probe.served_bytes(len(probe.order)) + probe.kv.least_bytes(t)
     rows = []
     for f in fractions:
         budget = int(bottom + f * (top - bottom))

@@ -15,9 +15,9 @@ import copy
 
 import torch
 
+from minifloat.infer.accounting import linear_weight_bytes
 from minifloat.infer.config import QUANT_CONFIGS
 from minifloat.infer.decoding import generate
-from minifloat.infer.metrics import weight_bytes
 from minifloat.infer.ptq import calibrate, quantize_model
 from minifloat.train.model import GPT, GPT_SIZES
 from minifloat.validate.runner import Check, Context, Outcome, phase, rel_error
@@ -44,7 +44,7 @@ def run(ctx: Context) -> Outcome:
                 quantize_model(q, name, calibration=cal)
             err = rel_error(q(ids), ref)
             limit = 0.35 if "fp4" in name else 0.1
-            out.rows.append({"case": f"forward {name}", "weight_bytes": weight_bytes(q), "rel_error_vs_fp32": err})
+            out.rows.append({"case": f"forward {name}", "weight_bytes": linear_weight_bytes(q), "rel_error_vs_fp32": err})
             out.checks.append(Check(f"forward {name}: logits against FP32's (relative)", err, limit))
             cases[f"forward {name}"] = lambda q=q: q(ids)
         med = ctx.time(cases)
