@@ -7,9 +7,9 @@ import sys
 
 from minifloat.cli.defaults import keyword_defaults
 from minifloat.errors import MinifloatError
+from minifloat.experiments import bench
 from minifloat.io import jsonio
 from minifloat.report.table import cell
-from minifloat.validate import bench
 
 QUANTIZE, GEMM, TRAIN = (keyword_defaults(f) for f in (bench.bench_quantize, bench.bench_gemm, bench.bench_train))
 
@@ -182,9 +182,9 @@ def _gemm(args: argparse.Namespace, reps: int) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
+    from minifloat.experiments import bench_decode as decode
     from minifloat.infer import load_gpt
     from minifloat.train.corpus import stdlib_corpus
-    from minifloat.validate import decode
 
     if args.model is None:
         raise MinifloatError("bench decode needs a model: minifloat bench decode RUN_FOLDER")

@@ -6,7 +6,7 @@ import argparse
 
 from minifloat.cli.defaults import print_result
 from minifloat.cli.train import add_training_arguments, config_from_args
-from minifloat.validate.compare import DEFAULT_PRECISIONS
+from minifloat.experiments.compare import DEFAULT_PRECISIONS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from minifloat.experiments.compare import compare, parse_precisions
     from minifloat.report.comparison import summary_table
-    from minifloat.validate.compare import compare, parse_precisions
 
     precisions = parse_precisions(args.precisions)
     base = config_from_args(args, precision=precisions[0])

@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _load_input(spec: str, size: str, seed: int):
     import torch
 
-    from minifloat.validate.analysis import synthetic
+    from minifloat.experiments.error_analysis import synthetic
 
     if spec.split(":")[0].endswith(".safetensors"):
         from safetensors import safe_open
@@ -85,8 +85,8 @@ def _minifloat_entry(path: str, name: str):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from minifloat.experiments.error_analysis import error_report
     from minifloat.scaling.schemes import SCHEMES, get_scheme
-    from minifloat.validate.analysis import error_report
 
     label, x = _load_input(args.input, args.size, args.seed)
     names = list(SCHEMES) if not args.schemes else [get_scheme(s).name for s in args.schemes.split(",")]

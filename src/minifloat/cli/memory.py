@@ -1,5 +1,5 @@
 """`minifloat memory`: per-device bytes of training a model, by category, with the assumptions
-(the work is in `minifloat.validate.planner`)."""
+(the work is in `minifloat.planner.memory`)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from minifloat.planner.memory import OFFLOADABLE, SHAPES, measured_state, parse_params, plan
     from minifloat.report.table import markdown_table
-    from minifloat.validate.planner import OFFLOADABLE, SHAPES, measured_state, parse_params, plan
 
     offload = tuple(o.strip() for o in args.offload.split(",") if o.strip())
     for o in offload:

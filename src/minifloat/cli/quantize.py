@@ -1,5 +1,5 @@
 """`minifloat quantize`, `minifloat eval` and `minifloat ptq-compare`: post-training quantization
-from the command line (the work is in `minifloat.infer` and `minifloat.validate.ptq`)."""
+from the command line (the work is in `minifloat.infer` and `minifloat.experiments.ptq_compare`)."""
 
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_ptq_compare(args: argparse.Namespace) -> int:
+    from minifloat.experiments.ptq_compare import ptq_compare
     from minifloat.report.ptq import ptq_table
-    from minifloat.validate.ptq import ptq_compare
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     metrics = ptq_compare(args.model, schemes, args.out, source=_source(args), torchao=not args.no_torchao,

@@ -30,7 +30,7 @@ A 16×16-block NVFP4 weight is passed as 1×16 blocks (each 16×16 scale repeate
 rows), so the hardware sees the same values. Native block-scaled GEMMs write bfloat16 (what
 PyTorch's kernels accept for them) and the result is then cast to `out_dtype`; per-tensor FP8
 writes `out_dtype` directly. `native_args` builds the arguments without running them, so the
-layouts are tested on any machine (``tests/test_gemm.py`` reads them back by cuBLAS' documented
+layouts are tested on any machine (``tests/gemm/test_gemm.py`` reads them back by cuBLAS' documented
 offset formula); the native calls themselves are checked against ``emulated`` on a capable GPU.
 
 Example:

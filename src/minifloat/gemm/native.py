@@ -1,6 +1,6 @@
 """The native backend: ``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm`` on the codes and
 scales as they are stored. `native_args` builds the arguments without running them, so the
-layouts are tested on any machine (``tests/test_gemm.py`` reads them back by cuBLAS' documented
+layouts are tested on any machine (``tests/gemm/test_gemm.py`` reads them back by cuBLAS' documented
 offset formula); the native calls themselves are checked against the emulated backend on a
 capable GPU."""
 

@@ -2,7 +2,7 @@
 
 Each takes plain tensors and returns what its fast path returns — the quantizer the parts
 ``(data, scale, tensor_scale)``, the dequantizer the values — and each fast path must equal
-its reference bit for bit (``tests/test_kernels.py``). They run wherever no fast path applies
+its reference bit for bit (``tests/kernels/test_kernels.py``). They run wherever no fast path applies
 (another device, a build that failed, ``MINIFLOAT_KERNELS=reference``). The scale formulas
 are in `minifloat.scaling.rules`, the geometry in `minifloat.scaling.layout`.
 """

@@ -1,2 +1,2 @@
-"""Measuring what a format costs: `minifloat compare` (train in several precisions), the
-benchmarks behind `minifloat bench`, error analysis, and what the machine offers (`devices`)."""
+"""`minifloat validate`: the runner (`runner`) and the examples it checks, times and profiles
+(`examples`)."""

@@ -14,11 +14,11 @@ import copy
 
 import torch
 
+from minifloat.experiments.error_analysis import sqnr_db
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.infer.ptq import model_bytes
 from minifloat.quant.api import quantize
 from minifloat.scaling.schemes import get_scheme
-from minifloat.validate.analysis import sqnr_db
 from minifloat.validate.runner import Check, Context, Outcome, phased, rel_error
 
 NAME, TITLE = "fp4_inference", "FP4 tensor, FP4 Linear, FP4 MLP; FP6 next to FP4 and FP8"

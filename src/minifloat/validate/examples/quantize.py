@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from minifloat.experiments.error_analysis import sqnr_db
 from minifloat.quant.api import dequantize, quantize
 from minifloat.scaling.schemes import SCHEMES
-from minifloat.validate.analysis import sqnr_db
 from minifloat.validate.runner import Check, Context, Outcome, phased
 
 NAME, TITLE = "quantize", "Quantize / dequantize per scheme: throughput and error"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from tests.fsdp_model import STEPS, batch, make_model
+from tests.train.fsdp_model import STEPS, batch, make_model
 
 
 def main(out: str, recipe: str) -> None:

@@ -14,8 +14,7 @@ from minifloat.kernels import reference
 from minifloat.kernels.reference import rht as rht_reference
 from minifloat.quant.hadamard import hadamard_signs
 from minifloat.recipes import RECIPES, NVFP4BlockScaling, get_recipe
-
-from .conftest import requires_cuda, sqnr_db
+from tests.conftest import requires_cuda, sqnr_db
 
 # SQNR floors per recipe (output, grad_input, grad_weight) against a float64 nn.Linear.
 FLOORS = {"fp8": 20, "fp8-current": 20, "fp8-block": 20, "mxfp8": 20, "mxfp6": 14, "mxfp6-e2m3": 14, "mxfp6-e3m2": 14, "mxfp6-hybrid": 14, "mxfp4": 8, "nvfp4": 8, "nvfp4-4over6": 8}

@@ -155,7 +155,7 @@ class StockTorchao:
         self._err = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, THP_MEM_ALLOC_ENABLE="0")
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from minifloat.validate.bench import stock_worker; stock_worker()",
+            [sys.executable, "-c", "from minifloat.experiments.bench import stock_worker; stock_worker()",
              str(rows), str(cols), str(torch.get_num_threads())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env,
         )  # fmt: skip

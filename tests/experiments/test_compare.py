@@ -9,10 +9,10 @@ import pytest
 
 import minifloat
 from minifloat.cli import main
+from minifloat.experiments.compare import _diverged, compare, parse_precisions, run_metrics, weight_bytes
 from minifloat.train import TrainConfig
 from minifloat.train.model import GPT_SIZES
 from minifloat.train.runlog import read_log
-from minifloat.validate.compare import _diverged, compare, parse_precisions, run_metrics, weight_bytes
 
 RUN_KEYS = {
     "precision": str, "status": str, "final_train_loss": float, "final_val_loss": float, "val_loss_delta_pct": float,
@@ -155,7 +155,7 @@ def test_compare_writes_metrics_report_and_plots(tmp_path):
 
 
 def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys, monkeypatch):
-    import minifloat.validate.compare as cmp
+    import minifloat.experiments.compare as cmp
 
     bad = tmp_path / "bin.txt"
     bad.write_bytes(b"\x00\x01" * 5000)
@@ -371,8 +371,8 @@ def test_run_metrics_windows_are_the_last_tenth_and_all_but_the_first_tenth():
 
 
 def test_recipe_description_says_how_each_precision_computes():
+    from minifloat.experiments.compare import recipe_description
     from minifloat.recipes import RECIPES
-    from minifloat.validate.compare import recipe_description
 
     assert recipe_description("fp32") == {"recipe": "fp32", "gemm": "FP32 operands, FP32 accumulation"}
     assert recipe_description("fp16")["gemm"].startswith("FP16 operands (operands rounded to the dtype, FP32 accumulation)")
@@ -392,7 +392,7 @@ def test_compare_evaluates_at_the_end_when_told_never_to_and_keeps_earlier_resul
 
 
 def test_a_child_that_exits_cleanly_before_its_last_step_failed(tmp_path, monkeypatch):
-    import minifloat.validate.compare as cmp
+    import minifloat.experiments.compare as cmp
 
     monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (0, 0, ["killed by the scheduler"]))
     run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False)["runs"][0]
@@ -407,7 +407,7 @@ def test_a_child_that_exits_cleanly_before_its_last_step_failed(tmp_path, monkey
 
 
 def test_relative_figures_are_left_out_where_the_reference_has_none():
-    from minifloat.validate.compare import _relative_to_first
+    from minifloat.experiments.compare import _relative_to_first
 
     ref = {"final_val_loss": 2.0, "final_train_loss": float("nan"), "step_time_s": 0.0, "weight_bytes": 400}
     other = {"final_val_loss": 2.5, "final_train_loss": 2.0, "step_time_s": 1.0, "weight_bytes": None}
@@ -430,7 +430,7 @@ def test_compare_without_matplotlib_stops_before_it_trains(tmp_path, monkeypatch
 
 
 def test_within_noise_is_the_95_percent_interval_of_the_paired_mean():
-    from minifloat.validate.compare import within_noise
+    from minifloat.experiments.compare import within_noise
 
     # mean 2, standard deviation 1, 3 seeds: the interval is 2 ± 4.303 / sqrt(3) = 2 ± 2.484
     assert within_noise([1.0, 2.0, 3.0]) is True
@@ -440,7 +440,7 @@ def test_within_noise_is_the_95_percent_interval_of_the_paired_mean():
 
 
 def test_figures_over_seeds_are_means_with_the_spread_of_the_paired_delta():
-    from minifloat.validate.compare import _over_seeds
+    from minifloat.experiments.compare import _over_seeds
 
     per_seed = [
         {"precision": "fp8", "status": "ok", "log": "a.jsonl", "recipe": {"recipe": "delayed"}, "final_val_loss": 2.0,

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.experiments.bench import _quiet_torchao_import
+from minifloat.experiments.compare import environment
 from minifloat.infer import QUANT_CONFIGS, get_quant_config, quantize_model
 from minifloat.infer.accounting import bits_per_weight, weight_layers
 from minifloat.infer.metrics import evaluate
@@ -29,8 +31,6 @@ from minifloat.infer.ptq import calibrate
 from minifloat.io import jsonio
 from minifloat.io.atomic import atomic_path
 from minifloat.report.ptq import write_ptq_report
-from minifloat.validate.bench import _quiet_torchao_import
-from minifloat.validate.compare import environment
 
 DEFAULT_SCHEMES = ("fp8-dynamic", "fp8-block", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
 

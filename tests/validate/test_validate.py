@@ -6,9 +6,9 @@ import json
 import pytest
 
 from minifloat.cli import main
+from minifloat.planner.memory import measured_state, parse_params, plan
 from minifloat.train.model import GPT, get_config
 from minifloat.validate import runner
-from minifloat.validate.planner import measured_state, parse_params, plan
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,8 @@ import torch
 
 from minifloat import MinifloatError, fake_quantize, quantize, save
 from minifloat.cli import main
-from minifloat.validate.analysis import error_report, sqnr_db, synthetic
-
-from .conftest import sqnr_db as float64_sqnr_db  # the oracle: not the function under test
+from minifloat.experiments.error_analysis import error_report, sqnr_db, synthetic
+from tests.conftest import sqnr_db as float64_sqnr_db  # the oracle: not the function under test
 
 
 def test_sqnr_formula():

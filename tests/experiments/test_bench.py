@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minifloat.cli import main
-from minifloat.validate.bench import (
+from minifloat.experiments.bench import (
     Elapsed,
     StockTorchao,
     bench_quantize,
@@ -36,7 +36,7 @@ def test_quartiles_of_the_rounds():
 
 
 def test_wake_keeps_both_thread_pools_busy_for_the_time_given(monkeypatch):
-    import minifloat.validate.bench as bench
+    import minifloat.experiments.bench as bench
 
     calls = []
     monkeypatch.setattr(bench, "quantize", lambda x, scheme: calls.append((tuple(x.shape), scheme)))
@@ -54,7 +54,7 @@ def test_a_stock_case_wakes_this_process_before_the_next_case(monkeypatch):
     """The stock process ran while this one waited: the case after it finds the threads woken."""
     import io
 
-    import minifloat.validate.bench as bench
+    import minifloat.experiments.bench as bench
 
     events = []
     monkeypatch.setattr(bench, "wake", lambda *a, **kw: events.append("wake"))
@@ -91,7 +91,7 @@ def test_the_torchao_peers_quantize_the_same_schemes():
     from torchao.prototype.mx_formats.mx_tensor import to_dtype
 
     from minifloat import quantize, unpack
-    from minifloat.validate.bench import _bench_input, torchao_quantizers
+    from minifloat.experiments.bench import _bench_input, torchao_quantizers
 
     x = _bench_input(64, 256) * 3
     x[3, :32] = 0
@@ -124,7 +124,7 @@ def test_bench_quantize_figures_from_the_rounds(monkeypatch):
     """Every figure from the timed rounds: Gelem/s = n / median t, speed-ups = median t_torchao /
     median t_minifloat, ratios to the read bound = the median and quartiles of t_read / t taken
     round by round (not the ratio of the medians); each case runs what its name says."""
-    import minifloat.validate.bench as bench
+    import minifloat.experiments.bench as bench
     from minifloat import dequantize, quantize
 
     x = torch.randn(64, 256)
@@ -170,7 +170,7 @@ def test_bench_quantize_figures_from_the_rounds(monkeypatch):
 
 def test_bench_train_figures_from_the_medians(monkeypatch):
     """Step times are the medians as measured; the ratios and tokens/s come from them."""
-    import minifloat.validate.bench as bench
+    import minifloat.experiments.bench as bench
 
     medians = {"bf16": 0.5, "fp32": 1.0, "fp8": 2.0, "mxfp8": 4.0}
     monkeypatch.setattr(bench, "interleaved_medians", lambda cases, reps, progress=None: {k: medians[k] for k in cases})
@@ -189,8 +189,8 @@ def test_bench_gemm_figures_from_the_medians(monkeypatch):
     """TFLOP/s = 2·M·N·K / t, ratios to BF16 = t / t_bf16, and the native GEMM's error relative
     to the emulated one, with a native backend stood in for on the CPU (a copy of the emulated
     result off by 0.1 %) for fp8 only; each timed case runs what its name says."""
+    import minifloat.experiments.bench as bench
     import minifloat.gemm as gemm
-    import minifloat.validate.bench as bench
     from minifloat import quantize
 
     m, n, k = 32, 48, 256
@@ -250,10 +250,10 @@ def test_bench_cli_small(capsys):
 
 
 def test_bench_json_is_strict_when_a_figure_is_not_finite(capsys, monkeypatch):
-    import minifloat.validate.bench
+    import minifloat.experiments.bench
 
     # e.g. a timer that read 0 s: the ratio is inf; scripts parsing --json must still read it
-    monkeypatch.setattr(minifloat.validate.bench, "bench_quantize", lambda *a, **k: {"read_bound_gelem_s": float("inf")})
+    monkeypatch.setattr(minifloat.experiments.bench, "bench_quantize", lambda *a, **k: {"read_bound_gelem_s": float("inf")})
     assert main(["bench", "quantize", "--size", "64x256", "--reps", "1", "--json"]) == 0
     text = capsys.readouterr().out
     assert json.loads(text, parse_constant=lambda t: pytest.fail(f"bare {t} in --json"))["read_bound_gelem_s"] == "inf"
@@ -268,7 +268,7 @@ def _quantize_result(scheme, ao=None, stock=None):
 
 def test_bench_quantize_table(capsys, monkeypatch):
     """The terminal table from `bench_quantize`'s figures, and the flags that reach it."""
-    import minifloat.validate.bench as bench
+    import minifloat.experiments.bench as bench
 
     calls = []
     out = {"shape": [4096, 8192], "threads": 2, "reps": 9, "read_bound_gelem_s": 6.712,
@@ -301,7 +301,7 @@ def test_bench_quantize_table(capsys, monkeypatch):
 
 
 def test_bench_train_and_gemm_tables(capsys, monkeypatch):
-    import minifloat.validate.bench as bench
+    import minifloat.experiments.bench as bench
 
     calls = []
     train = {"mlp": {"layers": 4, "dim": 1024, "hidden": 4096, "tokens": 2048}, "threads": 2, "reps": 3,

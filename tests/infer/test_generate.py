@@ -301,7 +301,7 @@ def test_a_quantized_cache_holds_less_memory_than_an_fp32_one():
 
     growth, counted = {}, {}
     for fmt in ("fp32", "fp8", "nvfp4"):
-        out = subprocess.run([sys.executable, "-m", "tests.kv_memory_worker", fmt, "1200"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "tests.infer.kv_memory_worker", fmt, "1200"], capture_output=True,
                              text=True, timeout=300, check=True)  # fmt: skip
         growth[fmt], counted[fmt] = map(int, out.stdout.split()[-2:])
     assert counted["fp32"] == 4 * 2 * 8 * 64 * 4 * 1200  # layers × K/V × heads × head_dim × bytes × tokens

@@ -23,13 +23,13 @@ from minifloat.adapt import (
 from minifloat.adapt.auto import FILL_ENDS, average_bits, uniform_bits
 from minifloat.adapt.sensitivity import quantizable
 from minifloat.errors import MinifloatError
+from minifloat.experiments.compare import environment
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.models import load_model
 from minifloat.infer.pipeline import TextSource, batches_for, tokenizer_for
 from minifloat.io import jsonio
 from minifloat.io.atomic import atomic_path
 from minifloat.report.adapt import write_adapt_report
-from minifloat.validate.compare import environment
 
 
 def run_adapt(
@@ -110,10 +110,10 @@ def run_strategy(
     plots: bool = True,
     echo: Callable[[str], None] = print,
 ) -> dict:
-    """One runtime strategy (`minifloat.validate.strategies`) against uniform `high` and `low`;
+    """One runtime strategy (`minifloat.experiments.strategies`) against uniform `high` and `low`;
     writes ``metrics.json`` and ``report.md`` (+ a plot) under `out`."""
+    from minifloat.experiments.strategies import STRATEGIES
     from minifloat.report.adapt import write_strategy_report
-    from minifloat.validate.strategies import STRATEGIES
 
     if strategy not in STRATEGIES:
         raise MinifloatError(f"unknown strategy {strategy!r}; use auto or one of {', '.join(STRATEGIES)}")

@@ -10,7 +10,6 @@ import torch
 
 import minifloat
 from minifloat.adapt.auto import fit_to_memory
-from minifloat.infer.accounting import kv_bytes
 from minifloat.adapt.confidence import (
     binomial_upper,
     calibrate_cascade,
@@ -22,6 +21,7 @@ from minifloat.adapt.memory import MemoryPolicy, moves
 from minifloat.adapt.sensitivity import sensitivity
 from minifloat.adapt.token import TokenPolicy, TokenPrecisionLinear, activation_bits, token_precision
 from minifloat.infer import QuantizedLinear, quantize_model
+from minifloat.infer.accounting import kv_bytes
 from minifloat.infer.config import get_quant_config
 from minifloat.infer.kvcache import KVCache
 from minifloat.infer.ptq import model_bytes

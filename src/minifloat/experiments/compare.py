@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.experiments.devices import describe
 from minifloat.io import jsonio
 from minifloat.io.atomic import atomic_path
 from minifloat.nn import rounded
@@ -64,7 +65,6 @@ from minifloat.train.config import PRECISIONS, TrainConfig
 from minifloat.train.corpus import load_corpus
 from minifloat.train.loop import build_model
 from minifloat.train.runlog import clear_previous, read_log
-from minifloat.validate.devices import describe
 
 DEFAULT_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 HALF_PRECISIONS = ("bf16", "fp16")

@@ -22,7 +22,7 @@ from minifloat.train.loop import build_model, evaluate, load_data, train
 from minifloat.train.model import GPT, GPT_SIZES
 from minifloat.train.runlog import read_log
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(**kw):
@@ -582,7 +582,7 @@ def _window_losses(model, split, c, gen, n):
 def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeypatch):
     """Without BF16 units the GEMMs are emulated (RoundedLinear); with them, torch's CPU
     autocast runs plain Linears in BF16. Both compute a BF16 GEMM, so the losses agree closely."""
-    from minifloat.validate.compare import recipe_description
+    from minifloat.experiments.compare import recipe_description
 
     # both halves here, whatever this CPU has: the flags come from a cpuinfo file
     (tmp_path / "avx512").write_text("flags\t\t: fpu sse2 avx2 fma avx512f\n")

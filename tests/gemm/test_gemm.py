@@ -15,8 +15,7 @@ from minifloat.gemm import (
     swizzle_scales,
 )
 from minifloat.recipes import RECIPES, ROLES, get_recipe
-
-from .conftest import requires_cuda
+from tests.conftest import requires_cuda
 
 SCHEMES = sorted({get_recipe(r).scheme(role) for r in RECIPES for role in ROLES}, key=lambda s: (s.name, str(s)))
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fsdp_model import STEPS, batch, make_model
+from tests.train.fsdp_model import STEPS, batch, make_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _single_process_losses(recipe):
@@ -31,7 +31,7 @@ def test_fsdp2_two_processes_follow_the_single_process_loss_curve(tmp_path, reci
     out = tmp_path / "losses.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "tests.fsdp_worker", str(out), recipe]  # fmt: skip
+           "-m", "tests.train.fsdp_worker", str(out), recipe]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sharded = json.loads(out.read_text())

@@ -121,7 +121,7 @@ def other_build(request, tmp_path_factory):
     source = Path(cpu.__file__).with_name("_cpu.c")
     if not source.exists():
         pytest.skip("an install without the kernel source")
-    setup_py = (Path(__file__).parents[1] / "setup.py").read_text()
+    setup_py = (Path(__file__).parents[2] / "setup.py").read_text()
     assert all(f'"{flag}"' in setup_py for flag in FLAGS), "setup.py's compile flags changed: update FLAGS"
     out = tmp_path_factory.mktemp(request.param) / "_cpu.so"
     subprocess.run([gcc, "-shared", "-fPIC", *FLAGS, *OTHER_BUILDS[request.param], "-o", str(out), str(source)],

@@ -1,7 +1,7 @@
 import pytest
 
+from minifloat.experiments import devices
 from minifloat.gemm import support
-from minifloat.validate import devices
 
 CPUINFO = """processor\t: 0
 model name\t: Some CPU

@@ -1,4 +1,4 @@
-"""Run as ``python -m tests.kv_memory_worker FORMAT TOKENS``: decode TOKENS tokens of a random
+"""Run as ``python -m tests.infer.kv_memory_worker FORMAT TOKENS``: decode TOKENS tokens of a random
 transformers Llama with a minifloat KV cache of FORMAT in this fresh process and print the growth
 of the process's peak resident memory over the decode (after a warm-up), in bytes."""
 

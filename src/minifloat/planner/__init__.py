@@ -1,0 +1,1 @@
+"""`minifloat memory`: the training-memory planner (`memory`)."""
