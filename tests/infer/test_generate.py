@@ -299,12 +299,17 @@ def test_a_quantized_cache_holds_less_memory_than_an_fp32_one():
     import subprocess
     import sys
 
+    import os
+
     growth, counted = {}, {}
+    # glibc's adaptive mmap threshold would make the peak depend on heap fragmentation (±50 % from
+    # run to run); a fixed one makes it what the decode allocates, the same in every run
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     for fmt in ("fp32", "fp8", "nvfp4"):
         out = subprocess.run([sys.executable, "-m", "tests.infer.kv_memory_worker", fmt, "1200"], capture_output=True,
-                             text=True, timeout=300, check=True)  # fmt: skip
+                             text=True, timeout=300, check=True, env=env)  # fmt: skip
         growth[fmt], counted[fmt] = map(int, out.stdout.split()[-2:])
     assert counted["fp32"] == 4 * 2 * 8 * 64 * 4 * 1200  # layers × K/V × heads × head_dim × bytes × tokens
     assert growth["fp32"] >= counted["fp32"]  # the store itself, at least
-    # measured here 0.33-0.45× (fp8) and 0.40-0.66× (nvfp4): the allocator's churn is noisy at this size
-    assert growth["fp8"] <= 0.75 * growth["fp32"] and growth["nvfp4"] <= 0.75 * growth["fp32"], (growth, counted)
+    # measured 0.47× and 0.40× (one layer's K and V decoded for attention weigh more at 4 layers than at 8)
+    assert growth["fp8"] <= 0.6 * growth["fp32"] and growth["nvfp4"] <= 0.5 * growth["fp32"], (growth, counted)
