@@ -296,10 +296,9 @@ def test_a_quantized_cache_holds_less_memory_than_an_fp32_one():
     """The process's own peak memory (VmHWM, reset after a warm-up) over a long decode (1,200 tokens of a random 4-layer Llama,
     8 KV heads of 64; each format in a fresh process): a quantized cache must cost less than an
     FP32 one, as its packed bytes do (before, its FP32 working copy made FP8 cost 2.2× FP32)."""
+    import os
     import subprocess
     import sys
-
-    import os
 
     growth, counted = {}, {}
     # glibc's adaptive mmap threshold would make the peak depend on heap fragmentation (±50 % from

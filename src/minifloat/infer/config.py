@@ -64,8 +64,8 @@ class QuantConfig:
     static: bool = False
     scale_rule: str | None = None  # MX: "floor" (OCP) or "rceil"; NVFP4: "4over6"; None: the schemes' own
     # NVFP4 weights: a power-of-two global scale, which every reader decodes bit for bit
-    # (compressed-tensors divides by it and rounds to bf16); off by default: measured on the
-    # base GPT, Δppl nvfp4-weight-only +0.26 % exact → +0.43 % power of two, nvfp4 +1.14 → +1.44 %
+    # (compressed-tensors divides by it and rounds to bf16); off by default, as it costs accuracy
+    # (README, Performance)
     pow2_global_scale: bool = False
 
     def __post_init__(self) -> None:
@@ -132,8 +132,7 @@ QUANT_CONFIGS: dict[str, QuantConfig] = {
         QuantConfig(name="fp8-static", weight="fp8", activation="fp8", static=True),
         QuantConfig(name="fp8-block", weight="fp8_block128x128", activation="fp8_block128"),
         # MX: the scale exponent rounded up (rceil, as torchao's default), not the OCP spec's floor,
-        # whose largest values saturate: measured on a trained small GPT, Δppl floor → rceil:
-        # mxfp8 +0.54 → +0.29 %, mxfp6 +0.38 → +0.33 %, mxfp4 +5.73 → +4.32 % (KL likewise)
+        # whose largest values saturate (README, Performance: what each costs)
         QuantConfig(name="mxfp8", weight="mxfp8", activation="mxfp8", scale_rule="rceil"),
         QuantConfig(name="mxfp6", weight="mxfp6_e2m3", activation="mxfp6_e2m3", scale_rule="rceil"),
         QuantConfig(name="mxfp4", weight="mxfp4", activation="mxfp4", scale_rule="rceil"),
@@ -141,9 +140,7 @@ QUANT_CONFIGS: dict[str, QuantConfig] = {
         QuantConfig(name="nvfp4-weight-only", weight="nvfp4"),
         QuantConfig(name="nvfp4", weight="nvfp4", activation="nvfp4", static=True),
         # Four Over Six (arXiv 2512.02010): per block, the E4M3 scale that maps the amax to 6 or
-        # to 4, whichever errs less — the same NVFP4 format, read by every NVFP4 reader. Measured
-        # on the base GPT: nvfp4 KL 1.23e-2 → 1.02e-2 (Δppl +1.66 → +1.16 %), weight-only
-        # 1.40e-3 → 1.08e-3 (+0.35 → +0.31 %)
+        # to 4, whichever errs less — the same NVFP4 format, read by every NVFP4 reader
         QuantConfig(name="nvfp4-4over6-weight-only", weight="nvfp4", scale_rule="4over6"),
         QuantConfig(name="nvfp4-4over6", weight="nvfp4", activation="nvfp4", static=True, scale_rule="4over6"),
     )
