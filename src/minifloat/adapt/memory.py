@@ -89,7 +89,7 @@ class MemoryPolicy:
             raise MinifloatError("the order names none of the model's Linears")
         self.order: list[str] = list(order)
         self.source = {n: model.get_submodule(n) for n in self.order}  # off budget: host memory / checkpoint
-        self.bytes = {n: {c.name: layer_bytes(self._build(n, c)) for c in (self.high, self.low)} for n in self.order}
+        self.bytes = {n: {c.name: layer_bytes(self._build(n, c), compute=True) for c in (self.high, self.low)} for n in self.order}
         # what is not a served layer (embeddings, norms, the head); a layer's bytes include its bias
         self._base = model_bytes(model) - sum(m.weight.nbytes + (0 if m.bias is None else m.bias.nbytes)
                                               for m in self.source.values())  # fmt: skip

@@ -50,13 +50,14 @@ def tensor_bytes(t: torch.Tensor, seen: set) -> int:
     return t.nbytes
 
 
-def layer_bytes(layer: torch.nn.Module, *, bias: bool = True) -> int:
+def layer_bytes(layer: torch.nn.Module, *, bias: bool = True, compute: bool = False) -> int:
     """Bytes of a Linear's stored weight (a `QuantizedLinear`: codes, scales, input scale; a
-    dense Linear: its weight tensor), and of its bias when `bias`."""
+    dense Linear: its weight tensor), of its bias when `bias`, and with `compute` what a
+    `QuantizedLinear`'s compute layout adds (what the process holds for the layer)."""
     b = getattr(layer, "bias", None)
     extra = b.nbytes if bias and b is not None else 0
     if isinstance(layer, QuantizedLinear):
-        return layer.packed_nbytes() + extra
+        return layer.packed_nbytes() + extra + (layer.compute_extra_nbytes() if compute else 0)
     return tensor_bytes(layer.weight, set()) + extra
 
 

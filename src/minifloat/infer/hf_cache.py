@@ -1,5 +1,5 @@
-"""The KV cache for transformers models: a ``transformers.Cache`` whose layers store K and V in a
-`KVCache` format (packed FP8 / MX / NVFP4, with the same memory-pressure budget), handed to the
+"""The KV cache for transformers models: a ``transformers.Cache`` whose layers are those of one
+`KVCache` (packed FP8 / MX / NVFP4, one memory-pressure budget over every layer), handed to the
 model as ``past_key_values``. transformers is an optional integration: nothing here imports it
 until a cache is built.
 
