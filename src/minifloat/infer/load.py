@@ -253,7 +253,13 @@ def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
                 scale = "weight_scale_inv" if fmt == "hf-fp8" else "weight_scale"
                 raise MinifloatError(f"checkpoint tensor {name + '.' + scale!r} is missing ({name}.weight is "
                                      f"{ts.dtype(name + '.weight')}, codes without their scale)")  # fmt: skip
-            continue  # written dense (another tool's ignore pattern)
+            if f"{name}.weight" in ts and _config_for(name, m, groups) is not None:
+                raise MinifloatError(
+                    f"{folder}: checkpoint tensor {name + '.weight'!r} is a dense {ts.dtype(name + '.weight')} tensor "
+                    f"without scales, but the quantization_config quantizes {name} (no ignore entry names it): the "
+                    f"config and the tensors disagree; re-export the checkpoint, or list {name} in its ignore"
+                )
+            continue  # written dense (an ignore pattern names it)
         config = _config_for(name, m, groups)
         if config is None:
             raise MinifloatError(f"checkpoint layer {name!r} holds quantized tensors but no config group targets it")

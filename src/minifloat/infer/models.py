@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -122,11 +123,72 @@ def _config(path: Path) -> dict | None:
     return raw if isinstance(raw, dict) and "model_type" in raw else None
 
 
+def check_safetensors(folder: Path) -> None:
+    """Open every safetensors file of `folder` (header and size), so that a truncated or damaged
+    one is an error naming it before anything loads."""
+    from safetensors import safe_open
+
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(f, "pt") as h:
+                h.keys()
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error type
+            raise MinifloatError(f"{f}: not a readable safetensors file ({str(err).splitlines()[0][:160]}); "
+                                 f"it may be truncated: copy or export it again") from None  # fmt: skip
+
+
+def _from_pretrained(what: Path, **kwargs) -> torch.nn.Module:
+    """transformers' causal LM at `what`; a load that fails is one error naming the path."""
+    transformers = _transformers()
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(what, **kwargs).eval()
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise MinifloatError(f"{what / kwargs.get('gguf_file', '')}: transformers could not load it as a causal LM "
+                             f"({type(err).__name__}: {first})") from None  # fmt: skip
+
+
 def _load_transformers(path: Path) -> torch.nn.Module:
-    return _transformers().AutoModelForCausalLM.from_pretrained(path).eval()
+    check_safetensors(path)
+    return _from_pretrained(path)
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def load_gguf(path: str | os.PathLike[str]) -> torch.nn.Module:
+    """A GGUF file's causal LM through transformers' GGUF reader (the ``gguf`` package, an
+    optional extra), its tensors dequantized to float32. A file that is not GGUF, or whose
+    architecture transformers does not read as a causal LM, is refused naming it."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise MinifloatError(f"{path}: named .gguf but not a GGUF file (it does not start with 'GGUF')")
+    if importlib.util.find_spec("gguf") is None:
+        raise MinifloatError(f"{path}: reading GGUF needs the gguf package: pip install 'minifloat[gguf]'")
+    transformers = _transformers()
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields.get("general.architecture")
+        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    except (ValueError, OSError, IndexError) as err:
+        raise MinifloatError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    causal = sorted(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer", "t5", "umt5"))
+    if arch not in causal:
+        raise MinifloatError(f"{path}: a GGUF of architecture {arch!r}, not a causal LM transformers "
+                             f"{transformers.__version__} reads from GGUF ({', '.join(causal)})")  # fmt: skip
+    return _from_pretrained(path.parent, gguf_file=path.name)
 
 
 LOADERS: list[Loader] = [
+    Loader("gguf", _is_gguf, load_gguf, "a GGUF file (.gguf) of a causal LM"),
     Loader("minifloat-gpt", lambda p: (p / "checkpoints").is_dir() or (p / "manifest.json").is_file(), load_gpt,
            "a `minifloat train` output (checkpoints/) or checkpoint (manifest.json)"),
     Loader("quantized", lambda p: bool((_config(p) or {}).get("quantization_config")), load_quantized,
@@ -148,7 +210,7 @@ def load_model(path: str | os.PathLike[str]) -> torch.nn.Module:
     transformers model folder."""
     path = Path(path)
     if not path.exists():
-        raise MinifloatError(f"{path}: no such model folder")
+        raise MinifloatError(f"{path}: no such model folder or file")
     for loader in LOADERS:
         if loader.detect(path):
             return loader.load(path)

@@ -42,7 +42,15 @@ class TextSource:
 
 
 def tokenizer_for(path: str | os.PathLike[str] | None):
-    """The transformers tokenizer saved in the model folder `path`, or None (byte tokens)."""
+    """The transformers tokenizer saved in the model folder `path` or held by the GGUF file
+    `path`, or None (byte tokens)."""
+    if path is not None and Path(path).is_file() and Path(path).suffix.lower() == ".gguf":
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise MinifloatError(f"{path}: its tokenizer could not be read ({type(err).__name__}: {err})") from None
     if path is None or not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer  # a tokenizer file says transformers wrote the folder
@@ -51,9 +59,12 @@ def tokenizer_for(path: str | os.PathLike[str] | None):
 
 
 def _check_vocab(model: torch.nn.Module, tokenizer) -> None:
+    vocab = getattr(model.config, "vocab_size", None)
     if tokenizer is not None:
+        if vocab is not None and len(tokenizer) > vocab:
+            raise MinifloatError(f"the tokenizer has {len(tokenizer):,} tokens and the model's vocabulary {vocab:,}: "
+                                 f"they do not belong together (token ids past {vocab - 1} have no embedding)")  # fmt: skip
         return
-    vocab = model.config.vocab_size
     if vocab < 256:
         raise MinifloatError(f"the model's vocabulary has {vocab} tokens and its folder no tokenizer: byte tokens need ≥ 256")
 
