@@ -99,6 +99,18 @@ def test_every_command_takes_a_gguf_file(tmp_path, capsys):
                  "--batch-size", "2", "--seq-len", "32"]) == 0  # fmt: skip
     q = load_model(tmp_path / "q")
     assert sum(isinstance(m, minifloat.infer.QuantizedLinear) for m in q.modules()) == 7 * LAYERS
+    capsys.readouterr()
+    assert main(["bench", "decode", path, "--kv-formats", "fp8,nvfp4", "--contexts", "24", "--drafts", "", "--windows", "2",
+                 "--json"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)["kv"]
+    assert [r["format"] for r in rows] == ["fp8", "nvfp4"] and all(0 <= r["kl"] and 0 <= r["top1"] <= 1 for r in rows)
+    assert main(["ptq-compare", path, "--schemes", "fp8-dynamic", "--no-torchao", "--no-plots", "--json", "--out",
+                 str(tmp_path / "ptq"), *small, "--calib-batches", "1"]) == 0  # fmt: skip
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    shapes = [(H, H), (H // 2, H), (H // 2, H), (H, H), (INTER, H), (INTER, H), (H, INTER)]  # q k v o gate up down
+    nk, n = sum(a * b for a, b in shapes), sum(a for a, _ in shapes)
+    # every block Linear in FP8 with one float32 scale per output row; the head and the embedding not counted
+    assert run["quantized_layers"] == 7 * LAYERS and run["bits_per_weight"] == pytest.approx((8 * nk + 32 * n) / nk, rel=1e-12)
 
 
 def _one_line_error(capsys, argv, match):

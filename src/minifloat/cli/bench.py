@@ -42,7 +42,7 @@ _mnk = _dims("4096x4096x4096", "shape (MxNxK)")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
     p.add_argument("what", choices=["quantize", "gemm", "train", "decode"], help="what to time")
-    p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint")
+    p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
     p.add_argument("--kv-formats", default=None, help="decode: comma-separated KV-cache formats (default: all)")
     p.add_argument("--contexts", default="128", help="decode: comma-separated window lengths (≤ the model's context)")
     p.add_argument("--drafts", default="nvfp4,mxfp4", help="decode: FP4 drafts for speculative decoding ('' for none)")
@@ -182,28 +182,35 @@ def _gemm(args: argparse.Namespace, reps: int) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
+    import torch
+
     from minifloat.experiments import bench_decode as decode
-    from minifloat.infer import load_gpt
+    from minifloat.infer import load_model
+    from minifloat.infer.adapter import adapter_for
+    from minifloat.infer.pipeline import tokenizer_for
     from minifloat.train.corpus import stdlib_corpus
 
     if args.model is None:
-        raise MinifloatError("bench decode needs a model: minifloat bench decode RUN_FOLDER")
-    model = load_gpt(args.model)
+        raise MinifloatError("bench decode needs a model: minifloat bench decode MODEL (a run folder, a transformers folder, a .gguf)")
+    model = load_model(args.model)
+    context = adapter_for(model).context_length
     formats = decode.DEFAULT_FORMATS if not args.kv_formats else tuple(f.strip() for f in args.kv_formats.split(","))
     contexts = [int(c) for c in args.contexts.split(",")]
-    bad = [c for c in contexts if not 17 < c <= model.config.block_size]
+    bad = [c for c in contexts if not 17 < c <= context]
     if bad:
-        raise MinifloatError(f"--contexts {bad[0]}: each must be in (17, {model.config.block_size}] (the model's context)")
+        raise MinifloatError(f"--contexts {bad[0]}: each must be in (17, {context}] (the model's context)")
     ks = [int(k) for k in args.draft_tokens.split(",") if k.strip()]
     drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
-    text = stdlib_corpus().val.long()
+    raw = stdlib_corpus().val
+    tokenizer = tokenizer_for(args.model)
+    text = torch.tensor(tokenizer.encode(bytes(raw.numpy()).decode("utf-8", "replace"))) if tokenizer else raw.long()
     echo = (lambda s: None) if args.json else print
     echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} windows per context "
          f"({'greedy continuations of held-out prompts' if args.kv_text == 'generated' else 'held-out text'}):")
     out = {"kv": decode.kv_quality(model, text, formats, contexts, windows=args.windows, source=args.kv_text, echo=echo)}
     if drafts and ks:
         prompts = [text[s : s + 16].reshape(1, -1) for s in range(0, len(text) - 16, max((len(text) - 16) // args.windows, 1))][: args.windows]
-        new = min(args.new_tokens, model.config.block_size - 16)
+        new = min(args.new_tokens, context - 16)
         echo(f"speculative greedy decoding, {len(prompts)} prompts × {new} tokens (plain greedy first):")
         out["speculative"] = decode.speculative(model, prompts, drafts, ks, new_tokens=new, echo=echo)
     if args.json:
