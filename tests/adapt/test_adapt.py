@@ -121,3 +121,29 @@ def test_the_budget_heuristic_fills_from_the_ends_within_the_budget():
         fill_policy(s, 4.0, "hi", "lo")
     with pytest.raises(minifloat.MinifloatError, match="end='middle'"):
         fill_policy(s, 6.0, "hi", "lo", "middle")
+
+
+def test_the_lagrangian_solver_is_feasible_and_its_gap_bounds_the_optimum():
+    import itertools
+    import random
+
+    from minifloat.adapt.knapsack import lagrangian, solve, solve_bounded
+
+    rng = random.Random(0)
+    for trial in range(30):
+        options = [[(rng.randint(1, 20), rng.random()) for _ in range(3)] for _ in range(6)]
+        budget = rng.randint(sum(min(c for c, _ in g) for g in options), sum(max(c for c, _ in g) for g in options))
+        # the oracle: every one of the 3^6 assignments
+        best = min(sum(g[i][1] for g, i in zip(options, p, strict=True)) for p in itertools.product(range(3), repeat=6)
+                   if sum(g[i][0] for g, i in zip(options, p, strict=True)) <= budget)  # fmt: skip
+        lag = lagrangian(options, budget)
+        assert lag.cost <= budget and lag.cost == sum(g[i][0] for g, i in zip(options, lag.picks, strict=True))
+        assert lag.lower_bound <= best + 1e-12 <= lag.loss + 2e-12, trial  # weak duality; the solution is feasible
+        exact = solve(options, budget)
+        assert sum(g[i][1] for g, i in zip(options, exact, strict=True)) == pytest.approx(best, abs=1e-12)
+    # hundreds of layers at 1/64-bit costs: too large for the exact programme, solved with a small stated gap
+    options = [[(64 * 45 * (w := rng.randint(50, 400)), rng.random() * 1e-3), (64 * 85 * w, rng.random() * 1e-5)]
+               for _ in range(300)]  # fmt: skip
+    budget = sum(g[0][0] for g in options) * 12 // 10
+    sol = solve_bounded(options, budget)
+    assert sol.method == "lagrangian" and sol.cost <= budget and 0 <= sol.gap <= 0.05 * sol.loss

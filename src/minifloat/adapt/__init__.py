@@ -2,7 +2,7 @@
 
 - `sensitivity`: each layer's measured single-layer KL and Δloss per candidate, and the
   one-backward Fisher estimate with its rank agreement.
-- `knapsack`: the exact multiple-choice knapsack solver.
+- `knapsack`: the multiple-choice knapsack: exact, or Lagrangian with its duality gap.
 - `auto`: `auto_precision` (the assignment of least summed KL within a budget of average bits),
   `fit_to_memory` (the same within a byte budget that counts the KV cache) and the
   rules of thumb it is compared with (first and last blocks; layers from the ends to a budget).
@@ -22,7 +22,7 @@ from minifloat.adapt.auto import (
     heuristic_policy,
 )
 from minifloat.adapt.confidence import Cascade, calibrate_cascade, evaluate_cascade
-from minifloat.adapt.knapsack import solve
+from minifloat.adapt.knapsack import Solution, lagrangian, solve, solve_bounded
 from minifloat.adapt.memory import MemoryPolicy
 from minifloat.adapt.sensitivity import DEFAULT_CANDIDATES, Sensitivity, sensitivity, spearman
 from minifloat.adapt.token import TokenPolicy, TokenPrecisionLinear, token_precision
@@ -33,6 +33,9 @@ __all__ = [
     "sensitivity",
     "spearman",
     "solve",
+    "solve_bounded",
+    "lagrangian",
+    "Solution",
     "AutoPrecision",
     "auto_precision",
     "choose",

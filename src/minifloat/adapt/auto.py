@@ -3,7 +3,8 @@
 `auto_precision` picks one candidate config per quantizable layer so that the summed measured
 single-layer KL (`sensitivity`) is least with the average bits per weight (codes and scales,
 weighted by each layer's weight count) at most `budget_bits` — a multiple-choice knapsack solved
-exactly (`knapsack.solve`) — then quantizes a copy of the model with that assignment and
+exactly (`knapsack.solve`), or for hundreds of layers by Lagrangian relaxation with its duality gap
+(`AutoPrecision.optimality_gap`) — then quantizes a copy of the model with that assignment and
 evaluates it. The rules of thumb it is compared with: `heuristic_policy`, the first and last
 blocks in 8 bits and the rest in FP4 (whatever that costs), and `fill_policy`, the layers nearest
 the embedding, the head or both ends in 8 bits until the same budget is spent — the comparison
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minifloat.adapt.knapsack import solve
+from minifloat.adapt.knapsack import Solution, solve_bounded
 from minifloat.adapt.sensitivity import DEFAULT_CANDIDATES, Sensitivity, sensitivity
 from minifloat.errors import MinifloatError
 from minifloat.infer.accounting import bits_per_weight, kv_bytes, layer_bytes, model_bytes
@@ -46,6 +47,8 @@ class AutoPrecision:
     budget_bits: float
     predicted_kl: float  # the summed single-layer KLs the knapsack minimised
     metrics: dict | None  # `evaluate` of the quantized model against the reference
+    solver: str = "exact"  # "exact" (dynamic programming) or "lagrangian" (hundreds of layers)
+    optimality_gap: float = 0.0  # at most this much summed KL above the best assignment within the budget
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -75,6 +78,10 @@ def uniform_bits(model: torch.nn.Module, layers: Sequence[str], candidate: str) 
 
 def choose(s: Sensitivity, budget_bits: float) -> dict[str, str]:
     """The assignment of least summed KL within `budget_bits` average bits per weight."""
+    return dict(zip(s.layers, (s.candidates[i] for i in _solve(s, budget_bits).picks), strict=True))
+
+
+def _solve(s: Sensitivity, budget_bits: float) -> Solution:
     unit = math.gcd(*s.params.values())
     # a layer's cost: its bits (codes + scales) in 1/64 bit per weight × its weights / unit, a whole number
     options = [[(round(s.bits[n][c] * BIT_STEPS * s.params[n] / unit), s.kl[n][c]) for c in s.candidates]
@@ -83,8 +90,7 @@ def choose(s: Sensitivity, budget_bits: float) -> dict[str, str]:
     least = min(min(s.bits[n].values()) for n in s.layers)
     if budget_bits < least:
         raise MinifloatError(f"budget_bits={budget_bits}: the cheapest candidate takes {least:.2f} bits per weight")
-    picks = solve(options, budget)
-    return {n: s.candidates[i] for n, i in zip(s.layers, picks, strict=True)}
+    return solve_bounded(options, budget)
 
 
 def auto_precision(
@@ -100,10 +106,11 @@ def auto_precision(
     """Choose and evaluate a per-layer assignment (see the module docstring); `sens` reuses a
     `sensitivity` of the same model and candidates; `eval_data` (default `data`) scores it."""
     s = sens if sens is not None else sensitivity(model, data, candidates, ignore=ignore)
-    assignment = choose(s, budget_bits)
+    sol = _solve(s, budget_bits)
+    assignment = dict(zip(s.layers, (s.candidates[i] for i in sol.picks), strict=True))
     metrics = evaluate_policy(model, assignment, eval_data or data, calib=data)
     return AutoPrecision(assignment, average_bits(assignment, s), budget_bits,
-                         sum(s.kl[n][c] for n, c in assignment.items()), metrics)  # fmt: skip
+                         sum(s.kl[n][c] for n, c in assignment.items()), metrics, sol.method, sol.gap)  # fmt: skip
 
 
 def evaluate_policy(model: torch.nn.Module, policy: dict[str, str | None], data, *, calib=None) -> dict:

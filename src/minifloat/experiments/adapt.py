@@ -66,8 +66,11 @@ def run_adapt(
     for b in budgets:
         r = auto_precision(model, train, candidates, b, sens=s, eval_data=val)
         metrics["auto"].append({"name": f"auto {b:g} bits", "budget_bits": b, "average_bits": r.average_bits,
-                                "assignment": r.assignment, **_q(r.metrics)})  # fmt: skip
-        echo(f"  auto ≤ {b:g} bits: {r.average_bits:.2f} bits, Δppl {r.metrics['delta_ppl_pct']:+.2f} %, KL {r.metrics['kl']:.2e}")
+                                "assignment": r.assignment, "solver": r.solver, "optimality_gap": r.optimality_gap,
+                                **_q(r.metrics)})  # fmt: skip
+        gap = "" if r.solver == "exact" else f" (Lagrangian: at most {r.optimality_gap:.2e} summed KL above the optimum)"
+        echo(f"  auto ≤ {b:g} bits: {r.average_bits:.2f} bits, Δppl {r.metrics['delta_ppl_pct']:+.2f} %, "
+             f"KL {r.metrics['kl']:.2e}{gap}")  # fmt: skip
     for c in candidates:
         m = evaluate_policy(model, {n: c for n in s.layers}, val, calib=train)
         metrics["uniform"].append({"name": c, "average_bits": average_bits({n: c for n in s.layers}, s), **_q(m)})
