@@ -147,3 +147,32 @@ def test_the_lagrangian_solver_is_feasible_and_its_gap_bounds_the_optimum():
     budget = sum(g[0][0] for g in options) * 12 // 10
     sol = solve_bounded(options, budget)
     assert sol.method == "lagrangian" and sol.cost <= budget and 0 <= sol.gap <= 0.05 * sol.loss
+
+
+def test_close_layers_are_those_near_the_knapsacks_margin():
+    from minifloat.adapt.auto import close_layers
+
+    layers = [f"l{i}" for i in range(6)]
+    params = dict.fromkeys(layers, 100)
+    bits = {n: {"hi": 8.0, "lo": 4.0} for n in layers}
+    # KL saved per bit by "hi": 1e-5 × 2^i / 400 — the budget buys the three most efficient upgrades
+    kl = {n: {"hi": 0.0, "lo": 1e-5 * 2**i} for i, n in enumerate(layers)}
+    s = Sensitivity(layers, ["hi", "lo"], params, bits, kl=kl)
+    assert minifloat.adapt.choose(s, 6.0) == {n: "hi" if i >= 3 else "lo" for i, n in enumerate(layers)}
+    # the margin lies between l2 (left down) and l3 (moved up): 2^2.5 ≈ 5.7; within 1.5×: 4 and 8, within 3×: 2 … 16
+    assert close_layers(s, 6.0, factor=1.5) == ["l2", "l3"]
+    assert close_layers(s, 6.0, factor=3.0) == ["l1", "l2", "l3", "l4"]
+
+
+def test_measuring_only_the_close_layers(tiny):
+    from minifloat.adapt.sensitivity import refine
+
+    model, data, full = tiny
+    r = auto_precision(model, data, ["fp8-dynamic", "mxfp4", "nvfp4"], 6.0, measure="close")
+    assert r.average_bits <= 6.0 and r.metrics["kl"] >= 0
+    s = sensitivity(model, data, ["fp8-dynamic", "mxfp4", "nvfp4"], measure="none")
+    assert s.measured == [] and s.kl == s.estimate  # nothing measured: the estimate itself
+    refine(s, model, data, ["blocks.0.attn.qkv"])
+    assert s.measured == ["blocks.0.attn.qkv"] and s.kl["blocks.0.attn.qkv"] == full.kl["blocks.0.attn.qkv"]
+    ratio = sorted(full.kl["blocks.0.attn.qkv"][c] / s.estimate["blocks.0.attn.qkv"][c] for c in s.candidates)[1]
+    assert s.kl["blocks.1.mlp.fc"]["mxfp4"] == pytest.approx(s.estimate["blocks.1.mlp.fc"]["mxfp4"] * ratio, rel=1e-12)

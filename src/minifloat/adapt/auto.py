@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from minifloat.adapt.knapsack import Solution, solve_bounded
-from minifloat.adapt.sensitivity import DEFAULT_CANDIDATES, Sensitivity, sensitivity
+from minifloat.adapt.sensitivity import DEFAULT_CANDIDATES, Sensitivity, refine, sensitivity
 from minifloat.errors import MinifloatError
 from minifloat.infer.accounting import bits_per_weight, kv_bytes, layer_bytes, model_bytes
 from minifloat.infer.metrics import evaluate
@@ -93,6 +93,28 @@ def _solve(s: Sensitivity, budget_bits: float) -> Solution:
     return solve_bounded(options, budget)
 
 
+def close_layers(s: Sensitivity, budget_bits: float, factor: float = 3.0) -> list[str]:
+    """The layers whose choice at `budget_bits` is close on the current KLs: each layer's KL saved
+    per bit by moving from its cheapest to its dearest candidate, within `factor` of that rate at
+    the margin of the knapsack's answer (between the least efficient layer it moved up and the most
+    efficient it left down). The only ones whose measured KL could change the answer much."""
+    cheap = {n: min(s.candidates, key=lambda c: s.bits[n][c]) for n in s.layers}
+    dear = {n: max(s.candidates, key=lambda c: s.bits[n][c]) for n in s.layers}
+
+    def rate(n):
+        spent = (s.bits[n][dear[n]] - s.bits[n][cheap[n]]) * s.params[n]
+        return (s.kl[n][cheap[n]] - s.kl[n][dear[n]]) / spent if spent > 0 else 0.0
+
+    picks = choose(s, budget_bits)
+    up = [rate(n) for n in s.layers if picks[n] != cheap[n]]
+    down = [rate(n) for n in s.layers if picks[n] == cheap[n]]
+    edges = [v for v in (min(up, default=None), max(down, default=None)) if v is not None and v > 0]
+    if not edges:
+        return []
+    margin = math.sqrt(edges[0] * edges[-1])
+    return [n for n in s.layers if margin / factor <= rate(n) <= margin * factor]
+
+
 def auto_precision(
     model: torch.nn.Module,
     data: Sequence[torch.Tensor],
@@ -102,10 +124,18 @@ def auto_precision(
     sens: Sensitivity | None = None,
     eval_data: Sequence[torch.Tensor] | None = None,
     ignore: Sequence[str] = ("lm_head",),
+    measure: str = "all",
 ) -> AutoPrecision:
     """Choose and evaluate a per-layer assignment (see the module docstring); `sens` reuses a
-    `sensitivity` of the same model and candidates; `eval_data` (default `data`) scores it."""
-    s = sens if sens is not None else sensitivity(model, data, candidates, ignore=ignore)
+    `sensitivity` of the same model and candidates; `eval_data` (default `data`) scores it.
+    `measure`: ``"all"`` measures every layer's KL; ``"close"`` starts from the Fisher estimate
+    and measures only the `close_layers` at this budget (a real model's hundreds of layers)."""
+    if measure not in ("all", "close"):
+        raise MinifloatError(f"measure={measure!r}: use 'all' or 'close'")
+    s = sens if sens is not None else sensitivity(model, data, candidates, ignore=ignore,
+                                                  measure="all" if measure == "all" else "none")  # fmt: skip
+    if measure == "close":
+        refine(s, model, data, close_layers(s, budget_bits))
     sol = _solve(s, budget_bits)
     assignment = dict(zip(s.layers, (s.candidates[i] for i in sol.picks), strict=True))
     metrics = evaluate_policy(model, assignment, eval_data or data, calib=data)

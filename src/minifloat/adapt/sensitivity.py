@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,9 +53,14 @@ class Sensitivity:
     dloss: dict[str, dict[str, float]] = field(default_factory=dict)
     estimate: dict[str, dict[str, float]] = field(default_factory=dict)
     spearman: float = float("nan")
+    measured: list[str] = field(default_factory=list)  # layers whose KL was measured; the others' is the scaled estimate
+    # what `refine` measures more layers with: each layer's quantized copies, the reference logits and loss
+    built: dict = field(default_factory=dict, repr=False, compare=False)
+    reference: tuple | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman")}
+        keys = ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman", "measured")
+        return {k: getattr(self, k) for k in keys}
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
@@ -125,23 +130,33 @@ def sensitivity(
     *,
     ignore: Sequence[str] = ("lm_head",),
     estimate_batches: int = 2,
+    measure: str | Sequence[str] = "all",
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Sensitivity:
     """Measure and estimate each quantizable layer's sensitivity to each candidate on `data`
-    (token-id batches (B, T + 1), as `minifloat.infer.token_batches` cuts them)."""
+    (token-id batches (B, T + 1), as `minifloat.infer.token_batches` cuts them).
+
+    `measure`: ``"all"`` measures every layer's KL (a forward over `data` per layer and
+    candidate); ``"none"`` only the one-backward Fisher estimate; a list of layer names measures
+    those (`refine` adds more later). A layer not measured takes its estimate scaled by the median
+    measured / estimated ratio (the estimate itself when nothing was measured). `progress(what,
+    done, total)` is called as the work goes."""
     if not data:
         raise MinifloatError("sensitivity needs data: token-id batches (B, T + 1)")
     configs = {c: get_quant_config(c) for c in candidates}
     layers = quantizable(model, candidates, ignore)
     if not layers:
         raise MinifloatError(f"no layer of the model can take every candidate of {list(candidates)}")
+    chosen = layers if measure == "all" else [] if measure == "none" else [n for n in layers if n in set(measure)]
+    if isinstance(measure, str) and measure not in ("all", "none"):
+        raise MinifloatError(f"measure={measure!r}: use 'all', 'none' or a list of layer names")
     was = model.training
     model.eval()
     calibration = calibrate(model, [b[:, :-1] for b in data]) if any(c.needs_calibration for c in configs.values()) else None
     try:
-        ref_logits, ref_loss = _losses(model, data)
         res = Sensitivity(layers, list(candidates), {}, {})
         built: dict[str, dict[str, QuantizedLinear]] = {}
-        for name in layers:
+        for i, name in enumerate(layers):
             lin = model.get_submodule(name)
             res.params[name] = lin.weight.numel()
             built[name] = {}
@@ -150,16 +165,49 @@ def sensitivity(
                 q = QuantizedLinear.from_linear(lin, cfg, input_amax=amax)
                 built[name][c] = q
                 res.bits.setdefault(name, {})[c] = 8 * layer_bytes(q, bias=False) / res.params[name]
-                with swapped(model, name, q):
-                    logits, loss = _losses(model, data)
-                res.kl.setdefault(name, {})[c] = _kl(ref_logits, logits)
-                res.dloss.setdefault(name, {})[c] = loss - ref_loss
+            if progress:
+                progress("quantize", i + 1, len(layers))
         res.estimate = _fisher_estimate(model, data[:estimate_batches], built)
+        if progress:
+            progress("estimate", len(layers), len(layers))
+        res.built, res.reference = built, _losses(model, data)
+        refine(res, model, data, chosen, progress=progress)
     finally:
         model.train(was)
-    pairs = [(res.estimate[n][c], res.kl[n][c]) for n in layers for c in candidates]
-    res.spearman = spearman([p[0] for p in pairs], [p[1] for p in pairs])
     return res
+
+
+def refine(s: Sensitivity, model: torch.nn.Module, data: Sequence[torch.Tensor], layers: Sequence[str], *,
+           progress: Callable[[str, int, int], None] | None = None) -> Sensitivity:  # fmt: skip
+    """Measure the KL of `layers` (every candidate) on the `data` `s` was made with, in place; the
+    unmeasured layers' KL is then their estimate × the median measured / estimated ratio."""
+    if s.reference is None:
+        raise MinifloatError("refine needs the Sensitivity that `sensitivity` returned (with its quantized layers)")
+    built, (ref_logits, ref_loss) = s.built, s.reference
+    todo = [n for n in layers if n not in s.measured]
+    was = model.training
+    model.eval()
+    try:
+        for i, name in enumerate(todo):
+            for c in s.candidates:
+                with swapped(model, name, built[name][c]):
+                    logits, loss = _losses(model, data)
+                s.kl.setdefault(name, {})[c] = _kl(ref_logits, logits)
+                s.dloss.setdefault(name, {})[c] = loss - ref_loss
+            s.measured.append(name)
+            if progress:
+                progress("measure", i + 1, len(todo))
+    finally:
+        model.train(was)
+    pairs = [(s.estimate[n][c], s.kl[n][c]) for n in s.measured for c in s.candidates]
+    ratios = sorted(k / e for e, k in pairs if e > 0 and k > 0)
+    scale = ratios[len(ratios) // 2] if ratios else 1.0
+    for n in s.layers:
+        if n not in s.measured:
+            s.kl[n] = {c: s.estimate[n][c] * scale for c in s.candidates}
+            s.dloss[n] = dict.fromkeys(s.candidates, float("nan"))
+    s.spearman = spearman([p[0] for p in pairs], [p[1] for p in pairs]) if len(pairs) > 1 else float("nan")
+    return s
 
 
 def _fisher_estimate(model, batches, built: dict[str, dict[str, QuantizedLinear]]) -> dict[str, dict[str, float]]:

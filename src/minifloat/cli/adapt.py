@@ -23,6 +23,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/adapt", help="output folder (metrics.json, report.md, plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
     p.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
+    p.add_argument("--measure", default="all", choices=("all", "close"),
+                   help="measure every layer's KL, or only the layers whose choice is close at a budget "
+                        "(the Fisher estimate for the rest: a real model's hundreds of layers)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +67,6 @@ def run(args: argparse.Namespace) -> int:
         print_result(metrics, strategy_table(metrics), args.out, args.json)
         return 0
     metrics = run_adapt(args.model, args.out, candidates=candidates, budgets=budgets, source=source,
-                        plots=not args.no_plots, echo=echo)  # fmt: skip
+                        plots=not args.no_plots, echo=echo, measure=args.measure)  # fmt: skip
     print_result(metrics, adapt_table(metrics), args.out, args.json)
     return 0

@@ -9,6 +9,7 @@ Sensitivity and calibration use the corpus' training split, the comparisons its 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from minifloat.adapt import (
     heuristic_policy,
     sensitivity,
 )
-from minifloat.adapt.auto import FILL_ENDS, average_bits, uniform_bits
-from minifloat.adapt.sensitivity import quantizable
+from minifloat.adapt.auto import FILL_ENDS, average_bits, close_layers, uniform_bits
+from minifloat.adapt.sensitivity import quantizable, refine
 from minifloat.errors import MinifloatError
 from minifloat.experiments.compare import environment
 from minifloat.infer.config import get_quant_config
@@ -30,6 +31,12 @@ from minifloat.infer.pipeline import TextSource, batches_for, tokenizer_for
 from minifloat.io import jsonio
 from minifloat.io.atomic import atomic_path
 from minifloat.report.adapt import write_adapt_report
+
+
+def _progress(what: str, done: int, total: int) -> None:
+    """Where the sensitivity is, on stderr (one line rewritten)."""
+    sys.stderr.write(f"\r  {what} {done}/{total}" + ("\n" if done == total else ""))
+    sys.stderr.flush()
 
 
 def run_adapt(
@@ -41,9 +48,11 @@ def run_adapt(
     source: TextSource = TextSource(calib_batches=4, eval_batches=16),  # noqa: B008 - frozen
     plots: bool = True,
     echo: Callable[[str], None] = print,
+    measure: str = "all",
 ) -> dict:
     """Sensitivity, then (with `budgets`) automatic precision against the uniform candidates and
-    the rules of thumb; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`."""
+    the rules of thumb; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`.
+    `measure="close"` measures the KL of only the layers whose choice is close at each budget."""
     for c in candidates:
         get_quant_config(c)  # an unknown name fails before any work
     if any(b <= 0 for b in budgets):
@@ -59,8 +68,15 @@ def run_adapt(
         if min(budgets) < least:
             raise MinifloatError(f"--budget-bits {min(budgets):g}: the cheapest candidate takes {least:.2f} bits "
                                  f"per weight on this model; give budgets ≥ {least:.2f}")  # fmt: skip
+    if measure not in ("all", "close"):
+        raise MinifloatError(f"--measure {measure!r}: use all or close")
     echo(f"sensitivity of every layer to {', '.join(candidates)} ({len(train)} batches) …")
-    s = sensitivity(model, train, candidates)
+    s = sensitivity(model, train, candidates, measure="all" if measure == "all" or not budgets else "none",
+                    progress=_progress)  # fmt: skip
+    if measure == "close" and budgets:
+        for b in budgets:
+            refine(s, model, train, close_layers(s, b), progress=_progress)
+        echo(f"  {len(s.layers)} layers, {len(s.measured)} measured (close at a budget), the rest estimated")
     echo(f"  {len(s.layers)} layers; the Fisher estimate ranks the measured KL with Spearman ρ = {s.spearman:.3f}")
     metrics: dict = {"model": str(model_path), "sensitivity": s.to_dict(), "auto": [], "uniform": [], "env": environment()}
     for b in budgets:
