@@ -145,7 +145,7 @@ def test_a_transformers_model_folder_goes_through_the_commands(tmp_path, capsys)
     assert "reference perplexity" in capsys.readouterr().out
     assert main(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "6", "--kv-cache", "fp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] == 6  # the quantized checkpoint decodes, FP8 cache
-    with pytest.raises(minifloat.MinifloatError, match="not a model minifloat loads .a `minifloat train` output"):
+    with pytest.raises(minifloat.MinifloatError, match="not a model minifloat loads .a GGUF file .* a `minifloat train` output"):
         minifloat.infer.load_model(tmp_path)
 
 
