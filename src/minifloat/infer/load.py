@@ -253,7 +253,9 @@ def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
                 scale = "weight_scale_inv" if fmt == "hf-fp8" else "weight_scale"
                 raise MinifloatError(f"checkpoint tensor {name + '.' + scale!r} is missing ({name}.weight is "
                                      f"{ts.dtype(name + '.weight')}, codes without their scale)")  # fmt: skip
-            if f"{name}.weight" in ts and _config_for(name, m, groups) is not None:
+            # transformers' fine-grained FP8 (hf-fp8) never converts the output embedding, listed or not
+            implicit = fmt == "hf-fp8" and m is model.get_output_embeddings()
+            if f"{name}.weight" in ts and _config_for(name, m, groups) is not None and not implicit:
                 raise MinifloatError(
                     f"{folder}: checkpoint tensor {name + '.weight'!r} is a dense {ts.dtype(name + '.weight')} tensor "
                     f"without scales, but the quantization_config quantizes {name} (no ignore entry names it): the "
