@@ -95,6 +95,8 @@ def test_every_command_takes_a_gguf_file(tmp_path, capsys):
     assert "reference perplexity" in capsys.readouterr().out
     assert main(["generate", path, "--prompt", "hello", "--max-new-tokens", "5", "--kv-cache", "fp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] == 5
+    assert main(["generate", path, "--scheme", "nvfp4", "--prompt", "hello", "--max-new-tokens", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] == 3  # quantized in memory, its input calibrated first
     assert main(["quantize", path, "--scheme", "fp8-dynamic", "--out", str(tmp_path / "q"), "--calib-batches", "1",
                  "--batch-size", "2", "--seq-len", "32"]) == 0  # fmt: skip
     q = load_model(tmp_path / "q")

@@ -14,7 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from minifloat.infer.kvcache import KV_FORMATS
 
     p = sub.add_parser("generate", help="generate text with a KV cache (FP8 / FP4 caches, FP4 self-speculative drafts)")
-    p.add_argument("model", help="a `minifloat train` output folder or checkpoint, or a transformers model folder")
+    p.add_argument("model", help="a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
+    p.add_argument("--scheme", default=None, help="quantize the model in memory with this PTQ config first (e.g. nvfp4-weight-only)")
     p.add_argument("--prompt", required=True, help="the text to continue (the folder's tokenizer, else UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--kv-cache", default="bf16", choices=list(KV_FORMATS), help="KV-cache format")
@@ -57,12 +58,18 @@ def run(args: argparse.Namespace) -> int:
 
     from minifloat.errors import MinifloatError
     from minifloat.infer import generate, load_model
-    from minifloat.infer.pipeline import tokenizer_for
+    from minifloat.infer.pipeline import quantize_in_memory, tokenizer_for
 
     if not args.prompt:
         raise MinifloatError("--prompt is empty; give some text to continue")
+    if args.scheme:
+        from minifloat.infer import get_quant_config
+
+        get_quant_config(args.scheme)  # an unknown name: an error before the model loads
     model = load_model(args.model)
     tokenizer = tokenizer_for(args.model)
+    if args.scheme:
+        quantize_in_memory(model, args.scheme, tokenizer)
     ids = torch.tensor([tokenizer.encode(args.prompt) if tokenizer else list(args.prompt.encode("utf-8"))])
     pending: list[int] = []
 

@@ -119,6 +119,15 @@ def quantize_checkpoint(
     return summary
 
 
+def quantize_in_memory(model: torch.nn.Module, scheme: str | QuantConfig, tokenizer=None, *,
+                       source: TextSource = TextSource()) -> QuantizeSummary:  # noqa: B008 - frozen  # fmt: skip
+    """Quantize `model` in place with `scheme`, calibrating on `source`'s training split when the
+    config calibrates its input."""
+    config = get_quant_config(scheme)
+    cal = calibrate(model, batches_for(model, source, "train", tokenizer)) if config.needs_calibration else None
+    return quantize_model(model, config, calibration=cal)
+
+
 def evaluate_paths(
     model_path: str | os.PathLike[str],
     reference_path: str | os.PathLike[str] | None = None,
@@ -133,8 +142,7 @@ def evaluate_paths(
     reference = load_model(reference_path) if reference_path else None
     tokenizer = tokenizer_for(model_path)
     if scheme is not None:
-        config = get_quant_config(scheme)
+        get_quant_config(scheme)  # an unknown name: an error before the copy
         reference = reference if reference is not None else copy.deepcopy(model)
-        cal = calibrate(model, batches_for(model, source, "train", tokenizer)) if config.needs_calibration else None
-        quantize_model(model, config, calibration=cal)
+        quantize_in_memory(model, scheme, tokenizer, source=source)
     return evaluate(model, reference, batches_for(model, source, "val", tokenizer))
