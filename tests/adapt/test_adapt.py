@@ -162,6 +162,7 @@ def test_close_layers_are_those_near_the_knapsacks_margin():
     # the margin lies between l2 (left down) and l3 (moved up): 2^2.5 ≈ 5.7; within 1.5×: 4 and 8, within 3×: 2 … 16
     assert close_layers(s, 6.0, factor=1.5) == ["l2", "l3"]
     assert close_layers(s, 6.0, factor=3.0) == ["l1", "l2", "l3", "l4"]
+    assert close_layers(s, 6.0, factor=3.0, most=2) == ["l2", "l3"]  # the nearest the margin, in the model's order
 
 
 def test_measuring_only_the_close_layers(tiny):

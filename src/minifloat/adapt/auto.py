@@ -93,11 +93,12 @@ def _solve(s: Sensitivity, budget_bits: float) -> Solution:
     return solve_bounded(options, budget)
 
 
-def close_layers(s: Sensitivity, budget_bits: float, factor: float = 3.0) -> list[str]:
+def close_layers(s: Sensitivity, budget_bits: float, factor: float = 3.0, most: int | None = None) -> list[str]:
     """The layers whose choice at `budget_bits` is close on the current KLs: each layer's KL saved
     per bit by moving from its cheapest to its dearest candidate, within `factor` of that rate at
     the margin of the knapsack's answer (between the least efficient layer it moved up and the most
-    efficient it left down). The only ones whose measured KL could change the answer much."""
+    efficient it left down). The only ones whose measured KL could change the answer much; `most`
+    keeps the ones nearest the margin (in the model's order)."""
     cheap = {n: min(s.candidates, key=lambda c: s.bits[n][c]) for n in s.layers}
     dear = {n: max(s.candidates, key=lambda c: s.bits[n][c]) for n in s.layers}
 
@@ -112,7 +113,11 @@ def close_layers(s: Sensitivity, budget_bits: float, factor: float = 3.0) -> lis
     if not edges:
         return []
     margin = math.sqrt(edges[0] * edges[-1])
-    return [n for n in s.layers if margin / factor <= rate(n) <= margin * factor]
+    close = [n for n in s.layers if margin / factor <= rate(n) <= margin * factor]
+    if most is not None and len(close) > most:
+        keep = set(sorted(close, key=lambda n: abs(math.log(rate(n) / margin)))[:most])
+        close = [n for n in close if n in keep]
+    return close
 
 
 def auto_precision(
@@ -125,17 +130,19 @@ def auto_precision(
     eval_data: Sequence[torch.Tensor] | None = None,
     ignore: Sequence[str] = ("lm_head",),
     measure: str = "all",
+    most: int | None = None,
 ) -> AutoPrecision:
     """Choose and evaluate a per-layer assignment (see the module docstring); `sens` reuses a
     `sensitivity` of the same model and candidates; `eval_data` (default `data`) scores it.
     `measure`: ``"all"`` measures every layer's KL; ``"close"`` starts from the Fisher estimate
-    and measures only the `close_layers` at this budget (a real model's hundreds of layers)."""
+    and measures only the `close_layers` at this budget (at most `most` of them: a real model's
+    hundreds of layers)."""
     if measure not in ("all", "close"):
         raise MinifloatError(f"measure={measure!r}: use 'all' or 'close'")
     s = sens if sens is not None else sensitivity(model, data, candidates, ignore=ignore,
                                                   measure="all" if measure == "all" else "none")  # fmt: skip
     if measure == "close":
-        refine(s, model, data, close_layers(s, budget_bits))
+        refine(s, model, data, close_layers(s, budget_bits, most=most))
     sol = _solve(s, budget_bits)
     assignment = dict(zip(s.layers, (s.candidates[i] for i in sol.picks), strict=True))
     metrics = evaluate_policy(model, assignment, eval_data or data, calib=data)

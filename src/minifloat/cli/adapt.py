@@ -26,6 +26,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", default="all", choices=("all", "close"),
                    help="measure every layer's KL, or only the layers whose choice is close at a budget "
                         "(the Fisher estimate for the rest: a real model's hundreds of layers)")
+    p.add_argument("--measure-most", type=int, default=12,
+                   help="with --measure close: at most this many layers measured per budget, those nearest the margin")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,6 +69,6 @@ def run(args: argparse.Namespace) -> int:
         print_result(metrics, strategy_table(metrics), args.out, args.json)
         return 0
     metrics = run_adapt(args.model, args.out, candidates=candidates, budgets=budgets, source=source,
-                        plots=not args.no_plots, echo=echo, measure=args.measure)  # fmt: skip
+                        plots=not args.no_plots, echo=echo, measure=args.measure, most=args.measure_most)  # fmt: skip
     print_result(metrics, adapt_table(metrics), args.out, args.json)
     return 0

@@ -49,10 +49,12 @@ def run_adapt(
     plots: bool = True,
     echo: Callable[[str], None] = print,
     measure: str = "all",
+    most: int = 12,
 ) -> dict:
     """Sensitivity, then (with `budgets`) automatic precision against the uniform candidates and
     the rules of thumb; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`.
-    `measure="close"` measures the KL of only the layers whose choice is close at each budget."""
+    `measure="close"` measures the KL of only the layers whose choice is close at each budget (the
+    `most` nearest the margin)."""
     for c in candidates:
         get_quant_config(c)  # an unknown name fails before any work
     if any(b <= 0 for b in budgets):
@@ -75,7 +77,7 @@ def run_adapt(
                     progress=_progress)  # fmt: skip
     if measure == "close" and budgets:
         for b in budgets:
-            refine(s, model, train, close_layers(s, b), progress=_progress)
+            refine(s, model, train, close_layers(s, b, most=most), progress=_progress)
         echo(f"  {len(s.layers)} layers, {len(s.measured)} measured (close at a budget), the rest estimated")
     echo(f"  {len(s.layers)} layers; the Fisher estimate ranks the measured KL with Spearman ρ = {s.spearman:.3f}")
     metrics: dict = {"model": str(model_path), "sensitivity": s.to_dict(), "auto": [], "uniform": [], "env": environment()}
