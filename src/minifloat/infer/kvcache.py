@@ -100,19 +100,20 @@ class _Packed:
     def _per_tensor(self) -> bool:
         return not isinstance(self.store, torch.dtype) and self.store.granularity == "tensor"
 
-    def extend(self, other: _Packed) -> bool:
-        """Append `other`'s rows (same store); False when the two cannot share one store (two
-        per-tensor runs of different scales)."""
-        if other.store != self.store or other.hs != self.hs:
-            return False
-        if self._per_tensor() and not torch.equal(self.scale, other.scale):
-            return False
+    def joins(self, other: _Packed) -> bool:
+        """Whether `other`'s rows can follow these in one store: the same store, and for a
+        calibrated per-tensor run the same scale."""
+        same = other.store == self.store and other.hs == self.hs
+        return same and not (self._per_tensor() and not torch.equal(self.scale, other.scale))
+
+    def extend(self, other: _Packed) -> None:
+        """Append `other`'s rows (`joins` must hold)."""
+        assert self.joins(other)
         self.data = torch.cat((self.data, other.data))
         if self.scale is not None and not self._per_tensor():
             self.scale = torch.cat((self.scale, other.scale))
         if self.ts is not None:
             self.ts, self.chunks = torch.cat((self.ts, other.ts)), self.chunks + other.chunks
-        return True
 
     def slice(self, r0: int, r1: int) -> _Packed:
         """Rows [r0, r1) as a store of their own (copies: whole rows, exact for every format; an
@@ -168,9 +169,8 @@ class _Run:
         self.k, self.v, self.tokens, self.fmt = k, v, tokens, fmt
 
     def extend(self, other: _Run) -> bool:
-        if other.fmt != self.fmt or other.k.store != self.k.store:
-            return False
-        if self.k._per_tensor() and not (torch.equal(self.k.scale, other.k.scale) and torch.equal(self.v.scale, other.v.scale)):
+        """Append `other`'s tokens; False (nothing changed) when the two cannot share one run."""
+        if other.fmt != self.fmt or not (self.k.joins(other.k) and self.v.joins(other.v)):
             return False
         self.k.extend(other.k)
         self.v.extend(other.v)
