@@ -70,6 +70,14 @@ class Solution:
         return max(self.loss - self.lower_bound, 0.0)
 
 
+def _cost(options, picks) -> int:
+    return sum(g[i][0] for g, i in zip(options, picks, strict=True))
+
+
+def _loss(options, picks) -> float:
+    return sum(g[i][1] for g, i in zip(options, picks, strict=True))
+
+
 def _relaxed(options, lam: float) -> tuple[list[int], float]:
     """Per group the option of least loss + λ·cost (the cheaper among equals), and Σ min (loss + λ·cost)."""
     picks, total = [], 0.0
@@ -92,8 +100,7 @@ def lagrangian(options: Sequence[Sequence[tuple[int, float]]], budget: int, *, i
         raise MinifloatError(f"the budget {budget} is below the cheapest assignment's cost {least}")
     picks, total = _relaxed(options, 0.0)
     bound = total
-    if sum(g[i][0] for g, i in zip(options, picks, strict=True)) > budget:
-        # λ large enough that the cheapest option of every group wins
+    if _cost(options, picks) > budget:
         # costs are whole numbers: past the widest loss spread per unit of cost the cheapest wins
         losses = [loss for g in options for _, loss in g]
         lo, hi = 0.0, 2 * (max(losses) - min(losses)) + 1.0
@@ -102,13 +109,13 @@ def lagrangian(options: Sequence[Sequence[tuple[int, float]]], budget: int, *, i
             mid = (lo + hi) / 2
             p, total = _relaxed(options, mid)
             bound = max(bound, total - mid * budget)
-            if sum(g[i][0] for g, i in zip(options, p, strict=True)) <= budget:
+            if _cost(options, p) <= budget:
                 hi, picks = mid, p
             else:
                 lo = mid
         bound = max(bound, _relaxed(options, hi)[1] - hi * budget)
     picks = list(picks)
-    cost = sum(g[i][0] for g, i in zip(options, picks, strict=True))
+    cost = _cost(options, picks)
     while True:  # spend what is left on the upgrade of most loss saved per unit of cost that fits
         best = None
         for k, g in enumerate(options):
@@ -123,7 +130,7 @@ def lagrangian(options: Sequence[Sequence[tuple[int, float]]], budget: int, *, i
         _, k, j = best
         cost += options[k][j][0] - options[k][picks[k]][0]
         picks[k] = j
-    loss = sum(g[i][1] for g, i in zip(options, picks, strict=True))
+    loss = _loss(options, picks)
     return Solution(picks, loss, cost, min(bound, loss), "lagrangian")
 
 
@@ -132,6 +139,6 @@ def solve_bounded(options: Sequence[Sequence[tuple[int, float]]], budget: int) -
     one with its duality gap: either way the answer says how far from optimal it can be."""
     if len(options) * (budget + 1) <= MAX_CELLS:
         picks = solve(options, budget)
-        loss = sum(g[i][1] for g, i in zip(options, picks, strict=True))
-        return Solution(picks, loss, sum(g[i][0] for g, i in zip(options, picks, strict=True)), loss, "exact")
+        loss = _loss(options, picks)
+        return Solution(picks, loss, _cost(options, picks), loss, "exact")
     return lagrangian(options, budget)

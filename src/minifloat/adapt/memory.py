@@ -91,8 +91,7 @@ class MemoryPolicy:
         self.source = {n: model.get_submodule(n) for n in self.order}  # off budget: host memory / checkpoint
         self.bytes = {n: {c.name: layer_bytes(self._build(n, c), compute=True) for c in (self.high, self.low)} for n in self.order}
         # what is not a served layer (embeddings, norms, the head); a layer's bytes include its bias
-        self._base = model_bytes(model) - sum(m.weight.nbytes + (0 if m.bias is None else m.bias.nbytes)
-                                              for m in self.source.values())  # fmt: skip
+        self._base = model_bytes(model) - sum(layer_bytes(m) for m in self.source.values())
         # the first `level` layers of `order` are in `low`: start at the least that holds the weights alone
         self.level = next((i for i in range(len(self.order) + 1) if self.served_bytes(i) <= self.budget_bytes), None)
         if self.level is None:

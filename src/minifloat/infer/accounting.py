@@ -28,8 +28,9 @@ from minifloat.infer.linear import QuantizedLinear
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` and of its compute layouts (a tensor shared by two names counted once;
-    a tensor subclass, such as torchao's quantized weights, by the tensors it holds)."""
+    """Bytes of every parameter and buffer of `model` and of its compute layouts (a tensor shared
+    by two names counted once; a tensor subclass, such as torchao's quantized weights, by the
+    tensors it holds)."""
     seen: set = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
@@ -52,7 +53,7 @@ def tensor_bytes(t: torch.Tensor, seen: set) -> int:
 
 def layer_bytes(layer: torch.nn.Module, *, bias: bool = True, compute: bool = False) -> int:
     """Bytes of a Linear's stored weight (a `QuantizedLinear`: codes, scales, input scale; a
-    dense Linear: its weight tensor), of its bias when `bias`, and with `compute` what a
+    dense Linear or an embedding table: its weight tensor), of its bias when `bias`, and with `compute` what a
     `QuantizedLinear`'s compute layout adds (what the process holds for the layer)."""
     b = getattr(layer, "bias", None)
     extra = b.nbytes if bias and b is not None else 0
@@ -85,15 +86,9 @@ def weight_layers(model: torch.nn.Module, *, head: bool = False, embedding: bool
 
 def bits_per_weight(model: torch.nn.Module, *, head: bool = False, embedding: bool = False) -> float:
     """Stored bits per weight (codes and scales, weighted by weight count) over `weight_layers`."""
-    bits = params = 0
-    for m in weight_layers(model, head=head, embedding=embedding).values():
-        if isinstance(m, QuantizedLinear):
-            n = m.in_features * m.out_features
-        else:
-            n = m.weight.numel()
-        bits += 8 * (layer_bytes(m, bias=False) if not isinstance(m, torch.nn.Embedding) else tensor_bytes(m.weight, set()))
-        params += n
-    return bits / params if params else float("nan")
+    layers = weight_layers(model, head=head, embedding=embedding).values()
+    params = sum(m.in_features * m.out_features if isinstance(m, QuantizedLinear) else m.weight.numel() for m in layers)
+    return 8 * sum(layer_bytes(m, bias=False) for m in layers) / params if params else float("nan")
 
 
 def linear_weight_bytes(model: torch.nn.Module) -> int:

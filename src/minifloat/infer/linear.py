@@ -100,15 +100,21 @@ class QuantizedLinear(torch.nn.Module):
         for k, old in kept.items():
             if self._buffers[k].dtype != old.dtype:
                 self._buffers[k] = old.to(self._buffers[k].device)
-        self._compute = None  # built again from the moved parts
+        self.prepare()  # the compute layout again, from the moved parts
         return self
 
+    def _packed(self, data: torch.Tensor) -> QuantizedTensor:
+        """The weight with codes `data`: the buffers' N rows and the zero rows that 128×128
+        blocks pad N up to, which the checkpoint does not store."""
+        shape, scheme, dtype = self._weight_meta
+        rows_pad = layout_for(shape, scheme).rows_pad
+        if rows_pad != data.shape[0]:
+            data = torch.cat((data, data.new_zeros(rows_pad - data.shape[0], data.shape[1])))
+        return QuantizedTensor(data, self.weight_scale, self.weight_tensor_scale, shape, scheme, dtype)
+
     def checkpoint_weight(self) -> QuantizedTensor:
-        """The weight as the format defines it: the buffers, with the rows that 128×128 blocks pad
-        N up to (zeros, which the checkpoint does not store)."""
-        if self._compute is None:
-            self.prepare()
-        return self._compute
+        """The weight as the buffers hold it, whatever the compute layout is (what `export` writes)."""
+        return self._packed(self.weight_data)
 
     def prepare(self, backend: str | None = None) -> QuantizedLinear:
         """Make the compute layout once: the weight as the GEMMs read it — today the packed weight
@@ -119,15 +125,10 @@ class QuantizedLinear(torch.nn.Module):
         ``"native"`` or a weight-only kernel's name)."""
         if backend is not None:
             self.backend = backend
-        shape, scheme, dtype = self._weight_meta
-        data = self.weight_data
-        rows_pad = layout_for(shape, scheme).rows_pad
-        if rows_pad != data.shape[0]:
-            padded = data.new_zeros(rows_pad, data.shape[1])
-            padded[: data.shape[0]] = data
-            self._buffers["weight_data"] = padded[: data.shape[0]]
-            data = padded
-        self._compute = QuantizedTensor(data, self.weight_scale, self.weight_tensor_scale, shape, scheme, dtype)
+        n = self.weight_data.shape[0]
+        self._compute = self._packed(self.weight_data)
+        if self._compute.data.shape[0] != n:  # padded: the buffer becomes a view of the padded codes
+            self._buffers["weight_data"] = self._compute.data[:n]
         return self
 
     def compute_extra_nbytes(self) -> int:
@@ -136,9 +137,9 @@ class QuantizedLinear(torch.nn.Module):
 
     @property
     def weight(self) -> QuantizedTensor:
-        """The packed weight, as the GEMMs read it (its parts are this module's buffers, so it
-        follows ``.to()``)."""
-        return self.checkpoint_weight()
+        """The packed weight, as the GEMMs read it (the compute layout: made from the buffers, and
+        again when the module moves)."""
+        return self._compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
