@@ -182,11 +182,10 @@ def _gemm(args: argparse.Namespace, reps: int) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
-    import torch
-
     from minifloat.experiments import bench_decode as decode
     from minifloat.infer import load_model
     from minifloat.infer.adapter import adapter_for
+    from minifloat.infer.metrics import token_ids
     from minifloat.infer.pipeline import tokenizer_for
     from minifloat.train.corpus import stdlib_corpus
 
@@ -201,9 +200,7 @@ def _decode(args: argparse.Namespace) -> int:
         raise MinifloatError(f"--contexts {bad[0]}: each must be in (17, {context}] (the model's context)")
     ks = [int(k) for k in args.draft_tokens.split(",") if k.strip()]
     drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
-    raw = stdlib_corpus().val
-    tokenizer = tokenizer_for(args.model)
-    text = torch.tensor(tokenizer.encode(bytes(raw.numpy()).decode("utf-8", "replace"))) if tokenizer else raw.long()
+    text = token_ids(bytes(stdlib_corpus().val.numpy()), tokenizer_for(args.model))
     echo = (lambda s: None) if args.json else print
     echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} windows per context "
          f"({'greedy continuations of held-out prompts' if args.kv_text == 'generated' else 'held-out text'}):")

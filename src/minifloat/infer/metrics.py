@@ -32,6 +32,17 @@ from minifloat.infer.accounting import linear_weight_bytes, model_bytes
 from minifloat.infer.models import logits_of
 
 
+def token_ids(text: bytes | str | Sequence[int] | torch.Tensor, tokenizer=None) -> torch.Tensor:
+    """`text` as a 1-D tensor of token ids: its bytes, or a `tokenizer`'s ids (``encode(str)``)."""
+    if tokenizer is not None:
+        return torch.tensor(tokenizer.encode(text if isinstance(text, str) else bytes(text).decode("utf-8", "replace")))
+    if isinstance(text, str):
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    if isinstance(text, (bytes, bytearray)):
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    return torch.as_tensor(text).long().flatten()
+
+
 def token_batches(
     text: bytes | str | Sequence[int] | torch.Tensor,
     *,
@@ -43,14 +54,7 @@ def token_batches(
     """`n_batches` batches (batch_size, seq_len + 1) of token ids from `text`: evenly spaced
     windows (deterministic), each a context and its next tokens. Bytes are the tokens unless a
     `tokenizer` (``encode(str) -> list[int]``) is given."""
-    if tokenizer is not None:
-        ids = torch.tensor(tokenizer.encode(text if isinstance(text, str) else bytes(text).decode("utf-8", "replace")))
-    elif isinstance(text, str):
-        ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-    elif isinstance(text, (bytes, bytearray)):
-        ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    else:
-        ids = torch.as_tensor(text).long().flatten()
+    ids = token_ids(text, tokenizer)
     need = batch_size * n_batches
     span = seq_len + 1
     if len(ids) < span + need - 1:
