@@ -234,6 +234,8 @@ def test_a_transformers_llama_decodes_with_the_quantized_cache(fmt):
         assert (cached.argmax(-1) == full.argmax(-1)).float().mean() >= 0.8  # a random model: near-flat logits
     (kq, _), *_ = cache.kv.stored(0)
     assert cache.length() == 30 and cache.nbytes() == reachable_storage_bytes(cache)  # no float copy beside the store
+    cache.crop(-3)  # transformers' rollback: every layer loses its last 3 tokens, once
+    assert [cache.length(i) for i in range(2)] == [27, 27] and cache.get_seq_length() == 27
     if fmt != "fp32":  # 2 KV heads of 32 values: what the reference quantizer gives
         scheme = KV_FORMATS[fmt]
         with torch.no_grad():

@@ -44,8 +44,9 @@ def _classes():
             return self.cache.kv.length(self.index)
 
         def crop(self, tokens_to_remove: int) -> None:
+            """This layer only: transformers' ``Cache.crop`` calls every layer's."""
             n = self.get_seq_length()
-            self.cache.truncate(n - abs(tokens_to_remove) if tokens_to_remove <= 0 else tokens_to_remove)
+            self.cache.kv.truncate(n - abs(tokens_to_remove) if tokens_to_remove <= 0 else tokens_to_remove, self.index)
 
         def reset(self) -> None:
             super().reset()

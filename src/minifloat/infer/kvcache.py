@@ -439,15 +439,15 @@ class KVCache:
                             "layer_bytes_after": self.layer_bytes(0)})  # fmt: skip
         self.dropped += n
 
-    def truncate(self, n: int) -> None:
-        """Keep the first `n` tokens of every layer (a rejected speculation's rollback)."""
+    def truncate(self, n: int, layer: int | None = None) -> None:
+        """Keep the first `n` tokens of every layer, or of `layer` alone (a rejected speculation's rollback)."""
         if n < 0:
             raise MinifloatError(f"truncate keeps n ≥ 0 tokens, got {n}")
         if self.dropped:
             raise MinifloatError("a cache that dropped tokens cannot roll back (speculative decoding needs drop=False)")
-        for layer in range(self.n_layer):
-            if self.length(layer) > n:
-                self._keep(layer, n, self.length(layer))
+        for i in range(self.n_layer) if layer is None else (layer,):
+            if self.length(i) > n:
+                self._keep(i, n, self.length(i))
 
     def layer_bytes(self, layer: int) -> int:
         return sum(run.nbytes for run in self._runs[layer])
