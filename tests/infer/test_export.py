@@ -132,13 +132,13 @@ def test_hf_fp8_export_is_read_by_transformers_fine_grained_fp8(dtype, tmp_path)
         assert torch.equal(load_quantized(out)(IDS).logits, model(IDS).logits)
 
 
-def deepseek_style_checkpoint(folder, *, drop=None, bad_shape=None, bad_dtype=None):
+def deepseek_style_checkpoint(folder, *, drop=None, bad_shape=None, bad_dtype=None, hidden=256, inter=384):
     """An FP8 checkpoint written the way DeepSeek-V3's are, without minifloat: per Linear
     ``weight`` float8_e4m3fn and ``weight_scale_inv`` float32 per 128×128 block (multiplied on
     dequantize), quantized here with ml_dtypes; returns the float64 weights they stand for."""
     from safetensors.torch import save_file
 
-    model = tiny_llama(hidden=256, inter=384, seed=5)
+    model = tiny_llama(hidden=hidden, inter=inter, seed=5)
     tensors, want = {}, {}
     for name, t in model.state_dict().items():
         mod = name.rsplit(".", 1)[0]
@@ -169,8 +169,9 @@ def deepseek_style_checkpoint(folder, *, drop=None, bad_shape=None, bad_dtype=No
     return want
 
 
-def test_import_of_a_deepseek_style_fp8_checkpoint(tmp_path):
-    want = deepseek_style_checkpoint(tmp_path / "ds")
+@pytest.mark.parametrize("dims", [(256, 384), (192, 328)])  # whole blocks; partial last blocks (⌈N/128⌉ × ⌈K/128⌉)
+def test_import_of_a_deepseek_style_fp8_checkpoint(tmp_path, dims):
+    want = deepseek_style_checkpoint(tmp_path / "ds", hidden=dims[0], inter=dims[1])
     model = load_quantized(tmp_path / "ds")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert set(layers) == set(want)

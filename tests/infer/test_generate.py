@@ -139,12 +139,6 @@ def test_bad_input_is_a_clear_error(kw, message):
         generate(gpt(), prompt(0), **args)
 
 
-def test_a_head_dim_the_blocks_do_not_divide_is_a_clear_error():
-    model = gpt(n_embd=96, n_head=2)  # head_dim 48: not a multiple of MX's 32
-    with pytest.raises(minifloat.MinifloatError, match="blocks of 32 values of a head; the model's head_dim is 48"):
-        generate(model, prompt(0), 3, kv_cache="mxfp8")
-
-
 def test_memory_pressure_moves_old_tokens_to_fp4_within_the_budget():
     model = gpt()  # 2 layers, 2 heads of 64: an FP8 token takes 2·2·(64 + 4) = 272 bytes a layer, NVFP4 2·2·(32 + 4) = 144
     ids = prompt(3, 20)

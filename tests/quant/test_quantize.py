@@ -52,9 +52,12 @@ def oracle(x: np.ndarray, scheme) -> np.ndarray:
             scale = np.where(np.isinf(scale), FLT_MAX, scale)
             scale = np.where(amax == 0, F32(1), scale).astype(F32)
             deq = ml_cast(t * scale, name) * (F32(1) / scale)
-        elif scheme.scale_format == "e8m0":  # OCP MX §6.3 floor rule
+        elif scheme.scale_format == "e8m0":  # OCP MX §6.3 floor rule; rceil: NVIDIA's ⌈log2(amax / max)⌉
             _, e = np.frexp(amax)
-            E = np.clip(e - 1 - fmt.emax, -127, 127).astype(np.float64)
+            E = e - 1 - fmt.emax
+            if scheme.scale_rule == "rceil":
+                E = np.ceil(np.log2(amax.astype(np.float64) / fmt.max))
+            E = np.clip(E, -127, 127).astype(np.float64)
             E = np.where(amax == 0, 0, E)
             X = np.where(np.isnan(amax), np.nan, np.ldexp(1.0, np.nan_to_num(E).astype(int))).astype(F32)
             deq = ml_cast(t / X, name) * X

@@ -23,7 +23,7 @@ def test_fp8_recipe_defaults_follow_transformer_engine():
 def test_block_and_mx_recipes_quantize_along_blocks_of_the_published_sizes():
     block = get_recipe("fp8-block")
     assert block.scheme("input").block == (1, 128) and block.scheme("weight").block == (128, 128)
-    assert block.weight_2d and block.block_multiple == 128
+    assert block.weight_2d
     for name, element in [("mxfp8", "e4m3"), ("mxfp6", "e2m3"), ("mxfp6-e2m3", "e2m3"), ("mxfp6-e3m2", "e3m2"),
                           ("mxfp4", "e2m1")]:  # fmt: skip
         s = get_recipe(name).scheme("grad_output")
@@ -34,15 +34,14 @@ def test_block_and_mx_recipes_quantize_along_blocks_of_the_published_sizes():
 
 
 def test_what_linear_and_convert_read_off_each_recipe():
-    # weight_2d: square weight blocks serve W and Wᵀ; block_multiple: what convert requires of
-    # a layer's features; delayed: scales from an amax history kept in the module
-    expect = {"fp8": (False, 1, True), "fp8-current": (False, 1, False), "fp8-block": (True, 128, False),
-              "mxfp8": (False, 32, False), "mxfp6": (False, 32, False), "mxfp6-e2m3": (False, 32, False),
-              "mxfp6-e3m2": (False, 32, False), "mxfp6-hybrid": (False, 32, False), "mxfp4": (False, 32, False), "nvfp4": (True, 16, False), "nvfp4-4over6": (True, 16, False)}  # fmt: skip
+    # weight_2d: square weight blocks serve W and Wᵀ; delayed: scales from an amax history kept in the module
+    expect = {"fp8": (False, True), "fp8-current": (False, False), "fp8-block": (True, False),
+              "mxfp8": (False, False), "mxfp6": (False, False), "mxfp6-e2m3": (False, False),
+              "mxfp6-e3m2": (False, False), "mxfp6-hybrid": (False, False), "mxfp4": (False, False), "nvfp4": (True, False), "nvfp4-4over6": (True, False)}  # fmt: skip
     assert set(expect) == set(RECIPES)
     for name, want in expect.items():
         r = get_recipe(name)
-        assert (r.weight_2d, r.block_multiple, r.delayed) == want, name
+        assert (r.weight_2d, r.delayed) == want, name
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

@@ -16,6 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with a KV cache (FP8 / FP4 caches, FP4 self-speculative drafts)")
     p.add_argument("model", help="a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
     p.add_argument("--scheme", default=None, help="quantize the model in memory with this PTQ config first (e.g. nvfp4-weight-only)")
+    p.add_argument("--quantize-head", action="store_true", help="with --scheme: the LM head and the embedding too (weight-only)")
     p.add_argument("--prompt", required=True, help="the text to continue (the folder's tokenizer, else UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--kv-cache", default="bf16", choices=list(KV_FORMATS), help="KV-cache format")
@@ -66,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
         from minifloat.infer import get_quant_config
 
         get_quant_config(args.scheme)  # an unknown name: an error before the model loads
+    elif args.quantize_head:
+        raise MinifloatError("--quantize-head goes with --scheme (it quantizes the head with that config)")
     model = load_model(args.model)
     tokenizer = tokenizer_for(args.model)
     if args.scheme:
-        quantize_in_memory(model, args.scheme, tokenizer)
+        quantize_in_memory(model, args.scheme, tokenizer, quantize_head=args.quantize_head)
     ids = torch.tensor([tokenizer.encode(args.prompt) if tokenizer else list(args.prompt.encode("utf-8"))])
     pending: list[int] = []
 

@@ -30,6 +30,12 @@ def _source(args: argparse.Namespace):
                       seq_len=args.seq_len, eval_batches=args.eval_batches, calib_batches=args.calib_batches)  # fmt: skip
 
 
+def _head_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize-head", action="store_true",
+                   help="quantize the LM head and the input embedding too (weight-only, the config's weight scheme; "
+                        "a tied pair stays one packed table)")  # fmt: skip
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     names = ", ".join(QUANT_CONFIGS)
     p = sub.add_parser("quantize", help="quantize a trained model and write a serving checkpoint")
@@ -40,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="the checkpoint folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print the per-layer summary as JSON")
+    _head_argument(p)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per calibration batch")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--calib-batches", type=int, default=8, help="calibration batches")
@@ -51,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--scheme", default=None, choices=list(QUANT_CONFIGS), metavar="SCHEME",
                    help="quantize MODEL with this config first (then --reference defaults to MODEL itself)")  # fmt: skip
     _text_arguments(e, "to evaluate on (its held-out split)")
+    _head_argument(e)
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e.set_defaults(run=run_eval)
 
@@ -60,6 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _text_arguments(c, "to calibrate (training split) and evaluate (held-out split) on")
     c.add_argument("--out", default="runs/ptq", help="output folder (metrics.json, report.md, quality.png)")
     c.add_argument("--no-torchao", action="store_true", help="skip torchao's quantization of the same model")
+    _head_argument(c)
     c.add_argument("--no-plots", action="store_true", help="skip quality.png")
     c.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
     c.set_defaults(run=run_ptq_compare)
@@ -69,7 +78,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     from minifloat.infer.pipeline import quantize_checkpoint
 
     summary = quantize_checkpoint(args.model, args.scheme, args.out, format=args.format, source=_source(args),
-                                  overwrite=args.overwrite)  # fmt: skip
+                                  overwrite=args.overwrite, quantize_head=args.quantize_head)  # fmt: skip
     print(jsonio.dumps(summary.to_dict(), indent=2) if args.json else f"{summary}\ncheckpoint: {args.out}")
     return 0
 
@@ -77,7 +86,9 @@ def run_quantize(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from minifloat.infer.pipeline import evaluate_paths
 
-    m = evaluate_paths(args.model, args.reference, scheme=args.scheme, source=_source(args))
+    if args.quantize_head and not args.scheme:
+        raise MinifloatError("--quantize-head goes with --scheme (it quantizes the head with that config)")
+    m = evaluate_paths(args.model, args.reference, scheme=args.scheme, source=_source(args), quantize_head=args.quantize_head)
     if args.json:
         print(jsonio.dumps(m, indent=2))
         return 0
@@ -95,6 +106,7 @@ def run_ptq_compare(args: argparse.Namespace) -> int:
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     metrics = ptq_compare(args.model, schemes, args.out, source=_source(args), torchao=not args.no_torchao,
-                          plots=not args.no_plots, echo=(lambda s: None) if args.json else print)  # fmt: skip
+                          plots=not args.no_plots, echo=(lambda s: None) if args.json else print,
+                          quantize_head=args.quantize_head)  # fmt: skip
     print_result(metrics, ptq_table(metrics), args.out, args.json)
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from minifloat.errors import MinifloatError
 from minifloat.experiments.bench import _quiet_torchao_import
 from minifloat.experiments.compare import environment
 from minifloat.infer import QUANT_CONFIGS, get_quant_config, quantize_model
-from minifloat.infer.accounting import bits_per_weight, weight_layers
+from minifloat.infer.accounting import bits_per_weight, model_bytes, weight_layers
 from minifloat.infer.metrics import evaluate
 from minifloat.infer.models import load_model
 from minifloat.infer.pipeline import TextSource, batches_for, tokenizer_for
@@ -101,10 +102,13 @@ def ptq_compare(
     plots: bool = True,
     ignore: Sequence[str] = ("lm_head",),
     echo: Callable[[str], None] = print,
+    quantize_head: bool = False,
 ) -> dict:
     """Quantize the model at `model_path` with each of `schemes`, evaluate each against the
     unquantized model (and torchao's where it runs), write ``metrics.json`` and ``report.md``
-    (with ``quality.png``) under `out`; returns the metrics."""
+    (with ``quality.png``) under `out`; returns the metrics. `quantize_head`: the LM head and the
+    embedding too (weight-only); each row has bits/weight over the Linears and over every weight
+    (head and embedding included), the model's bytes and the seconds quantization took."""
     configs = [get_quant_config(s) for s in schemes]  # unknown names fail before any work
     if not configs:
         raise MinifloatError(f"--schemes needs at least one of {', '.join(QUANT_CONFIGS)}")
@@ -118,18 +122,25 @@ def ptq_compare(
     echo(f"reference: {type(reference).__name__}, {n_weights:,} Linear weights (bits/weight over them: the head and "
          f"the embedding not counted), {len(batches)} × {tuple(batches[0].shape)} tokens")  # fmt: skip
     base = evaluate(reference, None, batches)
-    base_row = {"config": "reference", "status": "ok", **base, "bits_per_weight": bits_per_weight(reference)}
+    base_row = {"config": "reference", "status": "ok", **base, "bits_per_weight": bits_per_weight(reference),
+                "bits_per_weight_all": bits_per_weight(reference, head=True, embedding=True),
+                "model_bytes": model_bytes(reference)}  # fmt: skip
     runs, peers = [], []
     calibration = calibrate(reference, calib) if any(c.needs_calibration for c in configs) else None
     for c in configs:
         model = copy.deepcopy(reference)
-        summary = quantize_model(model, c, calibration=calibration, ignore=ignore)
+        start = time.perf_counter()
+        summary = quantize_model(model, c, calibration=calibration, ignore=ignore, quantize_head=quantize_head)
+        seconds = time.perf_counter() - start
         m = evaluate(model, reference, batches)
         row = {"config": c.name, "status": "ok", **m, "bits_per_weight": bits_per_weight(model),
+               "bits_per_weight_all": bits_per_weight(model, head=True, embedding=True), "model_bytes": model_bytes(model),
+               "quantize_seconds": seconds, "quantize_head": quantize_head,
                "quantized_layers": len(summary.quantized), "skipped": {s.name: s.reason for s in summary.skipped}}  # fmt: skip
         runs.append(row)
         echo(f"  {c.name:<18} Δppl {row['delta_ppl_pct']:+.2f} %  KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  "
-             f"{row['bits_per_weight']:.2f} bits/weight  {row['tokens_per_s']:,.0f} tok/s")  # fmt: skip
+             f"{row['bits_per_weight']:.2f} bits/weight ({row['bits_per_weight_all']:.2f} with head and embedding)  "
+             f"{row['tokens_per_s']:,.0f} tok/s")  # fmt: skip
         if torchao:
             p = _torchao_run(reference, c.name, reference, batches, ignore)
             if p["status"] == "ok":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from minifloat.infer.adapter import adapter_for
+from minifloat.infer.embedding import QuantizedEmbedding
 from minifloat.infer.kvcache import KVCache
 from minifloat.infer.linear import QuantizedLinear
 
@@ -59,6 +60,8 @@ def layer_bytes(layer: torch.nn.Module, *, bias: bool = True, compute: bool = Fa
     extra = b.nbytes if bias and b is not None else 0
     if isinstance(layer, QuantizedLinear):
         return layer.packed_nbytes() + extra + (layer.compute_extra_nbytes() if compute else 0)
+    if isinstance(layer, QuantizedEmbedding):  # tied: the head's table, which it reads
+        return layer_bytes(layer.tied_to, bias=False, compute=compute) if layer.tied_to is not None else layer.packed_nbytes()
     return tensor_bytes(layer.weight, set()) + extra
 
 
@@ -73,11 +76,14 @@ def weight_layers(model: torch.nn.Module, *, head: bool = False, embedding: bool
     head only when `head`, the embedding tables only when `embedding` (a Linear tied to an
     embedding is that embedding)."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    tied = {id(m.tied_to) for m in model.modules() if isinstance(m, QuantizedEmbedding) and m.tied_to is not None}
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Embedding):
+        if isinstance(m, (torch.nn.Embedding, QuantizedEmbedding)):
             if embedding:
                 out[name] = m
+        elif isinstance(m, QuantizedLinear) and id(m) in tied:
+            continue  # the table of a tied embedding: counted as the embedding
         elif isinstance(m, (QuantizedLinear, torch.nn.Linear)) and id(getattr(m, "weight", None)) not in tables:
             if head or not _is_head(name, m, model):
                 out[name] = m
@@ -87,7 +93,7 @@ def weight_layers(model: torch.nn.Module, *, head: bool = False, embedding: bool
 def bits_per_weight(model: torch.nn.Module, *, head: bool = False, embedding: bool = False) -> float:
     """Stored bits per weight (codes and scales, weighted by weight count) over `weight_layers`."""
     layers = weight_layers(model, head=head, embedding=embedding).values()
-    params = sum(m.in_features * m.out_features if isinstance(m, QuantizedLinear) else m.weight.numel() for m in layers)
+    params = sum(m.weight.numel() for m in layers)
     return 8 * sum(layer_bytes(m, bias=False) for m in layers) / params if params else float("nan")
 
 

@@ -20,6 +20,11 @@ nvfp4               NVFP4 1×16, E4M3 + FP32 NVFP4, calibrated global      compr
 nvfp4-4over6[-wo]   NVFP4, Four Over Six    the same (or high precision)  NVFP4 readers (weights)
 ==================  ======================  ============================  ============================
 
+Every config has a weight-only twin (`weight_only`): ``fp8-block-weight-only``,
+``mxfp8-weight-only``, ``mxfp6-weight-only`` besides those above. A quantized LM head and
+embedding use it: the lookup has no GEMM input to quantize, and the head's input is the model's
+last hidden state, the one activation every token's logits depend on.
+
 ``mxfp6`` is E2M3, as the training recipe of that name (what measured best), and as
 compressed-tensors packs MXFP6. The MX configs round the E8M0 scale exponent up (``rceil``).
 
@@ -143,9 +148,32 @@ QUANT_CONFIGS: dict[str, QuantConfig] = {
         # to 4, whichever errs less — the same NVFP4 format, read by every NVFP4 reader
         QuantConfig(name="nvfp4-4over6-weight-only", weight="nvfp4", scale_rule="4over6"),
         QuantConfig(name="nvfp4-4over6", weight="nvfp4", activation="nvfp4", static=True, scale_rule="4over6"),
+        # the weight-only twins of the configs above that have none (a quantized head and embedding use them)
+        QuantConfig(name="fp8-block-weight-only", weight="fp8_block128x128"),
+        QuantConfig(name="mxfp8-weight-only", weight="mxfp8", scale_rule="rceil"),
+        QuantConfig(name="mxfp6-weight-only", weight="mxfp6_e2m3", scale_rule="rceil"),
     )
 }
 """Named PTQ configs (what ``--scheme`` accepts)."""
+
+
+def weight_only(config: str | QuantConfig | dict) -> QuantConfig:
+    """The weight-only config with `config`'s weight scheme — a named one where there is one
+    (``fp8-static``'s per-tensor weight: ``fp8-weight-only``, per row, as an LM head wants).
+
+    Example:
+        >>> weight_only("mxfp8").name, weight_only("nvfp4").name, weight_only("fp8-static").name
+        ('mxfp8-weight-only', 'nvfp4-weight-only', 'fp8-weight-only')
+    """
+    c = get_quant_config(config)
+    if c.activation is None:
+        return c
+    if c.weight_scheme.granularity == "tensor":
+        return QUANT_CONFIGS["fp8-weight-only"]
+    for w in QUANT_CONFIGS.values():
+        if w.activation is None and w.weight_scheme == c.weight_scheme and w.pow2_global_scale == c.pow2_global_scale:
+            return w
+    return dataclasses.replace(c, name=f"{c.name}-weight-only", activation=None, static=False)
 
 
 def get_quant_config(config: str | QuantConfig | dict) -> QuantConfig:

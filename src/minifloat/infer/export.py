@@ -13,7 +13,8 @@ format                tensors
 ====================  ==========================================================================
 float-quantized       ``<p>.weight`` float8_e4m3fn (N, K); ``<p>.weight_scale`` float32, the
                       decode scale (value = code × scale): (N, 1) per channel, (1,) per tensor,
-                      (⌈N/128⌉, ⌈K/128⌉) per 128×128 block; ``<p>.input_scale`` (1,) when static
+                      (⌈N/128⌉, ⌈K/128⌉) per 128×128 block, a partial last block padded by the
+                      readers; ``<p>.input_scale`` (1,) when static
 mxfp8-quantized       ``<p>.weight`` float8_e4m3fn; ``<p>.weight_scale`` uint8 E8M0 (N, K/32),
                       2^(code − 127)
 mxfp4-pack-quantized  ``<p>.weight_packed`` uint8 (N, K/2), the even column in the low nibble;
@@ -26,10 +27,21 @@ nvfp4-pack-quantized  ``<p>.weight_packed`` uint8 (N, K/2); ``<p>.weight_scale``
                       ``<p>.input_global_scale`` likewise for the calibrated input
 ====================  ==========================================================================
 
+Group scales (MX, NVFP4) need K a multiple of the group: compressed-tensors reshapes K into whole
+groups, so a layer with a partial group is refused, naming it (minifloat itself runs it). A
+partial 128×128 block is written in ``compressed-tensors`` (its readers pad) and refused in
+``hf-fp8``: transformers' fine-grained FP8 loader dequantizes only whole blocks on a CPU.
+`quantize_model(..., export_format=...)` keeps such layers in high precision instead.
+
 ``hf-fp8`` (DeepSeek-V3; transformers' fine-grained FP8, fp8-block only): ``quantization_config =
 {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size":
 [128, 128], "modules_to_not_convert": [...]}``; ``<p>.weight`` float8_e4m3fn and
 ``<p>.weight_scale_inv`` float32 (⌈N/128⌉, ⌈K/128⌉), multiplied on dequantize despite its name.
+
+A quantized LM head (`quantize_model(..., quantize_head=True)`) is a quantized layer like the
+others, weight-only; its input embedding (a `QuantizedEmbedding`, tied or not) is written as the
+exact values of its packed table in the embedding's dtype, since no reader looks tokens up in a
+packed table, and ``tie_word_embeddings`` becomes false — as llm-compressor unties a quantized head.
 
 Everything else (embeddings, norms, ignored layers) is written in its own dtype; the model's own
 config fields are kept, the tokenizer files of the folder it came from copied. Shards of at
@@ -50,6 +62,7 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.formats.registry import E4M3
 from minifloat.infer.config import QuantConfig
+from minifloat.infer.embedding import QuantizedEmbedding
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.io.atomic import atomic_path, fsync_dir, make_dir_beside, remove
 from minifloat.quant import QuantizedTensor
@@ -62,6 +75,8 @@ CT_FORMAT = {  # config name → compressed-tensors format
     "nvfp4-weight-only": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
     # Four Over Six chooses the block scales; the format is NVFP4's (a reader quantizes inputs by its own rule)
     "nvfp4-4over6-weight-only": "nvfp4-pack-quantized", "nvfp4-4over6": "nvfp4-pack-quantized",
+    "fp8-block-weight-only": "float-quantized", "mxfp8-weight-only": "mxfp8-quantized",
+    "mxfp6-weight-only": "mxfp6-pack-quantized",
 }  # fmt: skip
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")  # fmt: skip
@@ -109,7 +124,10 @@ def layer_tensors(prefix: str, layer: QuantizedLinear, fmt: str) -> dict[str, to
                              f"no {fmt} reader applies such a transform: quantize without it to export")  # fmt: skip
     q, c = layer.checkpoint_weight(), layer.config
     s = q.scheme
-    n, _ = q.shape
+    n, k = q.shape
+    if (why := unreadable(s, n, k, fmt)) is not None:
+        raise MinifloatError(f"layer {prefix!r} {why}: keep it in high precision (ignore=[{prefix!r}]; "
+                             f"quantize_model(..., export_format={fmt!r}) does so itself)")  # fmt: skip
     out: dict[str, torch.Tensor] = {}
     if fmt == "hf-fp8":
         if c.name != "fp8-block":
@@ -148,12 +166,28 @@ def layer_tensors(prefix: str, layer: QuantizedLinear, fmt: str) -> dict[str, to
     return out
 
 
+def unreadable(s, n: int, k: int, fmt: str) -> str | None:
+    """Why no reader of `fmt` loads an (n, k) weight in scheme `s`, or None: a partial group along
+    K (compressed-tensors' group and tensor-group strategies reshape K into whole groups and raise
+    otherwise; its block strategy pads a partial 128×128 block, transformers' CPU loader of
+    ``hf-fp8`` does not), or a row of sub-byte codes that is not whole bytes."""
+    if k * s.element_format.bits % 8:
+        return f"a row of {k} {s.element} codes is not whole bytes, as {fmt} stores rows"
+    if fmt == "hf-fp8" and s.granularity == "block" and (n % s.block[0] or k % s.block[1]):
+        return (f"({n}×{k}) has a partial 128×128 block, which transformers' fine-grained FP8 loader does not "
+                f"dequantize on a CPU (format 'compressed-tensors' pads it)")  # fmt: skip
+    if s.granularity == "block" and s.block[0] == 1 and k % s.block[1]:
+        return (f"in_features={k} is not a multiple of the {s.block[1]}-value groups of {s.name}: compressed-tensors "
+                f"reads group scales of whole groups only")  # fmt: skip
+    return None
+
+
 def _inverted(tensor_scale: torch.Tensor) -> torch.Tensor:
     """NVFP4's encode scale S from the decode scale 1/S that minifloat keeps."""
     return (1.0 / tensor_scale.double()).float().reshape(1)
 
 
-def _dense_tensors(model: torch.nn.Module, quantized: dict[str, QuantizedLinear]) -> dict[str, torch.Tensor]:
+def _dense_tensors(model: torch.nn.Module, quantized: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Every other tensor of the state dict; a tensor that two names share (tied embeddings)
     once, under its first name, as transformers saves them."""
     skip = tuple(f"{p}." for p in quantized)
@@ -228,10 +262,15 @@ def export(
             f"{out} exists; pass overwrite=True (--overwrite) to replace it, or choose another folder"
         )
     ignore = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    tensors = _dense_tensors(model, quantized)
+    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedEmbedding)}
+    tensors = _dense_tensors(model, quantized | embeddings)
+    for prefix, emb in embeddings.items():  # no reader looks embeddings up in a packed table: its exact values
+        tensors[f"{prefix}.weight"] = emb.weight.dequantize(emb.dtype)
     for prefix, layer in quantized.items():
         tensors.update(layer_tensors(prefix, layer, format))
     config = hf_config.to_dict()
+    if embeddings:  # the head is packed and the embedding written dense: no longer one tensor
+        config["tie_word_embeddings"] = False
     config["quantization_config"] = _quantization_config(format, {n: m.config for n, m in quantized.items()}, ignore)
     if kv_scales is not None:
         if format != "compressed-tensors":

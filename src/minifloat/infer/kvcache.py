@@ -22,12 +22,15 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from minifloat import kernels
 from minifloat.errors import MinifloatError
 from minifloat.quant import QuantizedTensor, quantize
 from minifloat.scaling import rules
+from minifloat.scaling.layout import part_specs
 from minifloat.scaling.schemes import Scheme, get_scheme
 
 
@@ -189,10 +192,12 @@ def _row_bytes(store: Scheme | torch.dtype, hs: int) -> int:
     """Bytes of one head's row of `hs` values in `store` (an NVFP4 chunk's tensor scale aside)."""
     if isinstance(store, torch.dtype):
         return hs * torch.finfo(store).bits // 8
-    scale = {"row": 4, "tensor": 0}.get(store.granularity)
-    if scale is None:
-        scale = hs // store.block[1] * (4 if store.scale_format == "fp32" else 1)
-    return hs * store.element_format.bits // 8 + scale
+    specs = part_specs((1, hs), store)  # a partial last block is padded and has its own scale
+    row = specs["data"][1][1]
+    if store.granularity != "tensor":
+        dtype, shape = specs["scale"]
+        row += math.prod(shape) * dtype.itemsize
+    return row
 
 
 DEMOTE_AT_ONCE = 16
@@ -267,13 +272,7 @@ class KVCache:
 
     def _check_shape(self, k: torch.Tensor) -> None:
         b, nh, _, hs = k.shape
-        if self._shape is None:
-            for name, store in ((self.format, self.store), (self.pressure_format, self.pressure)):
-                if not isinstance(store, torch.dtype) and store.granularity == "block" and hs % store.block[1]:
-                    raise MinifloatError(
-                        f"KV cache {name!r} quantizes blocks of {store.block[1]} values of a head; "
-                        f"the model's head_dim is {hs} (use fp8, bf16 or fp32)"
-                    )
+        if self._shape is None:  # a head_dim that is not a multiple of the blocks: a partial last block
             self._shape = (b, nh, hs)
         elif self._shape != (b, nh, hs):
             raise MinifloatError(f"the cache holds batch × heads × head_dim {self._shape}; got {(b, nh, hs)}")

@@ -94,9 +94,11 @@ def quantize_checkpoint(
     source: TextSource = TextSource(),  # noqa: B008 - frozen
     overwrite: bool = False,
     ignore: tuple[str, ...] = ("lm_head",),
+    quantize_head: bool = False,
 ) -> QuantizeSummary:
     """Load `model_path`, quantize it with `config` (calibrating on `source`'s training split when
-    the config needs it) and export it to `out` in `format`. What can fail is checked first: the
+    the config needs it; the LM head and embedding too with `quantize_head`) and export it to `out`
+    in `format`; a layer that format's readers could not load stays in high precision. What can fail is checked first: the
     config, the format, the output folder."""
     config = get_quant_config(config)
     if format not in FORMATS:
@@ -112,7 +114,8 @@ def quantize_checkpoint(
     calibration = None
     if config.needs_calibration:
         calibration = calibrate(model, batches_for(model, source, "train", tokenizer))
-    summary = quantize_model(model, config, calibration=calibration, ignore=ignore)
+    summary = quantize_model(model, config, calibration=calibration, ignore=ignore, export_format=format,
+                             quantize_head=quantize_head)  # fmt: skip
     if not summary.quantized:
         raise MinifloatError(f"no layer of {model_path} could be quantized with {config.name}:\n{summary}")
     export(model, out, format=format, overwrite=overwrite, tokenizer_dir=model_path if tokenizer else None)
@@ -120,12 +123,12 @@ def quantize_checkpoint(
 
 
 def quantize_in_memory(model: torch.nn.Module, scheme: str | QuantConfig, tokenizer=None, *,
-                       source: TextSource = TextSource()) -> QuantizeSummary:  # noqa: B008 - frozen  # fmt: skip
-    """Quantize `model` in place with `scheme`, calibrating on `source`'s training split when the
-    config calibrates its input."""
+                       source: TextSource = TextSource(), quantize_head: bool = False) -> QuantizeSummary:  # noqa: B008 - frozen  # fmt: skip
+    """Quantize `model` in place with `scheme` (the LM head and embedding too with
+    `quantize_head`), calibrating on `source`'s training split when the config calibrates its input."""
     config = get_quant_config(scheme)
     cal = calibrate(model, batches_for(model, source, "train", tokenizer)) if config.needs_calibration else None
-    return quantize_model(model, config, calibration=cal)
+    return quantize_model(model, config, calibration=cal, quantize_head=quantize_head)
 
 
 def evaluate_paths(
@@ -134,6 +137,7 @@ def evaluate_paths(
     *,
     scheme: str | QuantConfig | None = None,
     source: TextSource = TextSource(),  # noqa: B008 - frozen
+    quantize_head: bool = False,
 ) -> dict:
     """`evaluate` the model at `model_path` on `source`'s held-out split against the one at
     `reference_path`; with `scheme`, quantize it first, and compare with itself unquantized
@@ -144,5 +148,5 @@ def evaluate_paths(
     if scheme is not None:
         get_quant_config(scheme)  # an unknown name: an error before the copy
         reference = reference if reference is not None else copy.deepcopy(model)
-        quantize_in_memory(model, scheme, tokenizer, source=source)
+        quantize_in_memory(model, scheme, tokenizer, source=source, quantize_head=quantize_head)
     return evaluate(model, reference, batches_for(model, source, "val", tokenizer))

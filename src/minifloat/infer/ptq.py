@@ -4,8 +4,10 @@
 Linears inside a Hugging Face transformers model — for a `QuantizedLinear`, in place, and returns
 a `QuantizeSummary`: per layer the scheme, the bytes before and after (measured from the tensors
 held), or why it stayed in high precision. A layer stays when its name matches ``ignore``, when
-it is too small (a dimension below 16), when its in_features is not a multiple of the blocks
-along K, or when calibration never reached it — never an exception.
+it is too small (a dimension below 16), or when calibration never reached it — never an
+exception. A dimension that is not a multiple of the blocks gets a partial last block (the scale
+grid is ceil-divided, as DeepSeek-V3's and compressed-tensors' readers expect): its scale is that
+of the real values, the zero padding changes no amax and is never stored.
 
 Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
@@ -22,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.formats.packing import codes_per_group
 from minifloat.infer.accounting import layer_bytes, model_bytes
-from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config
+from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config, weight_only
+from minifloat.infer.embedding import QuantizedEmbedding
+from minifloat.infer.export import unreadable
 from minifloat.infer.linear import QuantizedLinear
 from minifloat.infer.observers import AmaxObserver, observe
 from minifloat.infer.rtn import Transform, WeightQuantizer, round_to_nearest
@@ -42,6 +45,8 @@ class LayerSummary:
     reason: str | None = None  # why it stayed in high precision
     config: str | None = None  # the config's name
     rule: str | None = None  # the policy pattern that chose it (a mapping of globs to configs)
+    embedding: bool = False  # the input embedding (`quantize_head`), not a Linear
+    note: str | None = None
 
 
 @dataclass
@@ -74,14 +79,17 @@ class QuantizeSummary:
         policy = not isinstance(self.config, QuantConfig)
         rows = [("layer", "shape", "config", "weight", "input", "bytes before", "bytes after", "note")]
         for s in self.layers:
-            note = s.reason or (f"rule {s.rule!r}" if policy and s.rule else "")
+            note = s.reason or s.note or (f"rule {s.rule!r}" if policy and s.rule else "")
             rows.append((s.name, "×".join(map(str, s.shape)), s.config or "—", s.scheme or "—", s.activation or "—",
                          f"{s.bytes_before:,}", f"{s.bytes_after:,}", note))  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         ratio = self.model_bytes_before / self.model_bytes_after if self.model_bytes_after else float("nan")
+        linears = [s for s in self.layers if not s.embedding]
+        embedding = " and the input embedding" if any(s.embedding and s.scheme for s in self.layers) else ""
         lines.append(
-            f"{self.config.name if isinstance(self.config, QuantConfig) else 'policy'}: {len(self.quantized)} of {len(self.layers)} Linears quantized; model "
+            f"{self.config.name if isinstance(self.config, QuantConfig) else 'policy'}: "
+            f"{sum(s.scheme is not None for s in linears)} of {len(linears)} Linears{embedding} quantized; model "
             f"{self.model_bytes_before:,} → {self.model_bytes_after:,} bytes ({ratio:.2f}× smaller)"
         )
         return "\n".join(lines)
@@ -93,13 +101,6 @@ def why_not(linear: torch.nn.Linear, config: QuantConfig) -> str | None:
         n = getattr(linear, attr)
         if n < MIN_FEATURES:
             return f"{attr}={n} is below {MIN_FEATURES}"
-    k = linear.in_features
-    multiple = max(
-        config.block_k,
-        *(codes_per_group(s.element_format) for s in (config.weight_scheme, config.activation_scheme) if s),
-    )
-    if k % multiple:
-        return f"in_features={k} is not a multiple of {multiple} (the blocks along K)"
     if linear.weight.device.type == "meta":
         return "its weight is on the meta device (not loaded)"
     return None
@@ -158,6 +159,8 @@ def quantize_model(
     backend: str = "auto",
     weight_quantizer: WeightQuantizer = round_to_nearest,
     transform: Transform | None = None,
+    export_format: str | None = None,
+    quantize_head: bool = False,
 ) -> QuantizeSummary:
     """Replace every eligible Linear of `model` (in place) by a `QuantizedLinear` in `config`.
 
@@ -170,6 +173,12 @@ def quantize_model(
     `transform` (none by default) are the stages each layer goes through (`minifloat.infer.rtn`);
     the observer kinds they list in a ``needs`` attribute (e.g. ``("hessian",)``) are measured on
     the calibration batches in one pass over the model and handed to them per layer.
+    `export_format` (``"compressed-tensors"``, ``"hf-fp8"``): keep in high precision the layers
+    that format's readers could not load (`minifloat.infer.export.unreadable` names why).
+    `quantize_head`: quantize the LM head too (``ignore`` does not keep it), weight-only with the
+    config's weight scheme (`weight_only`), and the input embedding with it: a tied embedding
+    becomes a `QuantizedEmbedding` reading the head's packed table (one table, as before), an
+    untied one gets its own packed table in the same scheme (round to nearest).
     Returns the `QuantizeSummary`."""
     if not isinstance(model, torch.nn.Module):
         raise MinifloatError(f"quantize_model takes a torch.nn.Module, got {type(model).__name__}")
@@ -194,15 +203,21 @@ def quantize_model(
     summary = QuantizeSummary(policy, model_bytes_before=model_bytes(model))
     swaps: dict[str, QuantizedLinear] = {}
     by_old: dict[int, QuantizedLinear] = {}
+    head = output_head(model) if quantize_head else None
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear) or not name:
             continue
         before = layer_bytes(m)
         c, rule, reason = _layer_config(name, policy)
-        if (p := matches(name, ignore)) is not None:
+        if m is head and c is not None:
+            c = weight_only(c)  # the head: weight-only, whatever `ignore` says of it
+        elif (p := matches(name, ignore)) is not None:
             reason = f"ignored (matches {p!r})"
         elif c is not None:
             reason = why_not(m, c)
+            if reason is None and export_format is not None:
+                why = unreadable(c.weight_scheme, m.out_features, m.in_features, export_format)
+                reason = None if why is None else f"{export_format}: {why}"
         amax = None
         if reason is None and needs and name not in stats:
             reason = "calibration never reached it"
@@ -223,5 +238,48 @@ def quantize_model(
         )
         swaps[name] = by_old[id(m)] = q
     swap_modules(model, list(swaps), lambda old: by_old[id(old)])
+    if head is not None and id(head) in by_old:
+        summary.layers.append(_quantize_embedding(model, head, by_old[id(head)]))
     summary.model_bytes_after = model_bytes(model)
     return summary
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The model's LM head: transformers' output embeddings, else the Linear named ``lm_head``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, torch.nn.Linear):
+        return head
+    return next((m for n, m in model.named_modules() if n.rpartition(".")[2] == "lm_head" and isinstance(m, torch.nn.Linear)), None)
+
+
+def _input_embedding(model: torch.nn.Module, head: torch.nn.Linear) -> tuple[str, torch.nn.Embedding] | None:
+    """(name, module) of the input embedding: transformers' input embeddings, else the
+    ``nn.Embedding`` tied to `head`."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Embedding) and (m is emb or (emb is None and m.weight is head.weight)):
+            return name, m
+    return None
+
+
+def _quantize_embedding(model: torch.nn.Module, old_head: torch.nn.Linear, head: QuantizedLinear) -> LayerSummary:
+    """Swap the input embedding for a `QuantizedEmbedding`: reading the head's table when the two
+    were tied, else its own table in the head's scheme. Its row of the summary."""
+    found = _input_embedding(model, old_head)
+    if found is None:
+        return LayerSummary("(input embedding)", (0, 0), None, None, 0, 0, "the model has no nn.Embedding input embedding",
+                            embedding=True)  # fmt: skip
+    name, emb = found
+    shape, before = tuple(emb.weight.shape), emb.weight.nbytes
+    if emb.weight is old_head.weight:
+        new = QuantizedEmbedding(tied_to=head, dtype=emb.weight.dtype, padding_idx=emb.padding_idx)
+        before, note = 0, "tied to the LM head: one packed table (counted there)"
+    else:
+        table = round_to_nearest(emb.weight.detach(), head.config, {})
+        new = QuantizedEmbedding(table, dtype=emb.weight.dtype, padding_idx=emb.padding_idx)
+        note = None
+    swap_modules(model, [name], lambda old: new)
+    return LayerSummary(name, shape, head.config.weight, None, before, new.packed_nbytes(), config=head.config.name,
+                        embedding=True, note=note)  # fmt: skip

@@ -1,8 +1,9 @@
 """`minifloat.convert`: swap a model's `torch.nn.Linear` layers for minifloat Linears in place.
 
-By default a layer is converted when both its dimensions are multiples of the recipe's
-largest block (1 for per-tensor FP8 … 128 for DeepSeek blocks) and of 16 (the alignment of
-native FP8 GEMMs); the others stay in high precision, with a log line each.
+By default every layer with both dimensions ≥ 16 is converted; the others stay in high
+precision, with a log line each. A dimension that is not a multiple of the recipe's blocks gets a
+partial last block (zero-padded: the padding changes no amax and is cropped from every result),
+and the native GEMMs pad their operands to the alignment they need.
 ``filter(fqn, module) -> bool`` replaces that rule (e.g. to keep the LM head, or the last
 blocks, in high precision as the NVFP4 recipe advises). ``nn.MultiheadAttention``'s
 ``out_proj`` is never converted: the attention calls ``F.linear`` on its weights itself.
@@ -32,13 +33,10 @@ MIN_FEATURES = 16
 
 
 def _why_not(module: torch.nn.Linear, recipe: Recipe) -> str | None:
-    multiple = max(recipe.block_multiple, MIN_FEATURES)
     for name in ("in_features", "out_features"):
         n = getattr(module, name)
         if n < MIN_FEATURES:
             return f"{name}={n} is below {MIN_FEATURES}"
-        if n % multiple:
-            return f"{name}={n} is not a multiple of {multiple}"
     return None
 
 

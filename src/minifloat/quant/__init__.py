@@ -4,9 +4,9 @@ random Hadamard transform, and `save` / `load` (safetensors, no pickle)."""
 from minifloat.quant.api import QUANTIZE_DTYPES, dequantize, fake_quantize, quantize
 from minifloat.quant.hadamard import hadamard_matrix, hadamard_signs, rht
 from minifloat.quant.serialization import CorruptFileError, load, save
-from minifloat.quant.tensor import QuantizedTensor, check_parts
+from minifloat.quant.tensor import QuantizedTensor, check_parts, dequantize_rows
 
 __all__ = [
-    "quantize", "dequantize", "fake_quantize", "QuantizedTensor", "check_parts", "QUANTIZE_DTYPES",
+    "quantize", "dequantize", "fake_quantize", "QuantizedTensor", "check_parts", "dequantize_rows", "QUANTIZE_DTYPES",
     "rht", "hadamard_signs", "hadamard_matrix", "save", "load", "CorruptFileError",
 ]  # fmt: skip

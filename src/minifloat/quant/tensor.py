@@ -22,7 +22,7 @@ import torch
 
 from minifloat import kernels
 from minifloat.errors import MinifloatError
-from minifloat.scaling.layout import part_specs
+from minifloat.scaling.layout import layout_for, part_specs
 from minifloat.scaling.rules import decode_scales
 from minifloat.scaling.schemes import Scheme
 
@@ -189,6 +189,34 @@ class QuantizedTensor:
             raise ValueError("a QuantizedTensor's values are dequantized into a new array; copy=False cannot be honoured")
         a = self.dequantize(torch.float32).numpy()
         return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def dequantize_rows(q: QuantizedTensor, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `index` (integers, any shape: flattened) of the 2-D `q`'s values, decoding only those
+    rows: exactly ``q.dequantize(dtype)[index]`` (an embedding lookup in a packed table). Each row
+    keeps its blocks' float32 decode scales (a 128×128 block's scale serves its 128 rows; NVFP4's
+    E4M3 × tensor scale, the product its own decode takes) and is decoded as FP32-scaled blocks.
+
+    Example:
+        >>> from minifloat.quant import quantize
+        >>> q = quantize(torch.randn(300, 64), "fp8_block128x128")
+        >>> torch.equal(dequantize_rows(q, torch.tensor([7, 299])), q.dequantize()[[7, 299]])
+        True
+    """
+    if q.dim() != 2:
+        raise MinifloatError(f"dequantize_rows reads rows of a 2-D QuantizedTensor; this one has shape {tuple(q.shape)}")
+    check_parts(q)
+    n, k = q.shape
+    idx = torch.as_tensor(index, device=q.data.device).reshape(-1)
+    if idx.dtype.is_floating_point or idx.dtype == torch.bool:
+        raise MinifloatError(f"row indices must be integers, got {idx.dtype}")
+    if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < n):
+        raise MinifloatError(f"row index out of range: the table has {n} rows, got indices {int(idx.min())} … {int(idx.max())}")
+    idx = idx.long()
+    lay = layout_for(q.shape, q.scheme)
+    per_row = q.decode_scales()[idx // lay.block_rows]  # (rows, blocks along K): each row's decode scales
+    rows = Scheme(element=q.scheme.element, granularity="block", block=(1, lay.block_cols))
+    return kernels.dequantize(q.data[idx], per_row.contiguous(), None, (idx.numel(), k), rows, dtype)
 
 
 def check_parts(q: QuantizedTensor) -> None:

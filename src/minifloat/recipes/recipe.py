@@ -81,11 +81,6 @@ class Recipe:
         """True when scales come from an amax history (state kept in the module)."""
         return False
 
-    @property
-    def block_multiple(self) -> int:
-        """in/out features must be multiples of this for `convert` to quantize a layer."""
-        return max(max(self.scheme(role).block or (1, 1)) for role in ROLES)
-
     def to_dict(self) -> dict[str, object]:
         d: dict[str, object] = {"recipe": self.kind}
         for f in dataclasses.fields(self):

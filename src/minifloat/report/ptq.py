@@ -14,16 +14,21 @@ from minifloat.report.table import cell, markdown_table
 
 def ptq_table(metrics: dict) -> str:
     """The configs as a Markdown table: minifloat's rows, then torchao's that ran."""
-    head = ("config", "by", "Δppl %", "KL", "top-1", "bits/weight", "weights MiB", "tokens/s")
+    head = ("config", "by", "Δppl %", "KL", "top-1", "bits/weight", "all bits/weight", "model MiB", "quantize s", "tokens/s")
     rows = []
     ref = metrics["reference"]
+
+    def mib(m):
+        return cell(m["model_bytes"] / 2**20, ".1f") if m.get("model_bytes") else "—"
+
     rows.append(("reference", "—", f"ppl {ref['ppl']:.4f}", "—", "—", cell(ref["bits_per_weight"], ".2f"),
-                 cell(ref["weight_bytes"] / 2**20, ".3f"), cell(ref["tokens_per_s"], ",.0f")))  # fmt: skip
+                 cell(ref.get("bits_per_weight_all"), ".2f"), mib(ref), "—", cell(ref["tokens_per_s"], ",.0f")))  # fmt: skip
     for who, group in (("minifloat", metrics["runs"]), ("torchao", [p for p in metrics["torchao"] if p["status"] == "ok"])):
         for m in group:
-            rows.append((m["config"], who, cell(m["delta_ppl_pct"], "+.3f"), cell(m["kl"], ".2e"), cell(m["top1"], ".4f"),
-                         cell(m.get("bits_per_weight"), ".2f"), cell(m["weight_bytes"] / 2**20, ".3f"),
-                         cell(m["tokens_per_s"], ",.0f")))  # fmt: skip
+            name = m["config"] + (" + head" if m.get("quantize_head") else "")
+            rows.append((name, who, cell(m["delta_ppl_pct"], "+.3f"), cell(m["kl"], ".2e"), cell(m["top1"], ".4f"),
+                         cell(m.get("bits_per_weight"), ".2f"), cell(m.get("bits_per_weight_all"), ".2f"), mib(m),
+                         cell(m.get("quantize_seconds"), ".1f"), cell(m["tokens_per_s"], ",.0f")))  # fmt: skip
     return markdown_table(head, rows)
 
 
@@ -65,8 +70,10 @@ def write_ptq_report(metrics: dict, out: str | Path, *, plots: bool = True) -> P
         ptq_table(metrics),
         "",
         "Δppl: perplexity change against the reference. KL: mean per-token KL(reference ‖ quantized). top-1: how often "
-        "both pick the same next token. bits/weight and weights MiB: every Linear weight at rest (codes and scales; "
-        "layers kept in high precision at their dtype). tokens/s: forward passes on this machine.",
+        "both pick the same next token. bits/weight: the Linears' weights at rest (codes and scales; layers kept in "
+        "high precision at their dtype), the LM head and the embedding not counted; all bits/weight: every weight, head "
+        "and embedding included (a tied pair once). model MiB: every tensor the model holds. quantize s: the seconds "
+        "quantization took. tokens/s: forward passes on this machine.",
         "",
     ]
     if plots and not failed:
