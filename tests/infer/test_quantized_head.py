@@ -10,7 +10,14 @@ import torch
 
 import minifloat
 from minifloat import SCHEMES
-from minifloat.infer import QuantizedLinear, bits_per_weight, export, load_quantized, model_bytes, quantize_model
+from minifloat.infer import (
+    QuantizedLinear,
+    bits_per_weight,
+    export,
+    load_quantized,
+    model_bytes,
+    quantize_model,
+)
 from minifloat.infer.config import weight_only
 from minifloat.infer.embedding import QuantizedEmbedding
 from minifloat.quant import dequantize_rows, quantize
