@@ -43,7 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
     p.add_argument("what", choices=["quantize", "gemm", "train", "decode"], help="what to time")
     p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
-    p.add_argument("--kv-formats", default=None, help="decode: comma-separated KV-cache formats (default: all)")
+    p.add_argument("--kv-formats", default=None,
+                   help="decode: comma-separated KV caches, FORMAT[+RECENT][@OPTION…] with OPTION hadamard, hadamard-kv, "
+                        "channel (KIVI's per-channel keys) or pre-rope, e.g. nvfp4+bf16@channel (default: every format)")  # fmt: skip
+    p.add_argument("--data", default=None, help="decode: UTF-8 text file or folder whose held-out split it reads (default: the Python stdlib sources)")
     p.add_argument("--contexts", default="128", help="decode: comma-separated window lengths (≤ the model's context)")
     p.add_argument("--drafts", default="nvfp4,mxfp4", help="decode: FP4 drafts for speculative decoding ('' for none)")
     p.add_argument("--draft-tokens", default="2,4,8", help="decode: comma-separated k")
@@ -187,20 +190,25 @@ def _decode(args: argparse.Namespace) -> int:
     from minifloat.infer.adapter import adapter_for
     from minifloat.infer.metrics import token_ids
     from minifloat.infer.pipeline import tokenizer_for
-    from minifloat.train.corpus import stdlib_corpus
+    from minifloat.train.corpus import load_corpus, stdlib_corpus
 
     if args.model is None:
         raise MinifloatError("bench decode needs a model: minifloat bench decode MODEL (a run folder, a transformers folder, a .gguf)")
     model = load_model(args.model)
     context = adapter_for(model).context_length
     formats = decode.DEFAULT_FORMATS if not args.kv_formats else tuple(f.strip() for f in args.kv_formats.split(","))
+    from minifloat.infer.kvcache import parse_kv_spec
+
+    for f in formats:  # a bad name fails before the model runs
+        parse_kv_spec(f)
     contexts = [int(c) for c in args.contexts.split(",")]
     bad = [c for c in contexts if not 17 < c <= context]
     if bad:
         raise MinifloatError(f"--contexts {bad[0]}: each must be in (17, {context}] (the model's context)")
     ks = [int(k) for k in args.draft_tokens.split(",") if k.strip()]
     drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
-    text = token_ids(bytes(stdlib_corpus().val.numpy()), tokenizer_for(args.model))
+    corpus = stdlib_corpus() if args.data is None else load_corpus(args.data)
+    text = token_ids(bytes(corpus.val.numpy()), tokenizer_for(args.model))
     echo = (lambda s: None) if args.json else print
     echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} windows per context "
          f"({'greedy continuations of held-out prompts' if args.kv_text == 'generated' else 'held-out text'}):")

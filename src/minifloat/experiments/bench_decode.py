@@ -26,6 +26,7 @@ from minifloat.errors import MinifloatError
 from minifloat.infer import generate
 from minifloat.infer.adapter import adapter_for
 from minifloat.infer.decoding import draft_model
+from minifloat.infer.kvcache import parse_kv_spec
 from minifloat.infer.metrics import Quality
 
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
@@ -34,11 +35,11 @@ FP4_COST_RATIO = 0.25  # an FP4 draft's forward against a BF16 target's: a quart
 
 @torch.no_grad()
 def _decode_logits(model, window: torch.Tensor, fmt: str, prefill: int) -> tuple[torch.Tensor, float, int]:
-    """`fmt`: a KV format, or ``FORMAT+RECENT`` (e.g. ``fp8+bf16``): the sinks and the last 32
-    tokens in RECENT, older ones in FORMAT."""
-    name, _, recent = fmt.partition("+")
+    """`fmt`: a KV format, or ``FORMAT+RECENT`` (e.g. ``fp8+bf16``: the sinks and the last 32
+    tokens in RECENT, older ones in FORMAT), with ``@OPTION``s (`parse_kv_spec`)."""
+    name, kw = parse_kv_spec(fmt)
     adapter = adapter_for(model)
-    cache = adapter.new_cache(name, recent_format=recent or None)
+    cache = adapter.new_cache(name, **kw)
     rows = [adapter.forward(window[:, :prefill], cache)[0, -1:]]
     t0 = time.perf_counter()
     for t in range(prefill, window.shape[1] - 1):
@@ -70,7 +71,7 @@ def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMA
             row = {"format": fmt, "context": ctx, "source": source, "tokens": int(n), "kl": quality["kl"], "top1": quality["top1"],
                    "kv_bytes": nbytes, "tokens_per_s": (n - len(ws)) / secs if secs else float("inf")}  # fmt: skip
             rows.append(row)
-            echo(f"  ctx {ctx:>4} {fmt:<9} KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  KV {nbytes:,} B  "
+            echo(f"  ctx {ctx:>4} {fmt:<22} KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  KV {nbytes:,} B  "
                  f"{row['tokens_per_s']:,.0f} tok/s")  # fmt: skip
     return rows
 

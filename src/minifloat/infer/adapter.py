@@ -107,7 +107,25 @@ class TransformersAdapter(ModelAdapter):
         return int(getattr(self._text, "max_position_embeddings", 0) or 2**31)
 
     def new_cache(self, format: str = "bf16", **kv):
+        if kv.get("pre_rope") and kv.get("rope") is None:
+            kv["rope"] = self.rope()
         return quantized_cache(self.model.config, format, **kv)
+
+    def rope(self):
+        """positions → (cos, sin) (T, head_dim) of the model's rotary embedding, when it has the
+        standard form (``model.model.rotary_emb`` over the whole head dim, no attention scaling),
+        else None."""
+        rot = getattr(getattr(self.model, "model", None), "rotary_emb", None)
+        if rot is None or float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
+            return None
+        head_dim = self.kv_geometry.head_dim
+
+        def rope(positions: torch.Tensor):
+            cos, sin = rot(torch.empty(0, dtype=torch.float32, device=positions.device), positions[None])
+            return cos[0], sin[0]
+
+        cos, _ = rope(torch.arange(1))
+        return rope if cos.shape[-1] == head_dim else None
 
     def forward(self, ids: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is None:

@@ -12,6 +12,21 @@ Consecutive tokens of one format form a run whose rows grow in place of being re
 keeps each appended chunk's tensor scale). Attention reads the exactly dequantized values, decoded
 from the packed store at each call and not kept: `nbytes` counts every tensor the cache holds.
 
+Options for low-bit keys (each measured by ``minifloat bench decode``):
+
+- ``rotate="k"`` (or ``"kv"``): a random-sign Hadamard rotation R of the head dimension, applied to
+  each key row before it is quantized and undone (Rᵀ, R orthogonal) when it is read. Attention
+  sees q·(Q(kR)Rᵀ)ᵀ = (qR)·Q(kR)ᵀ: the same as rotating queries and keys alike, so QKᵀ is
+  unchanged before quantization, and the rotation spreads outlier channels over every block.
+- ``key_scales="channel"`` (KIVI, Liu et al. 2024): keys scaled per channel — each channel's
+  values over a group of tokens share a block (the format's block width, 32 for FP8), stored
+  transposed; values stay per token. Tokens enter in the high-precision ``recent_format`` (KIVI's
+  residual, required) and move to ``format`` a whole group at a time.
+- ``pre_rope=True`` (KVQuant, Hooper et al. 2024): keys quantized before the rotary embedding —
+  the cache undoes RoPE on arrival and applies it again when the keys are read, with the model's
+  own rotary embedding (``rope``, given by the model's adapter: positions → (cos, sin)); where the
+  model has one of the standard form.
+
 Example:
     >>> cache = KVCache(n_layer=1, format="fp8")
     >>> k = v = torch.randn(1, 2, 5, 64)
@@ -29,6 +44,7 @@ import torch
 from minifloat import kernels
 from minifloat.errors import MinifloatError
 from minifloat.quant import QuantizedTensor, quantize
+from minifloat.quant.hadamard import hadamard_matrix
 from minifloat.scaling import rules
 from minifloat.scaling.layout import part_specs
 from minifloat.scaling.schemes import Scheme, get_scheme
@@ -106,7 +122,7 @@ class _Packed:
     def joins(self, other: _Packed) -> bool:
         """Whether `other`'s rows can follow these in one store: the same store, and for a
         calibrated per-tensor run the same scale."""
-        same = other.store == self.store and other.hs == self.hs
+        same = type(other) is type(self) and other.store == self.store and other.hs == self.hs
         return same and not (self._per_tensor() and not torch.equal(self.scale, other.scale))
 
     def extend(self, other: _Packed) -> None:
@@ -161,6 +177,70 @@ class _Packed:
         scales = rules.decode_scales(self.scale, per_row[:, None], "e4m3")
         fp32 = self.store.replace(scale_format="fp32", scale_rule="floor")
         return kernels.dequantize(self.data, scales, None, (self.rows, self.hs), fp32)
+
+
+class _ChannelPacked:
+    """Keys scaled per channel (KIVI): each chunk is a group of t tokens' rows (t·P, head_dim), P =
+    batch × heads, stored transposed — a channel's t values one row of (P·head_dim, t) — so the
+    format's blocks run along the tokens: one scale per channel and block of tokens."""
+
+    __slots__ = ("store", "chunks", "per", "hs")
+
+    def __init__(self, store, chunks: list[QuantizedTensor], per: int, hs: int) -> None:
+        self.store, self.chunks, self.per, self.hs = store, chunks, per, hs
+
+    @classmethod
+    def pack(cls, rows: torch.Tensor, store, per: int) -> _ChannelPacked:
+        hs = rows.shape[1]
+        t = rows.shape[0] // per
+        channels = rows.reshape(t, per, hs).permute(1, 2, 0).reshape(per * hs, t).contiguous()
+        return cls(store, [quantize(channels, store)], per, hs)
+
+    @property
+    def rows(self) -> int:
+        return sum(q.shape[1] for q in self.chunks) * self.per
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for q in self.chunks for t in (q.data, q.scale, q.tensor_scale) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def joins(self, other) -> bool:
+        return type(other) is type(self) and (other.store, other.per, other.hs) == (self.store, self.per, self.hs)
+
+    def extend(self, other: _ChannelPacked) -> None:
+        assert self.joins(other)
+        self.chunks = self.chunks + other.chunks
+
+    def _rows_of(self, q: QuantizedTensor) -> torch.Tensor:
+        t = q.shape[1]
+        return q.dequantize().reshape(self.per, self.hs, t).permute(2, 0, 1).reshape(t * self.per, self.hs)
+
+    def dequantize(self) -> torch.Tensor:
+        rows = [self._rows_of(q) for q in self.chunks]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def pieces(self) -> list[QuantizedTensor]:
+        return list(self.chunks)
+
+    def slice(self, r0: int, r1: int) -> _ChannelPacked:
+        """Rows [r0, r1): whole groups as they are; a group cut in two keeps its part's values,
+        quantized again as a smaller group (its channels' scales then come from those tokens)."""
+        out, start = [], 0
+        for q in self.chunks:
+            n = q.shape[1] * self.per
+            a, b = max(start, r0), min(start + n, r1)
+            if a < b:
+                out.append(q.clone() if (a, b) == (start, start + n) else
+                           _ChannelPacked.pack(self._rows_of(q)[a - start : b - start], self.store, self.per).chunks[0])  # fmt: skip
+            start += n
+        return _ChannelPacked(self.store, out, self.per, self.hs)
+
+
+KV_ROTATIONS = (None, "k", "kv")
+KEY_SCALES = ("token", "channel")
 
 
 class _Run:
@@ -223,7 +303,8 @@ class KVCache:
     def __init__(self, n_layer: int, format: str = "bf16", *, budget_bytes: int | None = None,
                  pressure_format: str = "nvfp4", sink_tokens: int = 4, recent_tokens: int = 32,
                  scales: dict[int, tuple[float, float]] | None = None, recent_format: str | None = None,
-                 drop: bool = False) -> None:  # fmt: skip
+                 drop: bool = False, rotate: str | None = None, key_scales: str = "token", pre_rope: bool = False,
+                 rope=None) -> None:  # fmt: skip
         if n_layer < 1:
             raise MinifloatError(f"n_layer must be ≥ 1, got {n_layer}")
         self.format = _key(format)
@@ -247,16 +328,39 @@ class KVCache:
             raise MinifloatError("drop=True drops tokens to keep within a budget: give budget_bytes too")
         self.drop = drop  # only when asked: past the budget even in pressure_format, drop the oldest non-sink tokens
         self.dropped = 0  # tokens dropped so far (positions keep counting them)
+        self._options(rotate, key_scales, pre_rope, rope)
         self.n_layer = n_layer
         self._runs: list[list[_Run]] = [[] for _ in range(n_layer)]  # oldest first; neighbours differ in format
         self._shape: tuple[int, int, int] | None = None  # (batch, heads, head_dim)
         self.events: list[dict] = []
 
+    def _options(self, rotate, key_scales, pre_rope, rope) -> None:
+        """Check and keep the options for low-bit keys (the module docstring)."""
+        if rotate not in KV_ROTATIONS:
+            raise MinifloatError(f"rotate={rotate!r}: use None, 'k' (keys) or 'kv' (keys and values)")
+        if key_scales not in KEY_SCALES:
+            raise MinifloatError(f"key_scales={key_scales!r}: use 'token' or 'channel' (KIVI)")
+        if (rotate or key_scales != "token" or pre_rope) and self.scales is not None:
+            raise MinifloatError("calibrated per-tensor KV scales take no key rotation, channel scales or pre-RoPE keys")
+        if key_scales == "channel":
+            if isinstance(self.store, torch.dtype):
+                raise MinifloatError(f"key_scales='channel' quantizes keys; format {self.format!r} stores them as they are")
+            if self.recent_format is None or self.budget_bytes is not None:
+                raise MinifloatError("key_scales='channel' groups tokens before it quantizes them: it needs a "
+                                     "high-precision recent window (recent_format='bf16', KIVI's residual) and no budget")  # fmt: skip
+        if pre_rope and (rope is None or self.drop):
+            raise MinifloatError("pre_rope=True needs the model's rotary embedding (rope=, which the transformers adapter "
+                                 "gives for a model with one of the standard form) and a cache that keeps every token's position (drop=False)")  # fmt: skip
+        self.rotate, self.key_scales, self.pre_rope, self.rope = rotate, key_scales, pre_rope, rope
+        # a channel group: the format's block width along the tokens (32 tokens for per-row FP8)
+        self.group = self.store.block[1] if not isinstance(self.store, torch.dtype) and self.store.block else 32
+
     def settings(self) -> dict:
         """The arguments that make an empty cache like this one."""
         return dict(format=self.format, budget_bytes=self.budget_bytes, pressure_format=self.pressure_format,
                     sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens, scales=self.scales,
-                    recent_format=self.recent_format, drop=self.drop)  # fmt: skip
+                    recent_format=self.recent_format, drop=self.drop, rotate=self.rotate, key_scales=self.key_scales,
+                    pre_rope=self.pre_rope, rope=self.rope)  # fmt: skip
 
     def length(self, layer: int = 0) -> int:
         """Tokens held for `layer`."""
@@ -273,6 +377,8 @@ class KVCache:
     def _check_shape(self, k: torch.Tensor) -> None:
         b, nh, _, hs = k.shape
         if self._shape is None:  # a head_dim that is not a multiple of the blocks: a partial last block
+            if self.rotate and hs & (hs - 1):
+                raise MinifloatError(f"a Hadamard rotation of the head dimension needs a power of two; head_dim is {hs}")
             self._shape = (b, nh, hs)
         elif self._shape != (b, nh, hs):
             raise MinifloatError(f"the cache holds batch × heads × head_dim {self._shape}; got {(b, nh, hs)}")
@@ -290,7 +396,7 @@ class KVCache:
         t = k.shape[2]
         if self.budget_bytes is not None and layer == 0:
             self._check_budget(t)  # before anything is stored: every layer has layer 0's sizes
-        kr, vr = _rows(k.detach()), _rows(v.detach())
+        kr, vr = self._encode(_rows(k.detach()), _rows(v.detach()), self.length(layer), t)
         if self.scales is not None:  # the calibrated per-tensor scale; values past its amax saturate
             if layer not in self.scales:
                 raise MinifloatError(f"the calibrated KV scales have no entry for layer {layer}")
@@ -320,8 +426,41 @@ class KVCache:
         out = []
         for part in ("k", "v"):
             rows = [getattr(run, part).dequantize() for run in runs]
-            out.append(_unrows(rows[0] if len(rows) == 1 else torch.cat(rows), b, nh))
-        return out[0], out[1]
+            out.append(rows[0] if len(rows) == 1 else torch.cat(rows))
+        k, v = self._decode(out[0], out[1])
+        return _unrows(k, b, nh), _unrows(v, b, nh)
+
+    def _rotation(self, device: torch.device) -> torch.Tensor:
+        return hadamard_matrix(self._shape[2]).to(device)
+
+    def _rope_rows(self, start: int, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions [start, start + t), one row per stored row (token-major)."""
+        cos, sin = self.rope(torch.arange(start, start + t, device=device))
+        per = self._shape[0] * self._shape[1]
+        return cos.float().repeat_interleave(per, 0), sin.float().repeat_interleave(per, 0)
+
+    def _encode(self, kr: torch.Tensor, vr: torch.Tensor, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New rows as they are stored: RoPE undone (pre-RoPE keys), then rotated."""
+        if self.pre_rope:
+            cos, sin = self._rope_rows(start, t, kr.device)
+            k = kr.float()
+            kr = k * cos - _rotate_half(k) * sin  # the inverse rotation: RoPE by −θ
+        if self.rotate:
+            r = self._rotation(kr.device)
+            kr = kr.float() @ r
+            vr = vr.float() @ r if self.rotate == "kv" else vr
+        return kr, vr
+
+    def _decode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored rows as attention reads them: rotated back, then RoPE applied again."""
+        if self.rotate:
+            r = self._rotation(k.device)
+            k = k @ r.T
+            v = v @ r.T if self.rotate == "kv" else v
+        if self.pre_rope:
+            cos, sin = self._rope_rows(0, k.shape[0] // (self._shape[0] * self._shape[1]), k.device)
+            k = k * cos + _rotate_half(k) * sin
+        return k, v
 
     def _age(self, layer: int) -> None:
         """Move the tokens that left the recent window (not the sinks) from `recent_format` to `format`."""
@@ -330,6 +469,8 @@ class KVCache:
         while i < len(self._runs[layer]):
             run = self._runs[layer][i]
             a, b = max(start, lo), min(start + run.tokens, hi)
+            if self.key_scales == "channel":  # channel scales: whole groups of tokens only
+                b = a + (b - a) // self.group * self.group
             if run.fmt == self.recent_format and a < b:
                 self._demote(layer, i, start, a - start, b - start, self.format)
                 start, i = 0, 0  # the runs were split and merged: walk them again
@@ -396,7 +537,9 @@ class KVCache:
         per = self._shape[0] * self._shape[1]
         before = self.layer_bytes(layer)
         store = kv_format(to)
-        mid = _Run(_Packed.pack(run.k.slice(a * per, b * per).dequantize(), store),
+        keys = run.k.slice(a * per, b * per).dequantize()
+        channel = self.key_scales == "channel" and to == self.format
+        mid = _Run(_ChannelPacked.pack(keys, store, per) if channel else _Packed.pack(keys, store),
                    _Packed.pack(run.v.slice(a * per, b * per).dequantize(), store), b - a, to)  # fmt: skip
         parts = ([run.slice(0, a, per)] if a else []) + [mid] + ([run.slice(b, run.tokens, per)] if b < run.tokens else [])
         self._runs[layer][i : i + 1] = parts
@@ -463,6 +606,36 @@ class KVCache:
         """The packed K and V of `layer`, oldest first: per run of one format a plain tensor or
         a QuantizedTensor (NVFP4: one per appended chunk, each with its own tensor scale)."""
         return [pair for run in self._runs[layer] for pair in zip(run.k.pieces(), run.v.pieces(), strict=True)]
+
+
+KV_SPEC_OPTIONS = {"hadamard": {"rotate": "k"}, "hadamard-kv": {"rotate": "kv"}, "channel": {"key_scales": "channel"},
+                   "pre-rope": {"pre_rope": True}}  # fmt: skip
+
+
+def parse_kv_spec(spec: str) -> tuple[str, dict]:
+    """A cache written as ``FORMAT[+RECENT][@OPTION…]`` — e.g. ``nvfp4+bf16@channel@hadamard`` —
+    as (format, `KVCache` options): RECENT the sinks' and the last tokens' format, each OPTION one
+    of ``hadamard`` (keys rotated), ``hadamard-kv``, ``channel`` (KIVI's per-channel key scales),
+    ``pre-rope`` (keys quantized before RoPE).
+
+    Example:
+        >>> parse_kv_spec("nvfp4+bf16@channel")
+        ('nvfp4', {'recent_format': 'bf16', 'key_scales': 'channel'})
+    """
+    head, *options = str(spec).strip().split("@")
+    name, _, recent = head.partition("+")
+    kw: dict = {"recent_format": _key(recent)} if recent else {}
+    for o in options:
+        if o.strip().lower() not in KV_SPEC_OPTIONS:
+            raise MinifloatError(f"unknown KV-cache option {o!r} in {spec!r}; use {', '.join(KV_SPEC_OPTIONS)}")
+        kw |= KV_SPEC_OPTIONS[o.strip().lower()]
+    return _key(name), kw
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) → (−x2, x1) over the two halves of the last dim: RoPE's pairing of channels."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 def _key(name: str) -> str:
