@@ -76,7 +76,7 @@ def test_channel_key_scales_group_tokens_per_channel_as_kivi():
     torch.manual_seed(3)
     cache = KVCache(1, "nvfp4", key_scales="channel", recent_format="bf16", sink_tokens=2, recent_tokens=4)
     ks, vs = [], []
-    for t in range(40):
+    for _ in range(40):
         k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
         k[..., 7] += 20  # a key outlier channel
         ks.append(k)
