@@ -97,6 +97,8 @@ def _scale_bytes(name: str, n: int, k: int) -> int:
     return {
         "fp8-weight-only": 4 * n, "fp8-dynamic": 4 * n, "fp8-static": 4,
         "fp8-block": 4 * math.ceil(n / 128) * math.ceil(k / 128),
+        "fp8-block-weight-only": 4 * math.ceil(n / 128) * math.ceil(k / 128),
+        "mxfp8-weight-only": n * k // 32, "mxfp6-weight-only": n * k // 32,
         "mxfp8": n * k // 32, "mxfp6": n * k // 32, "mxfp4": n * k // 32, "mxfp4-weight-only": n * k // 32,
         "nvfp4-weight-only": n * k // 16 + 4, "nvfp4": n * k // 16 + 4,
         "nvfp4-4over6-weight-only": n * k // 16 + 4, "nvfp4-4over6": n * k // 16 + 4,
@@ -105,7 +107,7 @@ def _scale_bytes(name: str, n: int, k: int) -> int:
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_bytes_at_rest_equal_the_formats_formula(name):
-    model = tiny_llama(hidden=128, inter=384)
+    model = tiny_llama(hidden=192, inter=320)  # partial 128×128 blocks: 192 = 128 + 64, 320 = 2·128 + 64
     ids = torch.randint(0, 256, (1, 16))
     before = minifloat.infer.model_bytes(model)
     summary = quantize_model(model, name, calibration=[ids])
@@ -116,8 +118,10 @@ def test_bytes_at_rest_equal_the_formats_formula(name):
         assert layer.bytes_after == want, layer.name
         assert layer.bytes_before == n * k * 4
     saved = sum(layer.bytes_before - layer.bytes_after for layer in summary.quantized)
-    # 128×128 blocks compute on N rounded up to whole blocks: the process holds those zero rows too
-    padding = sum((-layer.shape[0] % 128) * layer.shape[1] for layer in summary.quantized) if name == "fp8-block" else 0
+    # 128×128 blocks compute on N and K rounded up to whole blocks: the process holds those zero codes too
+    square = get_quant_config(name).weight_scheme.block == (128, 128)
+    padding = sum(math.ceil(n / 128) * 128 * math.ceil(k / 128) * 128 - n * k for n, k in (s.shape for s in summary.quantized))
+    padding = padding if square else 0
     assert summary.model_bytes_before == before
     assert summary.model_bytes_after == minifloat.infer.model_bytes(model) == before - saved + padding
 

@@ -52,9 +52,10 @@ class QuantizedLinear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         self.backend = backend
         self._weight_meta = (weight.shape, weight.scheme, weight.orig_dtype)
-        # the codes of the N real rows only: 128×128 blocks pad N up to the block, which the
-        # format does not store (the padding is rebuilt, as zeros, where the weight is read)
-        self.register_buffer("weight_data", weight.data[: self.out_features].clone())
+        # the codes of the N × K real values only: blocks pad N and K up to whole blocks, which the
+        # formats do not store (the padding is rebuilt, as zero codes, where the weight is read)
+        width = -(-self.in_features * weight.scheme.element_format.bits // 8)
+        self.register_buffer("weight_data", weight.data[: self.out_features, :width].clone())
         self.register_buffer("weight_scale", weight.scale)
         self.register_buffer("weight_tensor_scale", weight.tensor_scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -104,12 +105,15 @@ class QuantizedLinear(torch.nn.Module):
         return self
 
     def _packed(self, data: torch.Tensor) -> QuantizedTensor:
-        """The weight with codes `data`: the buffers' N rows and the zero rows that 128×128
-        blocks pad N up to, which the checkpoint does not store."""
+        """The weight with codes `data`: the buffers' N × K codes and the zero codes that the
+        blocks pad N and K up to, which the checkpoint does not store."""
         shape, scheme, dtype = self._weight_meta
-        rows_pad = layout_for(shape, scheme).rows_pad
-        if rows_pad != data.shape[0]:
-            data = torch.cat((data, data.new_zeros(rows_pad - data.shape[0], data.shape[1])))
+        lay = layout_for(shape, scheme)
+        size = (lay.rows_pad, lay.cols_pad * scheme.element_format.bits // 8)
+        if tuple(data.shape) != size:
+            padded = data.new_zeros(size)
+            padded[: data.shape[0], : data.shape[1]] = data
+            data = padded
         return QuantizedTensor(data, self.weight_scale, self.weight_tensor_scale, shape, scheme, dtype)
 
     def checkpoint_weight(self) -> QuantizedTensor:
@@ -118,21 +122,21 @@ class QuantizedLinear(torch.nn.Module):
 
     def prepare(self, backend: str | None = None) -> QuantizedLinear:
         """Make the compute layout once: the weight as the GEMMs read it — today the packed weight
-        with the block padding in place: the codes' buffer is then a view of the first N rows of
-        the padded codes, so the padding rows are all the layout adds. The checkpoint layout (the
+        with the block padding in place: the codes' buffer is then a view of the first N rows and
+        K columns of the padded codes, so the padding is all the layout adds. The checkpoint layout (the
         buffers, what `state_dict` and `export` read) keeps its shape; moving the module makes the
         layout again. `backend` also sets the GEMM backend (``"auto"``, ``"emulated"``,
         ``"native"`` or a weight-only kernel's name)."""
         if backend is not None:
             self.backend = backend
-        n = self.weight_data.shape[0]
+        n, width = self.weight_data.shape
         self._compute = self._packed(self.weight_data)
-        if self._compute.data.shape[0] != n:  # padded: the buffer becomes a view of the padded codes
-            self._buffers["weight_data"] = self._compute.data[:n]
+        if self._compute.data.shape != self.weight_data.shape:  # padded: the buffer becomes a view of the padded codes
+            self._buffers["weight_data"] = self._compute.data[:n, :width]
         return self
 
     def compute_extra_nbytes(self) -> int:
-        """Bytes the compute layout holds beyond the checkpoint buffers (the padding rows)."""
+        """Bytes the compute layout holds beyond the checkpoint buffers (the block padding)."""
         return self.weight_data.untyped_storage().nbytes() - self.weight_data.nbytes
 
     @property
