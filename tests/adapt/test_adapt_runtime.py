@@ -221,11 +221,11 @@ def test_convert_takes_a_layer_policy_first_match_wins():
 
 
 def test_a_policy_keeps_a_layer_its_recipe_cannot_take_in_high_precision():
-    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 64))
-    minifloat.convert(model, {"*": "fp8-block"})  # 128-wide blocks: neither layer's dimensions fit
-    assert all(type(m) is torch.nn.Linear for m in model if isinstance(m, torch.nn.Linear))
-    minifloat.convert(model, {"0": "fp8", "*": None})
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 12))
+    minifloat.convert(model, {"*": "fp8-block"})  # 48: partial 128×128 blocks, taken; 12: below the 16 a GEMM takes
     assert isinstance(model[0], minifloat.Linear) and type(model[2]) is torch.nn.Linear
+    minifloat.convert(model, {"0": "fp8", "*": None})
+    assert model[0].recipe == minifloat.get_recipe("fp8") and type(model[2]) is torch.nn.Linear
 
 
 def test_the_memory_policy_serves_a_transformers_llama_within_its_budget():

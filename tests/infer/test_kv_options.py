@@ -122,3 +122,13 @@ def test_bench_decode_measures_each_option():
     specs = ["nvfp4", "nvfp4@hadamard", "nvfp4+bf16@channel", "nvfp4@pre-rope"]
     out = kv_quality(model, text, specs, contexts=(48,), windows=1, source="text", echo=lambda s: None)
     assert [r["format"] for r in out] == specs and all(r["kl"] > 0 and r["tokens"] == out[0]["tokens"] > 0 for r in out)
+
+
+def test_generate_takes_a_spec_with_options():
+    model = llama()
+    plain = minifloat.infer.generate(model, IDS[:, :8], 40, kv_cache="fp32")
+    g = minifloat.infer.generate(model, IDS[:, :8], 40, kv_cache="nvfp4+bf16@channel@pre-rope", kv_recent_tokens=8)
+    assert g.new_tokens == 40 and g.kv_cache == "nvfp4+bf16@channel@pre-rope"
+    assert g.kv_bytes < plain.kv_bytes / 3  # most of the 47 held tokens in groups of 16 NVFP4 values
+    with pytest.raises(minifloat.MinifloatError, match="unknown KV-cache option"):
+        minifloat.infer.generate(model, IDS[:, :8], 4, kv_cache="nvfp4@rotate")

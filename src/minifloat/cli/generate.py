@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize-head", action="store_true", help="with --scheme: the LM head and the embedding too (weight-only)")
     p.add_argument("--prompt", required=True, help="the text to continue (the folder's tokenizer, else UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
-    p.add_argument("--kv-cache", default="bf16", choices=list(KV_FORMATS), help="KV-cache format")
+    p.add_argument("--kv-cache", default="bf16", metavar="FORMAT[+RECENT][@OPTION]",
+                   help=f"KV-cache format ({', '.join(KV_FORMATS)}), optionally +RECENT (e.g. +bf16: the sinks and last tokens "
+                        f"in it) and @hadamard, @hadamard-kv, @channel (KIVI's per-channel keys), @pre-rope")  # fmt: skip
     p.add_argument("--kv-recent", default=None, choices=list(KV_FORMATS), metavar="FORMAT",
                    help="keep the first 4 and the last 32 tokens' K/V in this format (e.g. bf16), older ones in --kv-cache")
     p.add_argument("--kv-budget", type=_bytes, default=None, metavar="SIZE",

@@ -27,7 +27,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.infer.adapter import adapter_for
-from minifloat.infer.kvcache import KVCache, kv_format
+from minifloat.infer.kvcache import KVCache, parse_kv_spec
 from minifloat.infer.ptq import quantize_model
 
 DRAFTS = {"nvfp4": "nvfp4-weight-only", "mxfp4": "mxfp4-weight-only"}
@@ -162,6 +162,8 @@ def generate(
     stream: Callable[[int], None] | None = None,
 ) -> Generation:
     """Continue `input_ids` (1, T) by `max_new_tokens` tokens; see the module docstring.
+    `kv_cache`: a format, or ``FORMAT[+RECENT][@OPTION…]`` (`minifloat.infer.kvcache.parse_kv_spec`:
+    e.g. ``"nvfp4+bf16@channel"``, KIVI's per-channel keys behind a BF16 recent window).
     `kv_scales` (`calibrate_kv`'s, with ``kv_cache="fp8"``): per-tensor FP8 with those scales.
     `kv_recent_format` (e.g. ``"bf16"``): the first `kv_sink_tokens` and the last
     `kv_recent_tokens` tokens stay in it, older ones move to `kv_cache`'s format.
@@ -171,16 +173,17 @@ def generate(
     decoding: positions keep counting the dropped tokens). `stream` is called with each new token
     id as it is decided."""
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
-    kv_format(kv_cache)  # an unknown format: a clear error before any work
+    kv_name, kv_options = parse_kv_spec(kv_cache)  # an unknown format or option: a clear error before any work
+    kv_recent_format = kv_options.pop("recent_format", kv_recent_format)
     if kv_drop and (draft is not None or not adapter_for(model).drops_tokens):
         raise MinifloatError("kv_drop works with plain decoding of the built-in GPT: speculative decoding rolls "
                              "its cache back, and a transformers model counts positions from the cache's length")  # fmt: skip
 
     def make_cache(m) -> KVCache:
-        return adapter_for(m).new_cache(kv_cache, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
+        return adapter_for(m).new_cache(kv_name, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
                          sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens,
                          scales=kv_scales if m is model else None, recent_format=kv_recent_format,
-                         **({"drop": True} if kv_drop else {}))  # fmt: skip
+                         **({"drop": True} if kv_drop else {}), **kv_options)  # fmt: skip
 
     make_cache(model)  # bad budget arguments: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
