@@ -253,8 +253,8 @@ def test_the_compute_layout_is_made_once_and_weight_only_calls_go_through_the_di
     lin = torch.nn.Linear(64, 200)  # 200 rows: 128×128 blocks pad them to 256
     block = QuantizedLinear.from_linear(lin, "fp8-block")
     assert block.weight is block.weight and block.weight.data.shape == (256, 128)  # padded once, then kept
-    assert block.compute_extra_nbytes() == 56 * 128  # the padding rows of 200 × 64 FP8 codes in 128×128 blocks
-    assert block.weight_data.shape == (200, 128) and not block.weight.data[200:].any()  # checkpoint: the real rows
+    assert block.compute_extra_nbytes() == 256 * 128 - 200 * 64  # the padding of 200 × 64 FP8 codes to 128×128 blocks
+    assert block.weight_data.shape == (200, 64) and not block.weight.data[200:].any() and not block.weight.data[:, 64:].any()
     assert block.weight_data.data_ptr() == block.weight.data.data_ptr()  # one copy of the codes
     layer = QuantizedLinear.from_linear(lin, "nvfp4-weight-only")
     assert layer.weight.data.data_ptr() == layer.weight_data.data_ptr() and layer.compute_extra_nbytes() == 0
