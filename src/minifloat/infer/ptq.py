@@ -213,7 +213,7 @@ def quantize_model(
             c = weight_only(c)  # the head: weight-only, whatever `ignore` says of it
         elif (p := matches(name, ignore)) is not None:
             reason = f"ignored (matches {p!r})"
-        elif c is not None:
+        if reason is None and c is not None:
             reason = why_not(m, c)
             if reason is None and export_format is not None:
                 why = unreadable(c.weight_scheme, m.out_features, m.in_features, export_format)
