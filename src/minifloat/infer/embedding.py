@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.linear import QuantizedLinear
+from minifloat.infer.linear import QuantizedLinear, apply_keeping_dtype
 from minifloat.quant import QuantizedTensor, dequantize_rows
 
 
@@ -57,11 +57,7 @@ class QuantizedEmbedding(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         """``.to(device)`` moves every part; a dtype conversion changes only the output dtype:
         rounding a float32 scale would change the values the codes stand for."""
-        kept = {k: self._buffers[k] for k in self._EXACT if self._buffers.get(k) is not None}
-        super()._apply(fn, recurse)
-        for k, old in kept.items():
-            if self._buffers[k].dtype != old.dtype:
-                self._buffers[k] = old.to(self._buffers[k].device)
+        apply_keeping_dtype(self, fn, recurse, self._EXACT)
         probe = fn(torch.empty(0, dtype=self.dtype))
         if probe.dtype.is_floating_point:
             self.dtype = probe.dtype

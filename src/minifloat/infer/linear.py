@@ -30,6 +30,15 @@ from minifloat.quant import QuantizedTensor, quantize
 from minifloat.scaling.layout import layout_for
 
 
+def apply_keeping_dtype(module: torch.nn.Module, fn, recurse: bool, names: tuple[str, ...]) -> None:
+    """``torch.nn.Module._apply(fn)`` on `module`, its buffers `names` moved but kept in their dtype."""
+    kept = {k: module._buffers[k] for k in names if module._buffers.get(k) is not None}
+    torch.nn.Module._apply(module, fn, recurse)
+    for k, old in kept.items():
+        if module._buffers[k].dtype != old.dtype:
+            module._buffers[k] = old.to(module._buffers[k].device)
+
+
 class QuantizedLinear(torch.nn.Module):
     """``y = x · Wᵀ + b`` with W packed in `config.weight`'s scheme; see the module docstring."""
 
@@ -96,11 +105,7 @@ class QuantizedLinear(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         """``.to(device)`` moves every part; ``.half()`` / ``.to(bf16)`` converts only the bias:
         rounding a float32 scale would change the values the codes stand for."""
-        kept = {k: self._buffers[k] for k in self._EXACT if self._buffers.get(k) is not None}
-        super()._apply(fn, recurse)
-        for k, old in kept.items():
-            if self._buffers[k].dtype != old.dtype:
-                self._buffers[k] = old.to(self._buffers[k].device)
+        apply_keeping_dtype(self, fn, recurse, self._EXACT)
         self.prepare()  # the compute layout again, from the moved parts
         return self
 
