@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -431,7 +432,7 @@ class KVCache:
         return _unrows(k, b, nh), _unrows(v, b, nh)
 
     def _rotation(self, device: torch.device) -> torch.Tensor:
-        return hadamard_matrix(self._shape[2]).to(device)
+        return _hadamard(self._shape[2]).to(device)
 
     def _rope_rows(self, start: int, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of positions [start, start + t), one row per stored row (token-major)."""
@@ -630,6 +631,13 @@ def parse_kv_spec(spec: str) -> tuple[str, dict]:
             raise MinifloatError(f"unknown KV-cache option {o!r} in {spec!r}; use {', '.join(KV_SPEC_OPTIONS)}")
         kw |= KV_SPEC_OPTIONS[o.strip().lower()]
     return _key(name), kw
+
+
+@functools.lru_cache(maxsize=4)
+def _hadamard(n: int) -> torch.Tensor:
+    """The rotation of a head of `n` values, made once per process (every update and read uses it;
+    no cache holds it, so `nbytes` stays every byte of the tokens)."""
+    return hadamard_matrix(n)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
