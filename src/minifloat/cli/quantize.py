@@ -26,8 +26,31 @@ def _source(args: argparse.Namespace):
     for name in ("batch_size", "seq_len", "eval_batches", "calib_batches"):
         if getattr(args, name) < 1:
             raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
-    return TextSource(data=getattr(args, "data", None) or getattr(args, "calib", None), batch_size=args.batch_size,
+    return TextSource(data=getattr(args, "data", None), calib=getattr(args, "calib", None), batch_size=args.batch_size,
                       seq_len=args.seq_len, eval_batches=args.eval_batches, calib_batches=args.calib_batches)  # fmt: skip
+
+
+def _method_arguments(p: argparse.ArgumentParser, methods: bool = False) -> None:
+    if methods:
+        p.add_argument("--methods", default="rtn", help="comma-separated PTQ methods to compare: rtn, gptq")
+    else:
+        p.add_argument("--method", default="rtn", choices=("rtn", "gptq"),
+                       help="rtn: round to nearest (default); gptq: GPTQ with the config's recommended pipeline")  # fmt: skip
+    p.add_argument("--observer", default=None, choices=("minmax", "mse", "4over6"),
+                   help="block scale observer (default: the method's; 4over6: NVFP4 only)")  # fmt: skip
+    p.add_argument("--rotate", default=None, metavar="hadamard:N",
+                   help="Hadamard rotation of each Linear's input, N in 16, 32, 64, 128, or none (default: the method's)")  # fmt: skip
+    p.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
+                   help="SmoothQuant α in [0, 1] for configs that quantize the input; -1: none (default: the method's)")  # fmt: skip
+    p.add_argument("--damp", type=float, default=None, help="GPTQ damping, a fraction of the mean Hessian diagonal (0.01)")
+
+
+def _method(args: argparse.Namespace, method: str, scheme: str | None):
+    """The `PTQMethod` of `method` for `scheme` with the command line's overrides."""
+    from minifloat.infer.method import resolve_method
+
+    return resolve_method(method, scheme or "fp8-dynamic", observer=args.observer, rotation=args.rotate,
+                          smooth=args.smooth, damp=args.damp)  # fmt: skip
 
 
 def _head_argument(p: argparse.ArgumentParser) -> None:
@@ -42,11 +65,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="a `minifloat train` output folder or checkpoint, or a transformers model folder")
     p.add_argument("--scheme", required=True, choices=list(QUANT_CONFIGS), metavar="SCHEME", help=f"one of {names}")
     p.add_argument("--format", default="compressed-tensors", choices=FORMATS, help="checkpoint format")
-    p.add_argument("--calib", default=None, help="text to calibrate static scales on (default: the Python stdlib sources)")
+    p.add_argument("--calib", default=None, help="text to calibrate on (default: the Python stdlib sources)")
     p.add_argument("--out", required=True, help="the checkpoint folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print the per-layer summary as JSON")
     _head_argument(p)
+    _method_arguments(p)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per calibration batch")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--calib-batches", type=int, default=8, help="calibration batches")
@@ -58,7 +82,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--scheme", default=None, choices=list(QUANT_CONFIGS), metavar="SCHEME",
                    help="quantize MODEL with this config first (then --reference defaults to MODEL itself)")  # fmt: skip
     _text_arguments(e, "to evaluate on (its held-out split)")
+    e.add_argument("--calib", default=None, help="text to calibrate on (default: --data's training split)")
     _head_argument(e)
+    _method_arguments(e)
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e.set_defaults(run=run_eval)
 
@@ -67,8 +93,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--schemes", default="fp8-dynamic,fp8-block,mxfp8,mxfp6,mxfp4,nvfp4", help=f"comma-separated: {names}")
     _text_arguments(c, "to calibrate (training split) and evaluate (held-out split) on")
     c.add_argument("--out", default="runs/ptq", help="output folder (metrics.json, report.md, quality.png)")
+    c.add_argument("--calib", default=None, help="text to calibrate on (default: --data's training split)")
     c.add_argument("--no-torchao", action="store_true", help="skip torchao's quantization of the same model")
+    c.add_argument("--llmcompressor", default=None, metavar="PYTHON",
+                   help="the Python of a venv with llm-compressor: its GPTQ (and RTN) of the same model beside "
+                        "minifloat's, compared through the checkpoints it writes")  # fmt: skip
     _head_argument(c)
+    _method_arguments(c, methods=True)
     c.add_argument("--no-plots", action="store_true", help="skip quality.png")
     c.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
     c.set_defaults(run=run_ptq_compare)
@@ -78,7 +109,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     from minifloat.infer.pipeline import quantize_checkpoint
 
     summary = quantize_checkpoint(args.model, args.scheme, args.out, format=args.format, source=_source(args),
-                                  overwrite=args.overwrite, quantize_head=args.quantize_head)  # fmt: skip
+                                  overwrite=args.overwrite, quantize_head=args.quantize_head,
+                                  method=_method(args, args.method, args.scheme))  # fmt: skip
     print(jsonio.dumps(summary.to_dict(), indent=2) if args.json else f"{summary}\ncheckpoint: {args.out}")
     return 0
 
@@ -88,7 +120,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.quantize_head and not args.scheme:
         raise MinifloatError("--quantize-head goes with --scheme (it quantizes the head with that config)")
-    m = evaluate_paths(args.model, args.reference, scheme=args.scheme, source=_source(args), quantize_head=args.quantize_head)
+    flags = (args.observer, args.rotate, args.smooth, args.damp)
+    if not args.scheme and (args.method != "rtn" or any(v is not None for v in flags)):
+        raise MinifloatError("--method / --observer / --rotate / --smooth go with --scheme (they say how to quantize with it)")
+    method = _method(args, args.method, args.scheme) if args.scheme else "rtn"
+    m = evaluate_paths(args.model, args.reference, scheme=args.scheme, source=_source(args), quantize_head=args.quantize_head,
+                       method=method)  # fmt: skip
     if args.json:
         print(jsonio.dumps(m, indent=2))
         return 0
@@ -105,8 +142,14 @@ def run_ptq_compare(args: argparse.Namespace) -> int:
     from minifloat.report.ptq import ptq_table
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in ("rtn", "gptq"):
+            raise MinifloatError(f"--methods: unknown method {m!r}; use rtn, gptq (comma-separated)")
+    overrides = {"observer": args.observer, "rotation": args.rotate, "smooth": args.smooth, "damp": args.damp}
     metrics = ptq_compare(args.model, schemes, args.out, source=_source(args), torchao=not args.no_torchao,
                           plots=not args.no_plots, echo=(lambda s: None) if args.json else print,
-                          quantize_head=args.quantize_head)  # fmt: skip
+                          quantize_head=args.quantize_head, methods=methods, overrides=overrides,
+                          llmcompressor=args.llmcompressor)  # fmt: skip
     print_result(metrics, ptq_table(metrics), args.out, args.json)
     return 0

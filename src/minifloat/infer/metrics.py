@@ -50,17 +50,21 @@ def token_batches(
     seq_len: int = 128,
     n_batches: int = 8,
     tokenizer=None,
+    what: str = "evaluation text",
+    disjoint: bool = False,
 ) -> list[torch.Tensor]:
     """`n_batches` batches (batch_size, seq_len + 1) of token ids from `text`: evenly spaced
     windows (deterministic), each a context and its next tokens. Bytes are the tokens unless a
-    `tokenizer` (``encode(str) -> list[int]``) is given."""
+    `tokenizer` (``encode(str) -> list[int]``) is given; `what` names the text in the error; `disjoint`:
+    the windows may not overlap (calibration samples: each one new text)."""
     ids = token_ids(text, tokenizer)
     need = batch_size * n_batches
     span = seq_len + 1
-    if len(ids) < span + need - 1:
+    least = need * span if disjoint else span + need - 1
+    if len(ids) < least:
         raise MinifloatError(
-            f"the evaluation text has {len(ids)} tokens; {n_batches} batches of {batch_size} × {span} need "
-            f"at least {span + need - 1}: give more text, or fewer or shorter batches"
+            f"the {what} has {len(ids)} tokens; {n_batches} batches of {batch_size} × {span} need "
+            f"at least {least}{' (samples that do not overlap)' if disjoint else ''}: give more text, or fewer or shorter batches"
         )
     starts = torch.linspace(0, len(ids) - span, need).long()
     windows = torch.stack([ids[s : s + span] for s in starts.tolist()])

@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -29,8 +31,12 @@ from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config, 
 from minifloat.infer.embedding import QuantizedEmbedding
 from minifloat.infer.export import unreadable
 from minifloat.infer.linear import QuantizedLinear
+from minifloat.infer.method import PTQMethod, config_for, quantize_weight, resolve_method, tensor_amax
 from minifloat.infer.observers import AmaxObserver, observe
+from minifloat.infer.rotation import HadamardRotation, parse_rotation
 from minifloat.infer.rtn import Transform, WeightQuantizer, round_to_nearest
+from minifloat.infer.sequential import Group, run_sequential
+from minifloat.infer.smoothing import Smoothing, fold_into_norm, smoothing_factors
 from minifloat.nn.convert import matches, rule_for, swap_modules
 
 
@@ -57,6 +63,7 @@ class QuantizeSummary:
     layers: list[LayerSummary] = field(default_factory=list)
     model_bytes_before: int = 0
     model_bytes_after: int = 0
+    method: PTQMethod | None = None
 
     @property
     def quantized(self) -> list[LayerSummary]:
@@ -157,7 +164,8 @@ def quantize_model(
     calibration: Mapping[str, torch.Tensor] | Iterable | None = None,
     ignore: Sequence[str] = ("lm_head",),
     backend: str = "auto",
-    weight_quantizer: WeightQuantizer = round_to_nearest,
+    method: str | PTQMethod = "rtn",
+    weight_quantizer: WeightQuantizer | None = None,
     transform: Transform | None = None,
     export_format: str | None = None,
     quantize_head: bool = False,
@@ -169,10 +177,14 @@ def quantize_model(
     ``{"*.attn.*": "fp8-dynamic", "*.mlp.*": "nvfp4", "lm_head": None}``.
     `calibration`: what `calibrate` returned, or batches to calibrate on (method ``"max"``);
     configs with a calibrated input scale (``fp8-static``, ``nvfp4``) need it. `ignore`: globs of
-    layer names kept in high precision. `weight_quantizer` (round to nearest by default) and
-    `transform` (none by default) are the stages each layer goes through (`minifloat.infer.rtn`);
-    the observer kinds they list in a ``needs`` attribute (e.g. ``("hessian",)``) are measured on
-    the calibration batches in one pass over the model and handed to them per layer.
+    layer names kept in high precision.
+    `method`: ``"rtn"`` (round to nearest, the default), ``"gptq"`` (the config's recommended
+    pipeline, `minifloat.infer.method.recommended`) or a `PTQMethod` (`resolve_method` overrides
+    its parts: observer, rotation, smoothing). GPTQ, a rotation or smoothing calibrate layer by
+    layer (`minifloat.infer.sequential`) and need the calibration batches, not a `Calibration`.
+    `weight_quantizer` and `transform` (`minifloat.infer.rtn`) replace the method's stages for
+    round to nearest: the observer kinds they list in a ``needs`` attribute (e.g. ``("hessian",)``)
+    are measured on the calibration batches in one pass over the model and handed to them per layer.
     `export_format` (``"compressed-tensors"``, ``"hf-fp8"``): keep in high precision the layers
     that format's readers could not load (`minifloat.infer.export.unreadable` names why).
     `quantize_head`: quantize the LM head too (``ignore`` does not keep it), weight-only with the
@@ -184,15 +196,24 @@ def quantize_model(
         raise MinifloatError(f"quantize_model takes a torch.nn.Module, got {type(model).__name__}")
     policy = resolve_policy(config)
     configs = [policy] if isinstance(policy, QuantConfig) else [c for c in policy.values() if c is not None]
+    method = resolve_method(method, configs[0] if configs else "fp8-dynamic")
+    if method.sequential and (weight_quantizer is not None or transform is not None):
+        raise MinifloatError(f"method {method.label!r} has its own stages: pass weight_quantizer= / transform= only with method='rtn'")
     if isinstance(ignore, str):
         ignore = (ignore,)
     static = [c.name for c in configs if c.needs_calibration]
     needs = sorted({*getattr(weight_quantizer, "needs", ()), *getattr(transform, "needs", ())})
-    if (static or needs) and calibration is None:
-        what = f"config {static[0]!r} quantizes inputs with calibrated scales" if static else f"the PTQ stages need {needs}"
+    if (static or needs or method.sequential) and calibration is None:
+        what = (f"config {static[0]!r} quantizes inputs with calibrated scales" if static else
+                f"the PTQ stages need {needs}" if needs else f"method {method.label!r} calibrates layer by layer")  # fmt: skip
         raise MinifloatError(f"{what}: pass calibration= (minifloat.infer.calibrate(model, batches), or the batches themselves)")
+    if method.sequential and isinstance(calibration, Mapping):
+        raise MinifloatError(f"method {method.label!r} calibrates layer by layer on the inputs the quantized layers "
+                             f"before produce: pass the calibration batches, not a Calibration of amaxes")  # fmt: skip
     stats: dict[str, dict] = {}
-    if needs:
+    if method.sequential:
+        calibration = list(calibration)
+    elif needs:
         if isinstance(calibration, Mapping):
             raise MinifloatError(f"the PTQ stages need {needs} of every layer's input: pass the calibration batches, "
                                  f"not a Calibration of amaxes")  # fmt: skip
@@ -201,47 +222,117 @@ def quantize_model(
     elif static and not isinstance(calibration, Mapping):
         calibration = calibrate(model, calibration)
     summary = QuantizeSummary(policy, model_bytes_before=model_bytes(model))
-    swaps: dict[str, QuantizedLinear] = {}
-    by_old: dict[int, QuantizedLinear] = {}
     head = output_head(model) if quantize_head else None
+    plan: dict[str, tuple[torch.nn.Linear, QuantConfig, str | None]] = {}
+    rows: dict[str, LayerSummary] = {}
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear) or not name:
             continue
-        before = layer_bytes(m)
         c, rule, reason = _layer_config(name, policy)
         if m is head and c is not None:
             c = weight_only(c)  # the head: weight-only, whatever `ignore` says of it
         elif (p := matches(name, ignore)) is not None:
             reason = f"ignored (matches {p!r})"
         if reason is None and c is not None:
+            c = config_for(c, method)
             reason = why_not(m, c)
             if reason is None and export_format is not None:
                 why = unreadable(c.weight_scheme, m.out_features, m.in_features, export_format)
                 reason = None if why is None else f"{export_format}: {why}"
-        amax = None
-        if reason is None and needs and name not in stats:
-            reason = "calibration never reached it"
-        if reason is None and c.needs_calibration:
-            amax = calibration.get(name)
-            if amax is None:
-                reason = "calibration never reached it"
-            elif not float(amax) > 0:
-                reason = f"its calibrated input amax is {float(amax)}"
-        if reason is not None:
-            summary.layers.append(LayerSummary(name, tuple(m.weight.shape), None, None, before, before, reason, rule=rule))
-            continue
-        q = QuantizedLinear.from_linear(m, c, input_amax=amax, backend=backend, weight_quantizer=weight_quantizer,
-                                        stats=stats.get(name, {}), transform=transform)  # fmt: skip
-        after = layer_bytes(q)
-        summary.layers.append(
-            LayerSummary(name, tuple(m.weight.shape), c.weight, c.activation, before, after, config=c.name, rule=rule)
-        )
-        swaps[name] = by_old[id(m)] = q
-    swap_modules(model, list(swaps), lambda old: by_old[id(old)])
+        before = layer_bytes(m)
+        rows[name] = LayerSummary(name, tuple(m.weight.shape), None, None, before, before, reason, rule=rule)
+        if reason is None:
+            plan[name] = (m, c, rule)
+    done: dict[str, QuantizedLinear] = {}
+    by_old: dict[int, QuantizedLinear] = {}
+    if method.sequential:
+        unreached = _quantize_sequential(model, plan, calibration, method, backend, done)
+        for name in unreached:
+            rows[name] = dataclasses.replace(rows[name], reason="calibration never reached it")
+        by_old = {id(plan[n][0]): q for n, q in done.items()}
+    else:
+        wq = weight_quantizer or (round_to_nearest if method == PTQMethod() else functools.partial(_weight_by_method, method=method))
+        for name, (m, c, _) in plan.items():
+            amax = None
+            if needs and name not in stats:
+                rows[name] = dataclasses.replace(rows[name], reason="calibration never reached it")
+                continue
+            if c.needs_calibration:
+                amax = calibration.get(name)
+                if amax is None or not float(amax) > 0:
+                    why = "calibration never reached it" if amax is None else f"its calibrated input amax is {float(amax)}"
+                    rows[name] = dataclasses.replace(rows[name], reason=why)
+                    continue
+            done[name] = by_old[id(m)] = QuantizedLinear.from_linear(
+                m, c, input_amax=amax, backend=backend, weight_quantizer=wq, stats=stats.get(name, {}), transform=transform)
+        swap_modules(model, list(done), lambda old: by_old[id(old)])
+    for name, q in done.items():
+        c = q.config
+        rows[name] = dataclasses.replace(rows[name], scheme=c.weight, activation=c.activation, bytes_after=layer_bytes(q),
+                                         config=c.name)  # fmt: skip
+    summary.layers.extend(rows.values())
     if head is not None and id(head) in by_old:
         summary.layers.append(_quantize_embedding(model, head, by_old[id(head)]))
     summary.model_bytes_after = model_bytes(model)
+    summary.method = method
     return summary
+
+
+def _weight_by_method(weight: torch.Tensor, config: QuantConfig, stats: dict, *, method: PTQMethod):
+    return quantize_weight(weight, config, stats, method)
+
+
+def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, done: dict) -> set[str]:
+    """GPTQ / rotation / smoothing: `plan`'s layers quantized block by block (`run_sequential`)."""
+    rotation = parse_rotation(method.rotation)
+    configs = {n: c for n, (_, c, _) in plan.items()}
+    kinds = ["hessian"] if method.method == "gptq" else []
+    if any(c.needs_calibration for c in configs.values()):
+        kinds.append("amax")
+    smoothing = method.smooth is not None and any(c.activation is not None for c in configs.values())
+    for name, (m, _, _) in plan.items():  # a rotation that does not fit: an error before any work
+        if rotation is not None:
+            HadamardRotation(rotation).check(m.in_features, name)
+
+    def prepare(group: Group) -> dict:
+        weights = {n: m.weight.detach().float() for n, m in zip(group.names, group.modules, strict=True)}
+        factors, folded = None, False
+        if smoothing and all(configs[n].activation is not None for n in group.names):
+            factors = smoothing_factors(group.stats[group.names[0]]["channel_amax"], list(weights.values()), method.smooth)
+            folded = group.producer is not None and fold_into_norm(group.producer, factors)
+            weights = {n: w * factors for n, w in weights.items()}
+        transforms = {}
+        for n in group.names:
+            steps = [] if factors is None or folded else [Smoothing(factors)]
+            if rotation is not None:
+                r = HadamardRotation(rotation)
+                steps.append(r)
+                weights[n] = r.fold(weights[n])
+            transforms[n] = None if not steps else steps[0] if len(steps) == 1 else torch.nn.Sequential(*steps)
+        group.weights = weights
+        group.amax = tensor_amax(list(weights.values()), configs[group.names[0]])
+        return transforms
+
+    def quantize(name, m, stats, transform, group):
+        c = configs[name]
+        amax = None
+        if c.needs_calibration:
+            amax = stats.get("amax")
+            if amax is None or not float(amax) > 0:
+                raise MinifloatError(f"{name}: its calibrated input amax is {None if amax is None else float(amax)}; "
+                                     f"calibrate on text that reaches it, or ignore it")  # fmt: skip
+        shared = group.amax if len({configs[n].weight_scheme for n in group.names}) == 1 else None
+        w = quantize_weight(group.weights[name], c, stats, method, amax=shared, name=name, dtype=m.weight.dtype)
+        q = QuantizedLinear(w, m.bias, c, input_amax=amax, backend=backend, input_transform=transform)
+        done[name] = q
+        return q
+
+    def swap(name, new):
+        swap_modules(model, [name], lambda old: new)
+
+    targets = {n: m for n, (m, _, _) in plan.items()}
+    return run_sequential(model, batches, targets, kinds=kinds, prepare=prepare, quantize=quantize, swap=swap,
+                          before=["channel_amax"] if smoothing else [])  # fmt: skip
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:

@@ -32,17 +32,32 @@ def quantize(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> Parts:
-    """Quantize `x` by the published formulas.
+    """Quantize `x` by the published formulas: its block scales (`block_scales`), then every
+    element on its block's grid (`quantize_on_scales`).
 
     `scale` (FP32 schemes) is the encode multiplier per block, `amax` the amax to derive it
     from (FP32 schemes: per block; NVFP4: the tensor amax, 0-d), both float32 and already
     broadcast to the scale grid (`minifloat.scaling.layout.to_grid`)."""
-    fmt = scheme.element_format
+    enc, stored, tensor_scale = block_scales(x, scheme, scale=scale, amax=amax)
+    return quantize_on_scales(x, scheme, enc, stored, tensor_scale, rounding=rounding, generator=generator)
+
+
+def _tiles(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` as its zero-padded 2-D view and as tiles (grid rows, block rows, grid cols, block cols)."""
     lay = layout_for(x.shape, scheme)
     xp = F.pad(x.reshape(lay.rows, lay.cols).float(), (0, lay.cols_pad - lay.cols, 0, lay.rows_pad - lay.rows))
-    tiles = xp.view(lay.tiles)  # (grid rows, block rows, grid cols, block cols)
-    tensor_scale = None
+    return xp, xp.view(lay.tiles)
 
+
+def block_scales(
+    x: torch.Tensor, scheme: Scheme, *, scale: torch.Tensor | None = None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(encode, stored, tensor_scale)`` of `x`'s blocks: the float32 multiplier that maps each
+    block onto the element grid (0 for an all-zero NVFP4 block), the stored scale grid (float32
+    decode scales, E8M0 or E4M3 codes) and NVFP4's tensor decode scale (else None)."""
+    fmt = scheme.element_format
+    xp, tiles = _tiles(x, scheme)
+    tensor_scale = None
     if scheme.scale_format == "fp32":
         if scale is not None:
             enc = scale
@@ -66,20 +81,30 @@ def quantize(
         stored = rules.nvfp4_block_scale_codes(block_amax, s_enc)
         if four_over_six:  # the candidate scaled to 4 where it quantizes the block better
             stored = _four_over_six(tiles, stored, rules.nvfp4_block_scale_codes(block_amax, s_enc, 1.5), tensor_scale)
-        enc = _nvfp4_encode_scales(stored, tensor_scale)
+        enc = rules.nvfp4_encode_scales(stored, tensor_scale)
+    return enc, stored, tensor_scale
 
-    y = tiles * enc[:, None, :, None]
+
+def quantize_on_scales(
+    x: torch.Tensor,
+    scheme: Scheme,
+    encode: torch.Tensor,
+    stored: torch.Tensor,
+    tensor_scale: torch.Tensor | None,
+    *,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> Parts:
+    """The parts of `x` with its blocks' scales given (`block_scales`' three): each element
+    ``x · encode`` rounded onto the element grid (saturating), packed."""
+    fmt = scheme.element_format
+    lay = layout_for(x.shape, scheme)
+    _, tiles = _tiles(x, scheme)
+    y = tiles * encode[:, None, :, None]
     bits = random_bits(y.shape, generator, y.device) if rounding == "stochastic" else None
     codes = encode_with_bits(y, fmt, saturate=True, bits=bits, canonical_nan=True)
     data = pack(codes.view(lay.rows_pad, lay.cols_pad), fmt).view(lay.rows_pad, lay.cols_pad * fmt.bits // 8)
     return data, stored, tensor_scale
-
-
-def _nvfp4_encode_scales(stored: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
-    """The encode multiplier of each NVFP4 block: 1 / (E4M3 block scale × tensor scale), 0 for
-    a zero block scale."""
-    dec = decode(stored, E4M3) * tensor_scale
-    return torch.where(dec == 0, 0.0, 1.0 / dec)
 
 
 def _four_over_six(tiles: torch.Tensor, six: torch.Tensor, four: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
@@ -90,7 +115,7 @@ def _four_over_six(tiles: torch.Tensor, six: torch.Tensor, four: torch.Tensor, t
     fmt = get_format("e2m1")
     errors = []
     for stored in (six, four):
-        dec = (decode(stored, E4M3) * tensor_scale)[:, None, :, None]  # as _nvfp4_encode_scales inverts it
+        dec = (decode(stored, E4M3) * tensor_scale)[:, None, :, None]  # as rules.nvfp4_encode_scales inverts it
         enc = torch.where(dec == 0, 0.0, 1.0 / dec)
         codes = encode_with_bits(tiles * enc, fmt, saturate=True, canonical_nan=True)
         sq = (decode(codes, fmt).double() * dec - tiles.double()).square()

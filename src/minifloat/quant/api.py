@@ -8,13 +8,17 @@ returns the parts ``(data, scale, tensor_scale)``. The formulas are in `minifloa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from minifloat import kernels
 from minifloat.errors import MinifloatError
 from minifloat.formats.codec import check_float_tensor, check_rounding
+from minifloat.kernels import reference
 from minifloat.quant.tensor import QuantizedTensor
 from minifloat.scaling.layout import as_float32, layout_for, to_grid
+from minifloat.scaling.rules import decode_scales
 from minifloat.scaling.schemes import Scheme, get_scheme
 
 QUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64: convert first
@@ -138,3 +142,58 @@ class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """The scales of a tensor's blocks, fixed before any element is rounded (as GPTQ and the
+    scale observers need them): ``encode`` the float32 multiplier per block that maps it onto
+    the element grid (0 for an all-zero NVFP4 block), ``scale`` the stored scale grid (float32
+    decode scales, E8M0 or E4M3 codes), ``tensor_scale`` NVFP4's tensor decode scale."""
+
+    encode: torch.Tensor
+    scale: torch.Tensor
+    tensor_scale: torch.Tensor | None = None
+
+    def decode(self, scheme: Scheme) -> torch.Tensor:
+        """The float32 decode scale of every block (the grid's shape)."""
+        return decode_scales(self.scale, self.tensor_scale, get_scheme(scheme).scale_format)
+
+
+def block_scales(x: torch.Tensor, scheme: str | Scheme, *, amax: torch.Tensor | float | None = None) -> BlockScales:
+    """The scales `quantize` gives `x`'s blocks by `scheme`'s own rule (the ``minmax`` observer):
+    ``quantize_with_scales(x, scheme, block_scales(x, scheme))`` is ``quantize(x, scheme)``.
+    `amax`: NVFP4's tensor amax (else measured).
+
+    Example:
+        >>> s = block_scales(torch.tensor([[1.0, -3.0] * 16]), "mxfp4")
+        >>> s.scale.tolist(), s.encode.tolist()  # decode 2^-1 (OCP's floor rule: amax 3 → 6)
+        ([[126]], [[2.0]])
+    """
+    scheme = get_scheme(scheme)
+    check_float_tensor(x, "block_scales", QUANTIZE_DTYPES)
+    if amax is not None and not scheme.is_nvfp4:
+        raise MinifloatError(f"amax= of block_scales is NVFP4's tensor amax; {scheme.name} measures each block's")
+    a = None if amax is None else as_float32(amax, "amax").reshape(())
+    return BlockScales(*reference.block_scales(x, scheme, amax=a))
+
+
+def quantize_with_scales(x: torch.Tensor, scheme: str | Scheme, scales: BlockScales) -> QuantizedTensor:
+    """Quantize `x` on given block scales (`block_scales`, a scale observer's, GPTQ's): each
+    element ``x · encode`` rounded to nearest onto the element grid, saturating.
+
+    Example:
+        >>> x = torch.tensor([[0.3, -2.0] * 16])
+        >>> s = block_scales(x, "mxfp4")
+        >>> torch.equal(quantize_with_scales(x, "mxfp4", s).data, quantize(x, "mxfp4").data)
+        True
+    """
+    scheme = get_scheme(scheme)
+    check_float_tensor(x, "quantize_with_scales", QUANTIZE_DTYPES)
+    lay = layout_for(x.shape, scheme)
+    parts = (scales.encode, scales.scale)
+    if any(tuple(p.shape) != lay.grid for p in parts) or (scales.tensor_scale is None) == scheme.is_nvfp4:
+        raise MinifloatError(f"the block scales ({tuple(scales.scale.shape)}) do not fit {scheme.name}'s scale grid "
+                             f"{lay.grid} of a {tuple(x.shape)} tensor; make them with block_scales(x, scheme)")  # fmt: skip
+    data, scale, tensor_scale = reference.quantize_on_scales(x, scheme, scales.encode.float(), scales.scale, scales.tensor_scale)
+    return QuantizedTensor(data, scale, tensor_scale, x.shape, scheme, x.dtype)

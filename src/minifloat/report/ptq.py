@@ -13,20 +13,23 @@ from minifloat.report.table import cell, markdown_table
 
 
 def ptq_table(metrics: dict) -> str:
-    """The configs as a Markdown table: minifloat's rows, then torchao's that ran."""
-    head = ("config", "by", "Δppl %", "KL", "top-1", "bits/weight", "all bits/weight", "model MiB", "quantize s", "tokens/s")
+    """The configs as a Markdown table: minifloat's rows, then torchao's and llm-compressor's that ran."""
+    head = ("config", "method", "by", "Δppl %", "KL", "top-1", "bits/weight", "all bits/weight", "model MiB", "quantize s",
+            "tokens/s")  # fmt: skip
     rows = []
     ref = metrics["reference"]
 
     def mib(m):
         return cell(m["model_bytes"] / 2**20, ".1f") if m.get("model_bytes") else "—"
 
-    rows.append(("reference", "—", f"ppl {ref['ppl']:.4f}", "—", "—", cell(ref["bits_per_weight"], ".2f"),
+    rows.append(("reference", "—", "—", f"ppl {ref['ppl']:.4f}", "—", "—", cell(ref["bits_per_weight"], ".2f"),
                  cell(ref.get("bits_per_weight_all"), ".2f"), mib(ref), "—", cell(ref["tokens_per_s"], ",.0f")))  # fmt: skip
-    for who, group in (("minifloat", metrics["runs"]), ("torchao", [p for p in metrics["torchao"] if p["status"] == "ok"])):
+    groups = (("minifloat", metrics["runs"]), ("torchao", [p for p in metrics["torchao"] if p["status"] == "ok"]),
+              ("llm-compressor", [p for p in metrics.get("llmcompressor", []) if p["status"] == "ok"]))  # fmt: skip
+    for who, group in groups:
         for m in group:
             name = m["config"] + (" + head" if m.get("quantize_head") else "")
-            rows.append((name, who, cell(m["delta_ppl_pct"], "+.3f"), cell(m["kl"], ".2e"), cell(m["top1"], ".4f"),
+            rows.append((name, m.get("method", "rtn"), who, cell(m["delta_ppl_pct"], "+.3f"), cell(m["kl"], ".2e"), cell(m["top1"], ".4f"),
                          cell(m.get("bits_per_weight"), ".2f"), cell(m.get("bits_per_weight_all"), ".2f"), mib(m),
                          cell(m.get("quantize_seconds"), ".1f"), cell(m["tokens_per_s"], ",.0f")))  # fmt: skip
     return markdown_table(head, rows)
@@ -65,12 +68,15 @@ def write_ptq_report(metrics: dict, out: str | Path, *, plots: bool = True) -> P
         "",
         f"`{metrics['model']}` quantized after training with each config, evaluated against the unquantized model on "
         f"{d['tokens']:,} held-out tokens ({d['eval_batches']} batches of {d['batch_size']} × {d['seq_len']}; data: "
-        f"{d['data'] or 'the Python standard library sources'}); static configs calibrated on the training split.",
+        f"{d['data'] or 'the Python standard library sources'}); calibrated on "
+        f"{('the training split of ' + d['calib']) if d.get('calib') else 'the training split'} (static input scales, and "
+        f"every layer's statistics for GPTQ, rotations and smoothing, layer by layer).",
         "",
         ptq_table(metrics),
         "",
         "Δppl: perplexity change against the reference. KL: mean per-token KL(reference ‖ quantized). top-1: how often "
-        "both pick the same next token. bits/weight: the Linears' weights at rest (codes and scales; layers kept in "
+        "both pick the same next token. method: rtn (round to nearest) or gptq, with the scale observer, rotation and "
+        "smoothing it used. bits/weight: the Linears' weights at rest (codes and scales; layers kept in "
         "high precision at their dtype), the LM head and the embedding not counted; all bits/weight: every weight, head "
         "and embedding included (a tied pair once). model MiB: every tensor the model holds. quantize s: the seconds "
         "quantization took. tokens/s: forward passes on this machine.",
@@ -84,6 +90,10 @@ def write_ptq_report(metrics: dict, out: str | Path, *, plots: bool = True) -> P
     if not_run:
         lines += ["## torchao configs that did not run here", ""]
         lines += [f"- `{p['config']}`: {p['status']} — {p['why']}" for p in not_run] + [""]
+    lc_not_run = [p for p in metrics.get("llmcompressor", []) if p["status"] != "ok"]
+    if lc_not_run:
+        lines += ["## llm-compressor runs that did not run here", ""]
+        lines += [f"- `{p['config']}` ({p['method']}): {p['status']} — {p['reason']}" for p in lc_not_run] + [""]
     skipped = {m["config"]: m["skipped"] for m in metrics["runs"] if m.get("skipped")}
     if skipped:
         lines += ["## Layers kept in high precision", ""]

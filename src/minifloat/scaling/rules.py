@@ -168,6 +168,13 @@ def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor
     return encode_with_bits(s.clamp_max(FLOAT32_MAX), E4M3, saturate=True, canonical_nan=True)
 
 
+def nvfp4_encode_scales(stored: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """The encode multiplier of each NVFP4 block: 1 / (E4M3 block scale × tensor scale), 0 for
+    a zero block scale."""
+    dec = decode(stored, E4M3) * tensor_scale
+    return torch.where(dec == 0, 0.0, 1.0 / dec)
+
+
 def scale_from_amax(
     amax: torch.Tensor | float, fmt: str | FloatFormat, margin: int = 0, previous: torch.Tensor | float | None = None
 ) -> torch.Tensor:
