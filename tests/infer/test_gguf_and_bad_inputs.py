@@ -164,7 +164,7 @@ def test_bad_inputs_are_one_line_naming_the_file_or_tensor(tmp_path, capsys):
                     "short.txt: only 50 bytes of text")  # fmt: skip
     short.write_text("a few kilobytes of text. " * 200)  # enough to read, too little for 64 batches of 8 × 64
     _one_line_error(capsys, ["eval", str(folder), "--data", str(short), "--scheme", "fp8-dynamic", "--eval-batches", "64",
-                             "--seq-len", "64"], "the evaluation text has")  # fmt: skip
+                             "--seq-len", "64"], "the evaluation text (held-out split) has")  # fmt: skip
 
     write_tiny_gguf(tmp_path / "tiny.gguf")  # a tokenizer of 258 tokens beside a 200-token model
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")

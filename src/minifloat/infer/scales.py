@@ -29,9 +29,9 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.formats.codec import decode, encode_with_bits, pow2
 from minifloat.formats.registry import E8M0
+from minifloat.kernels.reference import padded_tiles
 from minifloat.quant import BlockScales, block_scales
 from minifloat.scaling import rules
-from minifloat.scaling.layout import layout_for
 from minifloat.scaling.schemes import Scheme
 
 SCALE_OBSERVERS = ("minmax", "mse", "4over6")
@@ -60,12 +60,6 @@ def observe_scales(weight: torch.Tensor, scheme: Scheme, observer: str = "minmax
     return _mse(weight.float(), scheme, base)
 
 
-def _tiles(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    lay = layout_for(w.shape, scheme)
-    wp = torch.nn.functional.pad(w.reshape(lay.rows, lay.cols), (0, lay.cols_pad - lay.cols, 0, lay.rows_pad - lay.rows))
-    return wp.view(lay.tiles)  # (grid rows, block rows, grid cols, block cols)
-
-
 def block_errors(tiles: torch.Tensor, scheme: Scheme, encode: torch.Tensor, decode_scale: torch.Tensor) -> torch.Tensor:
     """Per block (the grid), the float64 sum of squared errors of rounding `tiles` to nearest on
     the element grid with these per-block multipliers."""
@@ -76,7 +70,7 @@ def block_errors(tiles: torch.Tensor, scheme: Scheme, encode: torch.Tensor, deco
 
 
 def _mse(w: torch.Tensor, scheme: Scheme, base: BlockScales) -> BlockScales:
-    tiles = _tiles(w, scheme)
+    _, tiles = padded_tiles(w, scheme)
     candidates = []  # (encode, stored) per candidate, the minmax one first (ties keep it)
     if scheme.scale_format == "e8m0":
         exp = base.scale.long() - E8M0.bias

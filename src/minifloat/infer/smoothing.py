@@ -57,7 +57,8 @@ def fold_into_norm(norm: torch.nn.Module, factors: torch.Tensor) -> bool:
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or weight.numel() != factors.numel():
         return False
-    if type(norm).__name__.lower().find("norm") < 0:
+    kind = type(norm).__name__.lower()
+    if "norm" not in kind or "gemma" in kind:  # Gemma's RMSNorm scales by (1 + weight): not a plain product
         return False
     with torch.no_grad():
         weight.div_(factors.to(weight.dtype))

@@ -42,7 +42,7 @@ def quantize(
     return quantize_on_scales(x, scheme, enc, stored, tensor_scale, rounding=rounding, generator=generator)
 
 
-def _tiles(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_tiles(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` as its zero-padded 2-D view and as tiles (grid rows, block rows, grid cols, block cols)."""
     lay = layout_for(x.shape, scheme)
     xp = F.pad(x.reshape(lay.rows, lay.cols).float(), (0, lay.cols_pad - lay.cols, 0, lay.rows_pad - lay.rows))
@@ -56,7 +56,7 @@ def block_scales(
     block onto the element grid (0 for an all-zero NVFP4 block), the stored scale grid (float32
     decode scales, E8M0 or E4M3 codes) and NVFP4's tensor decode scale (else None)."""
     fmt = scheme.element_format
-    xp, tiles = _tiles(x, scheme)
+    xp, tiles = padded_tiles(x, scheme)
     tensor_scale = None
     if scheme.scale_format == "fp32":
         if scale is not None:
@@ -99,7 +99,7 @@ def quantize_on_scales(
     ``x · encode`` rounded onto the element grid (saturating), packed."""
     fmt = scheme.element_format
     lay = layout_for(x.shape, scheme)
-    _, tiles = _tiles(x, scheme)
+    _, tiles = padded_tiles(x, scheme)
     y = tiles * encode[:, None, :, None]
     bits = random_bits(y.shape, generator, y.device) if rounding == "stochastic" else None
     codes = encode_with_bits(y, fmt, saturate=True, bits=bits, canonical_nan=True)
