@@ -293,7 +293,7 @@ def test_gptq_exports_load_bit_exactly_in_transformers_and_a_rotation_is_refused
 
     for name in ("fp8-dynamic", "mxfp4-weight-only", "nvfp4-weight-only"):
         model = tiny_llama()
-        quantize_model(model, name, calibration=calib_batches(), method="gptq")
+        quantize_model(model, name, calibration=calib_batches(), method=resolve_method("gptq", name, export=True))
         hf = read_with_transformers(export(model, tmp_path / name), "compressed-tensors")
         sd = hf.state_dict()
         for n, m in model.named_modules():
@@ -326,16 +326,18 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
                  "--no-plots", "--out", str(tmp_path / "ptq"), *small]) == 0  # fmt: skip
     metrics = json.loads((tmp_path / "ptq" / "metrics.json").read_text())
     assert [(r["config"], r["method"]) for r in metrics["runs"]] == [
-        ("nvfp4-weight-only", "rtn"), ("nvfp4-weight-only", "gptq+mse"), ("mxfp8", "rtn"), ("mxfp8", "gptq+mse")]
+        ("nvfp4-weight-only", "rtn"), ("nvfp4-weight-only", "gptq+hadamard:16"), ("mxfp8", "rtn"), ("mxfp8", "gptq")]
     assert all(r["quantize_seconds"] > 0 for r in metrics["runs"])
     capsys.readouterr()
-    assert re.search(r"\| mxfp8 +\| gptq\+mse +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
+    assert re.search(r"\| mxfp8 +\| gptq +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
     assert main(["eval", path, "--scheme", "mxfp4-weight-only", "--method", "gptq", "--rotate", "hadamard:32",
                  "--json", *small]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["kl"] > 0
-    assert main(["quantize", path, "--scheme", "nvfp4-weight-only", "--method", "gptq", "--observer", "minmax",
+    # the recommended pipeline without its rotation, which no checkpoint reader applies
+    assert main(["quantize", path, "--scheme", "nvfp4-weight-only", "--method", "gptq", "--observer", "mse",
                  "--out", str(tmp_path / "q"), *small[2:]]) == 0  # fmt: skip
     assert "nvfp4-weight-only: 14 of 15 Linears quantized" in capsys.readouterr().out
+    assert minifloat.infer.load_model(tmp_path / "q") is not None
     # what cannot work says so in one line, before any work
     _one_line_error(capsys, ["quantize", path, "--scheme", "mxfp4-weight-only", "--rotate", "hadamard:32", "--out",
                              str(tmp_path / "r")], "no compressed-tensors reader applies minifloat's online Hadamard")  # fmt: skip

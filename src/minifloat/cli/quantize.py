@@ -45,11 +45,12 @@ def _method_arguments(p: argparse.ArgumentParser, methods: bool = False) -> None
     p.add_argument("--damp", type=float, default=None, help="GPTQ damping, a fraction of the mean Hessian diagonal (0.01)")
 
 
-def _method(args: argparse.Namespace, method: str, scheme: str | None):
-    """The `PTQMethod` of `method` for `scheme` with the command line's overrides."""
+def _method(args: argparse.Namespace, method: str, scheme: str | None, export: bool = False):
+    """The `PTQMethod` of `method` for `scheme` with the command line's overrides (`export`: the
+    recommended pipeline a checkpoint can hold)."""
     from minifloat.infer.method import resolve_method
 
-    return resolve_method(method, scheme or "fp8-dynamic", observer=args.observer, rotation=args.rotate,
+    return resolve_method(method, scheme or "fp8-dynamic", export=export, observer=args.observer, rotation=args.rotate,
                           smooth=args.smooth, damp=args.damp)  # fmt: skip
 
 
@@ -110,7 +111,7 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     summary = quantize_checkpoint(args.model, args.scheme, args.out, format=args.format, source=_source(args),
                                   overwrite=args.overwrite, quantize_head=args.quantize_head,
-                                  method=_method(args, args.method, args.scheme))  # fmt: skip
+                                  method=_method(args, args.method, args.scheme, export=True))  # fmt: skip
     print(jsonio.dumps(summary.to_dict(), indent=2) if args.json else f"{summary}\ncheckpoint: {args.out}")
     return 0
 

@@ -106,10 +106,11 @@ def quantize_checkpoint(
     """Load `model_path`, quantize it with `config` by `method` (calibrating on `source`'s training
     split when the config or the method needs it; the LM head and embedding too with
     `quantize_head`) and export it to `out` in `format`; a layer that format's readers could not
-    load stays in high precision, and smoothing is only folded into norms (never online). What
+    load stays in high precision, ``method="gptq"`` leaves the recommended rotation out, and
+    smoothing is only folded into norms (never online). What
     can fail is checked first: the config, the method, the format, the output folder."""
     config = get_quant_config(config)
-    method = resolve_method(method, config)
+    method = resolve_method(method, config, export=True)
     if method.rotation is not None:
         raise MinifloatError(f"rotation {method.rotation}: a rotated weight means W·T, and no {format} reader applies "
                              f"minifloat's online Hadamard transform on load, so such a checkpoint would load wrong; "
