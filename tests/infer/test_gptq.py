@@ -351,3 +351,35 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
     _one_line_error(capsys, ["ptq-compare", path, "--methods", "awq", "--out", str(tmp_path / "x")], "unknown method 'awq'")
     _one_line_error(capsys, ["ptq-compare", path, "--methods", "gptq", "--llmcompressor", str(tmp_path / "nope"),
                              "--out", str(tmp_path / "x")], "no such Python")  # fmt: skip
+
+
+def test_a_tied_head_is_not_rotated_and_a_transformed_one_unties_its_embedding():
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    rotate = resolve_method("gptq", "mxfp8", rotation="hadamard:32")
+    summary = quantize_model(model, "mxfp8", calibration=calib_batches(), method=rotate, quantize_head=True)
+    assert model.lm_head.input_transform is None and model.model.layers[0].mlp.down_proj.input_transform is not None
+    emb = model.get_input_embeddings()
+    assert emb.tied_to is model.lm_head  # one table, read by both
+    assert "tied to the LM head" in [s for s in summary.layers if s.embedding][0].note
+    table, original = model.lm_head.weight.dequantize(), ref.get_input_embeddings().weight
+    assert float((table - original).norm() / original.norm()) < 0.05  # the original table's rows, not rotated ones
+    with torch.no_grad():
+        assert torch.equal(emb(IDS[:1])[0], table[IDS[0]])
+        err = (model(IDS).logits - ref(IDS).logits).abs().mean() / ref(IDS).logits.abs().mean()
+    assert err < 0.2
+    # a transform handed in for round to nearest reaches the head too: the embedding then keeps its own table
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    r = HadamardRotation(32)
+    summary = quantize_model(model, "mxfp8-weight-only", quantize_head=True, transform=lambda w, stats: (r.fold(w), r))
+    row = [s for s in summary.layers if s.embedding][0]
+    assert "its own table" in row.note and row.bytes_before == 0
+    own = quantize(ref.get_input_embeddings().weight.detach(), model.lm_head.weight.scheme).dequantize()
+    with torch.no_grad():
+        assert torch.equal(model.get_input_embeddings()(IDS[:1])[0], own[IDS[0]])

@@ -80,6 +80,7 @@ class QuantizeSummary:
             "layers": [vars(layer) | {"shape": list(layer.shape)} for layer in self.layers],
             "model_bytes_before": self.model_bytes_before,
             "model_bytes_after": self.model_bytes_after,
+            "method": None if self.method is None else self.method.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -98,6 +99,7 @@ class QuantizeSummary:
             f"{self.config.name if isinstance(self.config, QuantConfig) else 'policy'}: "
             f"{sum(s.scheme is not None for s in linears)} of {len(linears)} Linears{embedding} quantized; model "
             f"{self.model_bytes_before:,} → {self.model_bytes_after:,} bytes ({ratio:.2f}× smaller)"
+            + ("" if self.method is None or self.method.label == "rtn" else f"; method {self.method.label}")
         )
         return "\n".join(lines)
 
@@ -246,7 +248,10 @@ def quantize_model(
     done: dict[str, QuantizedLinear] = {}
     by_old: dict[int, QuantizedLinear] = {}
     if method.sequential:
-        unreached = _quantize_sequential(model, plan, calibration, method, backend, done)
+        # a head whose table the embedding shares is not rotated: the lookup reads the stored rows as they are
+        tied = head is not None and (emb := _input_embedding(model, head)) is not None and emb[1].weight is head.weight
+        plain = {n for n, (m, _, _) in plan.items() if tied and m is head}
+        unreached = _quantize_sequential(model, plan, calibration, method, backend, done, plain=plain)
         for name in unreached:
             rows[name] = dataclasses.replace(rows[name], reason="calibration never reached it")
         by_old = {id(plan[n][0]): q for n, q in done.items()}
@@ -282,8 +287,10 @@ def _weight_by_method(weight: torch.Tensor, config: QuantConfig, stats: dict, *,
     return quantize_weight(weight, config, stats, method)
 
 
-def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, done: dict) -> set[str]:
-    """GPTQ / rotation / smoothing: `plan`'s layers quantized block by block (`run_sequential`)."""
+def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, done: dict, *,
+                         plain: set[str] = frozenset()) -> set[str]:  # fmt: skip
+    """GPTQ / rotation / smoothing: `plan`'s layers quantized block by block (`run_sequential`);
+    the layers `plain` get no rotation."""
     rotation = parse_rotation(method.rotation)
     configs = {n: c for n, (_, c, _) in plan.items()}
     kinds = ["hessian"] if method.method == "gptq" else []
@@ -291,7 +298,7 @@ def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, 
         kinds.append("amax")
     smoothing = method.smooth is not None and any(c.activation is not None for c in configs.values())
     for name, (m, _, _) in plan.items():  # a rotation that does not fit: an error before any work
-        if rotation is not None:
+        if rotation is not None and name not in plain:
             HadamardRotation(rotation).check(m.in_features, name)
 
     def prepare(group: Group) -> dict:
@@ -304,7 +311,7 @@ def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, 
         transforms = {}
         for n in group.names:
             steps = [] if factors is None or folded else [Smoothing(factors)]
-            if rotation is not None:
+            if rotation is not None and n not in plain:
                 r = HadamardRotation(rotation)
                 steps.append(r)
                 weights[n] = r.fold(weights[n])
@@ -364,13 +371,15 @@ def _quantize_embedding(model: torch.nn.Module, old_head: torch.nn.Linear, head:
                             embedding=True)  # fmt: skip
     name, emb = found
     shape, before = tuple(emb.weight.shape), emb.weight.nbytes
-    if emb.weight is old_head.weight:
+    if emb.weight is old_head.weight and head.input_transform is None:
         new = QuantizedEmbedding(tied_to=head, dtype=emb.weight.dtype, padding_idx=emb.padding_idx)
         before, note = 0, "tied to the LM head: one packed table (counted there)"
     else:
         table = round_to_nearest(emb.weight.detach(), head.config, {})
         new = QuantizedEmbedding(table, dtype=emb.weight.dtype, padding_idx=emb.padding_idx)
         note = None
+        if emb.weight is old_head.weight:  # the shared float table was counted with the head
+            before, note = 0, "its own table: the head's input is transformed, its table is not the embedding's"
     swap_modules(model, [name], lambda old: new)
     return LayerSummary(name, shape, head.config.weight, None, before, new.packed_nbytes(), config=head.config.name,
                         embedding=True, note=note)  # fmt: skip

@@ -44,6 +44,8 @@ class Group:
     producer: torch.nn.Module | None = None
     stats: dict[str, dict] = field(default_factory=dict)
     key: int = 0  # the id of the input tensor, while the groups are found
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights to quantize (transformed), by name
+    amax: torch.Tensor | None = None  # NVFP4: the tensor amax the group shares
 
 
 def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
