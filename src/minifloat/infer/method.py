@@ -68,16 +68,17 @@ class PTQMethod:
 
 
 # What measured best on SmolLM2-135M for each config (README, "Beyond round to nearest"): the
-# minmax observer throughout (MSE scales under GPTQ: nvfp4-weight-only +8.4 % against +8.0 %, and
-# slower); a rotation where it helped (the MX formats and NVFP4 weight-only; NVFP4 W4A4 +29.5 % →
-# +43 % with one), smoothing where the input's outliers are what remains (MXFP4 and NVFP4 W4A4).
+# minmax observer (MSE scales under GPTQ: nvfp4-weight-only +8.4 % against +8.0 %, and slower),
+# Four Over Six for NVFP4 W4A4 with smoothing; a rotation where it helped (the MX formats and
+# NVFP4 weight-only; NVFP4 W4A4 +29.5 % → +43 % with one), smoothing where the input's outliers
+# are what remains (MXFP4 and NVFP4 W4A4).
 _RECOMMENDED: dict[str, dict] = {
     "mxfp6": {"rotation": "hadamard:32"},
     "mxfp6-weight-only": {"rotation": "hadamard:32"},
     "mxfp4": {"rotation": "hadamard:32", "smooth": 0.5},
     "mxfp4-weight-only": {"rotation": "hadamard:32"},
     "nvfp4-weight-only": {"rotation": "hadamard:16"},
-    "nvfp4": {"smooth": 0.5},
+    "nvfp4": {"observer": "4over6", "smooth": 0.5},
     "nvfp4-4over6": {"smooth": 0.5},
     "nvfp4-4over6-weight-only": {"rotation": "hadamard:16"},
 }
