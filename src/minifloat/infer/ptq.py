@@ -236,7 +236,8 @@ def quantize_model(
         elif (p := matches(name, ignore)) is not None:
             reason = f"ignored (matches {p!r})"
         if reason is None and c is not None:
-            c = config_for(c, method)
+            if isinstance(policy, QuantConfig) or c.weight_scheme.is_nvfp4:  # a policy's other formats: minmax
+                c = config_for(c, method)
             reason = why_not(m, c)
             if reason is None and export_format is not None:
                 why = unreadable(c.weight_scheme, m.out_features, m.in_features, export_format)
