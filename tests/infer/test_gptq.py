@@ -383,3 +383,12 @@ def test_a_tied_head_is_not_rotated_and_a_transformed_one_unties_its_embedding()
     own = quantize(ref.get_input_embeddings().weight.detach(), model.lm_head.weight.scheme).dequantize()
     with torch.no_grad():
         assert torch.equal(model.get_input_embeddings()(IDS[:1])[0], own[IDS[0]])
+
+
+def test_round_to_nearest_with_mse_scales_through_quantize_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48))
+    w = model[0].weight.detach().clone()
+    quantize_model(model, "mxfp4-weight-only", ignore=(), method=PTQMethod(observer="mse"))
+    s = model[0].weight.scheme
+    assert torch.equal(model[0].weight.dequantize(), quantize_with_scales(w, s, observe_scales(w, s, "mse")).dequantize())

@@ -257,7 +257,7 @@ def quantize_model(
             rows[name] = dataclasses.replace(rows[name], reason="calibration never reached it")
         by_old = {id(plan[n][0]): q for n, q in done.items()}
     else:
-        wq = weight_quantizer or (round_to_nearest if method == PTQMethod() else functools.partial(_weight_by_method, method=method))
+        wq = weight_quantizer or (round_to_nearest if method == PTQMethod() else functools.partial(quantize_weight, method=method))
         for name, (m, c, _) in plan.items():
             amax = None
             if needs and name not in stats:
@@ -282,10 +282,6 @@ def quantize_model(
     summary.model_bytes_after = model_bytes(model)
     summary.method = method
     return summary
-
-
-def _weight_by_method(weight: torch.Tensor, config: QuantConfig, stats: dict, *, method: PTQMethod):
-    return quantize_weight(weight, config, stats, method)
 
 
 def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, done: dict, *,
