@@ -22,11 +22,10 @@ from minifloat.errors import MinifloatError
 from minifloat.infer.config import QUANT_CONFIGS, QuantConfig, get_quant_config
 from minifloat.infer.gptq import GPTQConfig, gptq
 from minifloat.infer.rotation import parse_rotation
-from minifloat.infer.rtn import pow2_global_amax
+from minifloat.infer.rtn import tensor_amax
 from minifloat.infer.scales import SCALE_OBSERVERS, observe_scales
 from minifloat.infer.smoothing import check_alpha
 from minifloat.quant import QuantizedTensor, quantize, quantize_with_scales
-from minifloat.scaling import rules
 
 METHODS = ("rtn", "gptq")
 
@@ -132,21 +131,6 @@ def config_for(config: QuantConfig, method: PTQMethod) -> QuantConfig:
     if twin in QUANT_CONFIGS:
         return QUANT_CONFIGS[twin]
     return dataclasses.replace(config, name=twin, scale_rule="4over6")
-
-
-def tensor_amax(weights: list[torch.Tensor], config: QuantConfig) -> torch.Tensor | None:
-    """NVFP4's tensor amax shared by `weights` (fused q/k/v, gate/up: one global scale, so an engine
-    can fuse them), power-of-two with ``pow2_global_scale``; None for other schemes."""
-    ws = config.weight_scheme
-    if not ws.is_nvfp4:
-        return None
-    if len(weights) == 1 and not config.pow2_global_scale:
-        return None  # the quantizer measures it
-    amax = torch.stack([rules.finite_amax(w.float(), ignore_nan=True) for w in weights]).amax()
-    if config.pow2_global_scale:
-        numerator = rules.NVFP4_4OVER6_NUMERATOR if ws.scale_rule == "4over6" else rules.NVFP4_GLOBAL_NUMERATOR
-        return pow2_global_amax(amax.reshape(1), numerator)
-    return amax
 
 
 def quantize_weight(weight: torch.Tensor, config: QuantConfig, stats: dict, method: PTQMethod, *,

@@ -31,10 +31,10 @@ from minifloat.infer.config import MIN_FEATURES, QuantConfig, get_quant_config, 
 from minifloat.infer.embedding import QuantizedEmbedding
 from minifloat.infer.export import unreadable
 from minifloat.infer.linear import QuantizedLinear
-from minifloat.infer.method import PTQMethod, config_for, quantize_weight, resolve_method, tensor_amax
+from minifloat.infer.method import PTQMethod, config_for, quantize_weight, resolve_method
 from minifloat.infer.observers import AmaxObserver, observe
 from minifloat.infer.rotation import HadamardRotation, parse_rotation
-from minifloat.infer.rtn import Transform, WeightQuantizer, round_to_nearest
+from minifloat.infer.rtn import Transform, WeightQuantizer, round_to_nearest, tensor_amax
 from minifloat.infer.sequential import Group, run_sequential
 from minifloat.infer.smoothing import Smoothing, fold_into_norm, smoothing_factors
 from minifloat.nn.convert import matches, rule_for, swap_modules

@@ -43,10 +43,20 @@ def pow2_global_amax(w: torch.Tensor, numerator: float = rules.NVFP4_GLOBAL_NUME
     return torch.tensor(numerator, dtype=torch.float32) / s
 
 
+def tensor_amax(weights: list[torch.Tensor], config: QuantConfig) -> torch.Tensor | None:
+    """The NVFP4 tensor amax `weights` share (fused q/k/v, gate/up: one global scale, so that an
+    engine can fuse them), power-of-two with ``pow2_global_scale`` (`pow2_global_amax`); None
+    where the quantizer measures its own: other schemes, one weight with the exact scale."""
+    ws = config.weight_scheme
+    if not ws.is_nvfp4 or (len(weights) == 1 and not config.pow2_global_scale):
+        return None
+    if config.pow2_global_scale:
+        numerator = rules.NVFP4_4OVER6_NUMERATOR if ws.scale_rule == "4over6" else rules.NVFP4_GLOBAL_NUMERATOR
+        return pow2_global_amax(torch.stack([w.float().abs().max() for w in weights]), numerator)
+    return torch.stack([rules.finite_amax(w.float(), ignore_nan=True) for w in weights]).amax()
+
+
 def round_to_nearest(weight: torch.Tensor, config: QuantConfig, stats: dict) -> QuantizedTensor:
     """Each weight rounded to the nearest value of its block's scaled grid (the scheme's own
     scale rule; for NVFP4 with ``pow2_global_scale`` the power-of-two global scale)."""
-    ws = config.weight_scheme
-    numerator = rules.NVFP4_4OVER6_NUMERATOR if ws.scale_rule == "4over6" else rules.NVFP4_GLOBAL_NUMERATOR
-    amax = pow2_global_amax(weight, numerator) if ws.is_nvfp4 and config.pow2_global_scale else None
-    return quantize(weight, ws, amax=amax)
+    return quantize(weight, config.weight_scheme, amax=tensor_amax([weight], config))
