@@ -191,18 +191,11 @@ def observe_group(block: torch.nn.Module, inputs: list[Inputs], group: Group, ki
 
         return record
 
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in zip(group.names, group.modules, strict=True)]
-    try:
-        with torch.no_grad():
-            for args, kwargs in inputs:
-                pending.update(group.names)
-                try:
-                    block(*args, **kwargs)
-                except _Stop:
-                    pass
-    finally:
-        for h in handles:
-            h.remove()
+    def hooks():  # every run of the block starts with the whole group pending
+        start = block.register_forward_pre_hook(lambda module, args: pending.update(group.names))
+        return [start] + [m.register_forward_pre_hook(hook(n)) for n, m in zip(group.names, group.modules, strict=True)]
+
+    _run(block, inputs, hooks)
     return {name: {k: o.result() for k, o in ob.items()} for name, ob in obs.items()}
 
 
