@@ -7,10 +7,11 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-SOURCE = "src/minifloat/kernels/_cpu.c"
-# The build records which source it came from; minifloat.kernels.cpu refuses a library built
-# from another version of it (a checkout updated without a rebuild) and runs the reference.
-source_hash = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()[:16]
+# The quantize kernels and the decode kernels (minifloat.kernels.cpu, minifloat.kernels.gemv).
+SOURCES = ["src/minifloat/kernels/_cpu.c", "src/minifloat/kernels/_gemv.c"]
+# The build records which sources it came from; minifloat.kernels.cpu refuses a library built
+# from other versions of them (a checkout updated without a rebuild) and runs the reference.
+source_hash = hashlib.sha256(b"".join((Path(__file__).parent / s).read_bytes() for s in SOURCES)).hexdigest()[:16]
 
 # Built from source on the machine that runs it (make demo / make test), so tune for it;
 # MINIFLOAT_PORTABLE=1 builds for any x86-64.
@@ -20,7 +21,7 @@ setup(
     ext_modules=[
         Extension(
             "minifloat.kernels._cpu",
-            sources=[SOURCE],
+            sources=SOURCES,
             define_macros=[("MF_SOURCE_HASH", f'"{source_hash}"')],
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi", *arch],
             extra_link_args=["-fopenmp"],

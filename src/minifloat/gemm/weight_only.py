@@ -3,16 +3,22 @@ dispatch every weight-only Linear goes through, where decode kernels plug in.
 
 A kernel is registered with `register_weight_only_kernel(name, supports, fn)`: `supports(x, w)`
 says whether it takes this input and weight (device, scheme, shapes), `fn(x, w)` returns the
-float32 product. ``backend="auto"`` takes the first registered kernel that supports the call, and
-the reference otherwise; a name asks for that kernel (a clear error where it does not apply);
+float32 product. ``backend="auto"`` takes the most recently registered kernel that supports the call (a
+user's before the built-in one), and the reference otherwise; a name asks for that kernel (a clear error where it does not apply);
 ``"emulated"`` is the reference: the weight dequantized exactly (codes × scales, float32) and a
 float32 GEMM, so every kernel must equal it up to summation order.
+
+One kernel is registered here: ``"decode"`` (`minifloat.kernels.gemv`), the C kernels that read
+the packed codes and scales in place for up to 16 rows of x on a CPU (a decode step, a
+speculative verification); prefill and training (more rows) take the reference.
 
 Example:
     >>> from minifloat import quantize
     >>> w = quantize(torch.randn(8, 64), "nvfp4")
     >>> x = torch.randn(3, 64)
-    >>> torch.equal(weight_only_mm(x, w), x @ w.dequantize().t())
+    >>> torch.equal(weight_only_mm(x, w, backend="emulated"), x @ w.dequantize().t())
+    True
+    >>> torch.allclose(weight_only_mm(x, w), x @ w.dequantize().t(), atol=1e-5)
     True
 """
 
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 
 from minifloat.errors import MinifloatError
 from minifloat.gemm.emulated import without_autocast
+from minifloat.kernels import gemv
 from minifloat.quant.tensor import QuantizedTensor
 
 
@@ -40,15 +47,16 @@ _KERNELS: dict[str, WeightOnlyKernel] = {}
 
 
 def register_weight_only_kernel(name: str, supports, fn) -> None:
-    """Add (or replace) the weight-only kernel `name` (see the module docstring)."""
+    """Add (or replace) the weight-only kernel `name`, tried first by ``"auto"`` (see the module docstring)."""
     if name in ("auto", "emulated"):
         raise MinifloatError(f"{name!r} names the dispatch itself; give the kernel another name")
+    _KERNELS.pop(name, None)
     _KERNELS[name] = WeightOnlyKernel(name, supports, fn)
 
 
 def weight_only_kernels() -> list[str]:
     """The names of the registered kernels, in the order ``"auto"`` tries them."""
-    return list(_KERNELS)
+    return list(reversed(_KERNELS))
 
 
 def _reference(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
@@ -63,7 +71,7 @@ def weight_only_mm(x: torch.Tensor, w: QuantizedTensor, *, backend: str = "auto"
     if x.shape[-1] != w.shape[1]:
         raise MinifloatError(f"the input has {x.shape[-1]} features, the weight takes {w.shape[1]}")
     if backend in ("auto", "native"):  # "native": a Linear's GEMM backend; weight-only kernels are its native path
-        for k in _KERNELS.values():
+        for k in reversed(_KERNELS.values()):
             if k.supports(x, w):
                 return k.fn(x, w)
         return _reference(x, w)
@@ -76,3 +84,10 @@ def weight_only_mm(x: torch.Tensor, w: QuantizedTensor, *, backend: str = "auto"
         raise MinifloatError(f"the weight-only kernel {backend!r} does not take a {w.scheme.name} weight of "
                              f"{tuple(w.shape)} on {w.device} with a {x.dtype} input; use backend='auto'")  # fmt: skip
     return k.fn(x, w)
+
+
+register_weight_only_kernel(
+    "decode",
+    lambda x, w: gemv.supports(x, w.data, w.shape, w.scheme),
+    lambda x, w: gemv.matmul(x, w.data, w.scale, w.tensor_scale, w.shape, w.scheme),
+)

@@ -25,6 +25,7 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.gemm import scaled_mm, weight_only_mm
 from minifloat.infer.config import QuantConfig, get_quant_config
+from minifloat.kernels.gemv import MAX_ROWS as DECODE_ROWS
 from minifloat.infer.rtn import Transform, WeightQuantizer, round_to_nearest
 from minifloat.quant import QuantizedTensor, quantize
 from minifloat.scaling.layout import layout_for
@@ -162,7 +163,12 @@ class QuantizedLinear(torch.nn.Module):
             y = weight_only_mm(x2, self.weight, backend=self.backend)
         else:
             qx = quantize(x2, c.activation_scheme, amax=self.input_amax if c.static else None)
-            y = scaled_mm(qx, self.weight, out_dtype=torch.float32, backend=self.backend)
+            if x2.device.type == "cpu" and self.backend == "auto" and x2.shape[0] <= DECODE_ROWS:
+                # a decode step: the few quantized rows dequantized (exact), the weight read packed by
+                # the decode kernels — the emulated product up to summation order
+                y = weight_only_mm(qx.dequantize(torch.float32), self.weight, backend=self.backend)
+            else:
+                y = scaled_mm(qx, self.weight, out_dtype=torch.float32, backend=self.backend)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*lead, self.out_features)

@@ -18,6 +18,7 @@ from minifloat.formats.registry import E4M3, E8M0, FloatFormat
 from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
 
+SOURCES = ("_cpu.c", "_gemv.c")  # as setup.py lists them: its build hashes them in this order
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"fp32": 0, "fp32_given": 1, "e8m0": 2, "e4m3": 3}
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -87,14 +88,14 @@ def _check_built_from_this_source(lib: ctypes.CDLL) -> None:
     """Refuse a library built from another version of _cpu.c (an updated checkout not rebuilt):
     its kernels may differ from the reference this code expects. Installs without the source
     file skip the check."""
-    source = Path(__file__).with_name("_cpu.c")
-    if not source.exists():
+    sources = [Path(__file__).with_name(name) for name in SOURCES]
+    if not all(s.exists() for s in sources):
         return
     lib.mf_source_hash.restype = ctypes.c_char_p
     built = lib.mf_source_hash().decode()
-    here = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    here = hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:16]
     if built != here:
-        raise OSError(f"{lib._name} was built from another version of {source.name} ({built}, this one is {here})")
+        raise OSError(f"{lib._name} was built from other versions of {' and '.join(SOURCES)} ({built}, these are {here})")
 
 
 def _declare(lib: ctypes.CDLL) -> None:

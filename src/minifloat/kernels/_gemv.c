@@ -1,0 +1,387 @@
+/* Decode kernels: y = x · Wᵀ in float32 for a few rows of float32 x (M ≤ 16: one decode step,
+ * or a speculative verification) and a packed weight W (N × K codes with their block scales),
+ * without writing a dequantized W: decoding reads every weight once per token, so the bytes it
+ * reads set its speed, and packed FP4 is 8× fewer bytes than FP32.
+ *
+ * Equal to minifloat.kernels.reference (dequantize, then an FP32 GEMM) up to FP32 summation
+ * order: every weight w = value(code) * scale is the float32 product the reference dequantizes
+ * to (one rounding; a decode table scaled by the block scale holds exactly those products), and
+ * y[m][n] = Σ_k x[m][k] · w[n][k], accumulated in float32 by fused multiply-adds in a fixed
+ * order (the same for any thread count: a row of W is one thread's). NaN and inf codes and
+ * scales propagate as the reference's products do.
+ *
+ * Work per row n of W, by segments of KC columns: the segment's codes are decoded (scaled) into
+ * a float buffer in L1, then every row of x is multiplied with it. Within a 32-column chunk a
+ * decoder may write the columns in its own order (FP4: even columns, then odd: the two nibbles
+ * of a byte); x is copied once per call into the same order, zero beyond K, so the products pair
+ * up. Columns past the last whole chunk are decoded one by one from the value table.
+ *
+ * ISA paths (chosen at run time, `mf_gemv_isa`; each forced in turn by the tests):
+ *   2 AVX-512: FP4 by 16-entry vpermps tables (the nibble is the index), FP6 by 32-entry
+ *     two-table permutes and a sign xor, FP8 by the float16 converter (E5M2 is float16's high
+ *     byte; E4M3 moved into float16's bits, × 2^8 folded into the scale, NaN patched);
+ *   1 AVX2 + FMA: FP4 by 8-entry vpermps of the magnitude and a sign xor, FP6 / FP8 by gathers
+ *     from the value table;
+ *   0 portable C: the value table, element by element.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#define MF_X86 1
+#include <immintrin.h>
+#else
+#define MF_X86 0
+#endif
+
+enum { K_FP4 = 0, K_FP6 = 1, K_E4M3 = 2, K_E5M2 = 3 }; /* element kinds */
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+#define CH 32  /* columns per chunk: the unit of the decoders' column orders */
+#define KC 512 /* columns per segment: the decoded buffer (2 KiB) stays in L1 */
+#define MMAX 16
+
+/* Must match GemvArgs in minifloat/kernels/gemv.py field for field. */
+typedef struct {
+    const float *x;      /* M × K, contiguous */
+    const uint8_t *data; /* N rows of row_bytes packed codes (the layout's padded rows) */
+    const void *scales;  /* the scale grid: float32 decode scales (slut NULL) or 8-bit codes */
+    const float *slut;   /* 8-bit scale codes' values, or NULL */
+    const float *lut;    /* the element format's values, by code (2^bits entries) */
+    float *y;            /* M × N */
+    int64_t M, N, K, row_bytes, data_bytes, br, bc, ngc;
+    float ts; /* NVFP4's tensor scale (1 otherwise): a block's scale is slut[code] * ts */
+    int32_t bits, kind, nthreads, isa;
+} gemv_args_t;
+
+static inline uint32_t code_at(const uint8_t *row, int64_t k, int bits) {
+    if (bits == 8) return row[k];
+    if (bits == 4) return (row[k >> 1] >> ((k & 1) * 4)) & 15u;
+    const uint8_t *g = row + (k >> 2) * 3; /* FP6: 4 codes in a little-endian 24-bit word */
+    const uint32_t w = g[0] | (uint32_t)g[1] << 8 | (uint32_t)g[2] << 16;
+    return (w >> (6 * (k & 3))) & 63u;
+}
+
+static inline float scale_at(const gemv_args_t *a, int64_t t) {
+    return a->slut ? a->slut[((const uint8_t *)a->scales)[t]] * a->ts : ((const float *)a->scales)[t];
+}
+
+/* sh[h]: the decode scale of columns k0 + 16h … k0 + 16h + 15 of row n (blocks are 16·j wide,
+ * or one per row: `mf_gemv` refuses others), for h < ceil(kc / 16). */
+static void half_scales(const gemv_args_t *a, int64_t n, int64_t k0, int64_t kc, float *sh) {
+    const int64_t t0 = (n / a->br) * a->ngc, nh = (kc + 15) / 16;
+    if (a->ngc == 1) {
+        const float s = scale_at(a, t0);
+        for (int64_t h = 0; h < nh; h++) sh[h] = s;
+        return;
+    }
+    int64_t blk = k0 / a->bc, rem = k0 % a->bc;
+    float s = scale_at(a, t0 + blk);
+    for (int64_t h = 0; h < nh; h++) {
+        sh[h] = s;
+        rem += 16;
+        if (rem >= a->bc && h + 1 < nh) rem -= a->bc, s = scale_at(a, t0 + ++blk);
+    }
+}
+
+/* Where column c of a chunk goes in the decoders' order. */
+static inline int chunk_pos(int c, int kind, int isa) {
+    if (kind != K_FP4 || isa == ISA_PORTABLE) return c;
+    if (isa == ISA_AVX512) return (c & 1) ? 16 + c / 2 : c / 2;
+    const int h = c >> 4, q = c & 15; /* AVX2: 16-column halves, each even then odd */
+    return 16 * h + ((q & 1) ? 8 + q / 2 : q / 2);
+}
+
+/* Columns [from, kc) of the segment by the table, element by element, in the chunk order; zero
+ * up to the chunk's end (x is zero there too: the products vanish). */
+static void decode_tail(const gemv_args_t *a, const uint8_t *row, int64_t k0, int64_t from, int64_t kc,
+                        const float *sh, float *w) {
+    const int64_t end = (kc + CH - 1) / CH * CH;
+    for (int64_t j = from; j < end; j++) {
+        const int64_t c0 = j / CH * CH;
+        const int p = chunk_pos((int)(j - c0), a->kind, a->isa);
+        w[c0 + p] = j < kc ? a->lut[code_at(row, k0 + j, a->bits)] * sh[j / 16] : 0.0f;
+    }
+}
+
+/* ---- AVX-512 -------------------------------------------------------------------------------- */
+#if MF_X86
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+/* Chunk decoders: the 32 columns from k (a whole chunk of the segment, sh its half scales
+ * from the chunk's first) as two vectors of scaled values, in the chunk order. */
+T512 static inline __attribute__((always_inline)) void fp4_512(const uint8_t *row, int64_t k, const float *sh,
+                                                               int by16, __m512 t, __m512 *v0, __m512 *v1) {
+    /* 16 bytes, one per int32 lane: vpermps reads the low nibble (even columns), then the high */
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k / 2)));
+    if (by16) { /* lanes 0-7: columns 0-15 (the first block), lanes 8-15: columns 16-31 */
+        const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sh[0]), _mm256_set1_ps(sh[1]), 1);
+        *v0 = _mm512_mul_ps(_mm512_permutexvar_ps(b, t), s);
+        *v1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t), s);
+    } else { /* one block: the table scaled once, value by value as the reference multiplies */
+        const __m512 ts = _mm512_mul_ps(t, _mm512_set1_ps(sh[0]));
+        *v0 = _mm512_permutexvar_ps(b, ts);
+        *v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), ts);
+    }
+}
+
+typedef struct { __m512 tlo, thi; __m128i spread; __m512i quad, sh6, sign; const uint8_t *end; } fp6c_t;
+
+T512 static inline __attribute__((always_inline)) __m512 fp6_512(const uint8_t *row, int64_t k, float s,
+                                                                 const fp6c_t *c6) {
+    const uint8_t *p = row + k / 4 * 3; /* 16 codes: 12 bytes */
+    __m128i raw;
+    if (p + 16 <= c6->end) raw = _mm_loadu_si128((const __m128i *)p);
+    else { uint8_t tmp[16] = {0}; memcpy(tmp, p, 12); raw = _mm_loadu_si128((const __m128i *)tmp); }
+    const __m512i words = _mm512_castsi128_si512(_mm_shuffle_epi8(raw, c6->spread)); /* 4 × 24 bits */
+    const __m512i c = _mm512_srlv_epi32(_mm512_permutexvar_epi32(c6->quad, words), c6->sh6);
+    const __m512 mag = _mm512_permutex2var_ps(c6->tlo, c, c6->thi);            /* low 5 bits: the magnitude */
+    const __m512i sg = _mm512_and_si512(_mm512_slli_epi32(c, 26), c6->sign); /* bit 5: the sign */
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), sg)), _mm512_set1_ps(s));
+}
+
+/* FP8 by the float16 converter: E5M2 is float16's high byte (exact, inf and NaN included); E4M3's
+ * sign goes to bit 15 and its exponent and mantissa to bits 7-13: its value × 2^-8, the 2^8
+ * folded into the scale (exact unless that overflows: then × 2^8 first), NaN patched. */
+T512 static inline __attribute__((always_inline)) __m512 fp8_512(const uint8_t *row, int64_t k, float s, int e5m2) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(row + k));
+    if (e5m2) return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8)), _mm512_set1_ps(s));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7), _mm256_set1_epi16((short)0xBF80));
+    const __mmask16 isnan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
+    __m512 v = _mm512_mask_mov_ps(_mm512_cvtph_ps(h), isnan, _mm512_set1_ps(NAN));
+    const float s8 = s * 256.0f;
+    if (isinf(s8) && !isinf(s)) return _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(256.0f)), _mm512_set1_ps(s));
+    return _mm512_mul_ps(v, _mm512_set1_ps(s8));
+}
+
+#define DECODE_CHUNK_512(K_, SH_, V0, V1)                                                                 \
+    do {                                                                                                \
+        if (a->kind == K_FP4) fp4_512(row, K_, SH_, by16, t4, &(V0), &(V1));                            \
+        else if (a->kind == K_FP6) V0 = fp6_512(row, K_, (SH_)[0], &c6), V1 = fp6_512(row, K_ + 16, (SH_)[1], &c6); \
+        else V0 = fp8_512(row, K_, (SH_)[0], e5m2), V1 = fp8_512(row, K_ + 16, (SH_)[1], e5m2);        \
+    } while (0)
+
+#define DECODE_SETUP_512                                                                                \
+    const __m512 t4 = _mm512_loadu_ps(a->lut);                                                          \
+    const int by16 = a->ngc > 1 && a->bc % CH != 0, e5m2 = a->kind == K_E5M2;                           \
+    const fp6c_t c6 = {_mm512_loadu_ps(a->lut), _mm512_loadu_ps(a->lut + 16),                           \
+                       _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1),             \
+                       _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),               \
+                       _mm512_setr_epi32(0, 6, 12, 18, 0, 6, 12, 18, 0, 6, 12, 18, 0, 6, 12, 18),       \
+                       _mm512_set1_epi32((int)0x80000000u), a->data + a->data_bytes}
+
+/* The segment's whole chunks: columns [0, nfull) (a multiple of CH), scaled values into w. */
+T512 static void decode512(const gemv_args_t *a, const uint8_t *row, int64_t k0, int64_t nfull, const float *sh,
+                           float *w) {
+    DECODE_SETUP_512;
+    for (int64_t j = 0; j < nfull; j += CH) {
+        __m512 v0, v1;
+        DECODE_CHUNK_512(k0 + j, sh + j / 16, v0, v1);
+        _mm512_storeu_ps(w + j, v0);
+        _mm512_storeu_ps(w + j + 16, v1);
+    }
+}
+
+/* One row of x (M = 1, a decode step): the chunks decoded in registers and multiplied at once;
+ * returns the segment's contribution added to *acc (4 partial sums of 16 lanes). */
+T512 static void fused512(const gemv_args_t *a, const uint8_t *row, int64_t k0, int64_t nfull, const float *sh,
+                          const float *x, __m512 *acc) {
+    DECODE_SETUP_512;
+    __m512 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+    int64_t j = 0;
+    for (; j + 2 * CH <= nfull; j += 2 * CH) {
+        __m512 v0, v1, v2, v3;
+        DECODE_CHUNK_512(k0 + j, sh + j / 16, v0, v1);
+        DECODE_CHUNK_512(k0 + j + CH, sh + j / 16 + 2, v2, v3);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j), v0, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), v1, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 32), v2, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 48), v3, a3);
+    }
+    if (j < nfull) {
+        __m512 v0, v1;
+        DECODE_CHUNK_512(k0 + j, sh + j / 16, v0, v1);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j), v0, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), v1, a1);
+    }
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+}
+
+/* acc[m][0..63] += x[m] · w over the segment's n columns (a multiple of CH) */
+T512 static void dot512(const float *xp, int64_t xstride, int64_t M, const float *w, int64_t n, float *acc) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = xp + m * xstride;
+        float *ac = acc + m * 64;
+        __m512 a0 = _mm512_loadu_ps(ac), a1 = _mm512_loadu_ps(ac + 16);
+        __m512 a2 = _mm512_loadu_ps(ac + 32), a3 = _mm512_loadu_ps(ac + 48);
+        int64_t j = 0;
+        for (; j + 64 <= n; j += 64) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(w + j), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), _mm512_loadu_ps(w + j + 16), a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 32), _mm512_loadu_ps(w + j + 32), a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 48), _mm512_loadu_ps(w + j + 48), a3);
+        }
+        if (j < n) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(w + j), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), _mm512_loadu_ps(w + j + 16), a1);
+        }
+        _mm512_storeu_ps(ac, a0), _mm512_storeu_ps(ac + 16, a1);
+        _mm512_storeu_ps(ac + 32, a2), _mm512_storeu_ps(ac + 48, a3);
+    }
+}
+
+/* ---- AVX2 ----------------------------------------------------------------------------------- */
+#define T256 __attribute__((target("avx2,fma,f16c")))
+
+T256 static void decode256(const gemv_args_t *a, const uint8_t *row, int64_t k0, int64_t nfull, const float *sh,
+                           float *w) {
+    if (a->kind == K_FP4) { /* per 16 columns: 8 bytes; the magnitude by vpermps (low 3 bits), bit 3 the sign */
+        const __m256 t = _mm256_loadu_ps(a->lut);
+        const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+        for (int64_t j = 0; j < nfull; j += 16) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + (k0 + j) / 2)));
+            const __m256 ts = _mm256_mul_ps(t, _mm256_set1_ps(sh[j / 16]));
+            const __m256i lo = _mm256_xor_si256(_mm256_castps_si256(_mm256_permutevar8x32_ps(ts, b)),
+                                                _mm256_and_si256(_mm256_slli_epi32(b, 28), sign));
+            const __m256i hi = _mm256_xor_si256(
+                _mm256_castps_si256(_mm256_permutevar8x32_ps(ts, _mm256_srli_epi32(b, 4))),
+                _mm256_and_si256(_mm256_slli_epi32(b, 24), sign));
+            _mm256_storeu_si256((__m256i *)(w + j), lo);
+            _mm256_storeu_si256((__m256i *)(w + j + 8), hi);
+        }
+        return;
+    }
+    for (int64_t j = 0; j < nfull; j += 8) { /* FP6 / FP8: 8 codes, then a gather from the table */
+        uint32_t c[8];
+        if (a->bits == 8) {
+            for (int q = 0; q < 8; q++) c[q] = row[k0 + j + q];
+        } else {
+            for (int q = 0; q < 8; q++) c[q] = code_at(row, k0 + j + q, 6);
+        }
+        const __m256 v = _mm256_i32gather_ps(a->lut, _mm256_loadu_si256((const __m256i *)c), 4);
+        _mm256_storeu_ps(w + j, _mm256_mul_ps(v, _mm256_set1_ps(sh[j / 16])));
+    }
+}
+
+T256 static void dot256(const float *xp, int64_t xstride, int64_t M, const float *w, int64_t n, float *acc) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = xp + m * xstride;
+        float *ac = acc + m * 64;
+        __m256 a[4];
+        for (int q = 0; q < 4; q++) a[q] = _mm256_loadu_ps(ac + 8 * q);
+        for (int64_t j = 0; j < n; j += 32)
+            for (int q = 0; q < 4; q++)
+                a[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 8 * q), _mm256_loadu_ps(w + j + 8 * q), a[q]);
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(ac + 8 * q, a[q]);
+    }
+}
+#endif
+
+/* ---- portable ------------------------------------------------------------------------------- */
+static void dot_portable(const float *xp, int64_t xstride, int64_t M, const float *w, int64_t n, float *acc) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = xp + m * xstride;
+        float *ac = acc + m * 64;
+        for (int64_t j = 0; j < n; j += 8)
+            for (int q = 0; q < 8; q++) ac[q] += x[j + q] * w[j + q];
+    }
+}
+
+/* Which paths this CPU runs: bit 1 AVX2 + FMA + F16C, bit 2 AVX-512 (F, BW, VL, DQ); bit 0 always. */
+int mf_gemv_isas(void) {
+    int r = 1 << ISA_PORTABLE;
+#if MF_X86
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (avx2) r |= 1 << ISA_AVX2;
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        r |= 1 << ISA_AVX512;
+#endif
+    return r;
+}
+
+/* The 64 partial sums of each row of x, pairwise in a fixed order, into y[m][n]. */
+static void finish(const gemv_args_t *a, int64_t n, float *acc) {
+    for (int64_t m = 0; m < a->M; m++) {
+        float *ac = acc + m * 64;
+        for (int width = 32; width >= 1; width /= 2)
+            for (int q = 0; q < width; q++) ac[q] += ac[q + width];
+        a->y[m * a->N + n] = ac[0];
+    }
+}
+
+typedef void (*decode_fn)(const gemv_args_t *, const uint8_t *, int64_t, int64_t, const float *, float *);
+typedef void (*dot_fn)(const float *, int64_t, int64_t, const float *, int64_t, float *);
+
+/* Row n of W against every row of x: per segment, decode (whole chunks by `dec`, the rest by the
+ * table) into a buffer, then `dot` it with x. */
+static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64_t Kc, decode_fn dec, dot_fn dot) {
+    float w[KC] __attribute__((aligned(64)));
+    float sh[KC / 16];
+    float acc[MMAX * 64] __attribute__((aligned(64)));
+    memset(acc, 0, (size_t)a->M * 64 * sizeof(float));
+    const uint8_t *row = a->data + n * a->row_bytes;
+    for (int64_t k0 = 0; k0 < a->K; k0 += KC) {
+        const int64_t kc = a->K - k0 < KC ? a->K - k0 : KC, nfull = dec ? kc / CH * CH : 0;
+        half_scales(a, n, k0, kc, sh);
+        if (dec) dec(a, row, k0, nfull, sh, w);
+        decode_tail(a, row, k0, nfull, kc, sh, w);
+        dot(xp + k0, Kc, a->M, w, (kc + CH - 1) / CH * CH, acc);
+    }
+    finish(a, n, acc);
+}
+
+#if MF_X86
+/* Row n of W against the one row of x (a decode step): whole chunks decoded in registers. */
+T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp) {
+    float w[CH] __attribute__((aligned(64)));
+    float sh[KC / 16];
+    float acc[64] __attribute__((aligned(64)));
+    __m512 v[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const uint8_t *row = a->data + n * a->row_bytes;
+    for (int64_t k0 = 0; k0 < a->K; k0 += KC) {
+        const int64_t kc = a->K - k0 < KC ? a->K - k0 : KC, nfull = kc / CH * CH;
+        half_scales(a, n, k0, kc, sh);
+        fused512(a, row, k0, nfull, sh, xp + k0, v);
+        if (nfull < kc) { /* the last, partial chunk by the table */
+            decode_tail(a, row, k0 + nfull, 0, kc - nfull, sh + nfull / 16, w);
+            v[0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k0 + nfull), _mm512_load_ps(w), v[0]);
+            v[1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k0 + nfull + 16), _mm512_load_ps(w + 16), v[1]);
+        }
+    }
+    for (int q = 0; q < 4; q++) _mm512_store_ps(acc + 16 * q, v[q]);
+    finish(a, n, acc);
+}
+#endif
+
+/* y = x · Wᵀ (see the top of the file). The caller checks: M ≤ 16, blocks 16·j columns wide or one
+ * per row, `isa` one that mf_gemv_isas reports. Returns 0, or -1 when scratch memory ran out. */
+int mf_gemv(const gemv_args_t *a) {
+    const int64_t M = a->M, K = a->K, Kc = (K + CH - 1) / CH * CH;
+    float *xp = malloc((size_t)(M * Kc) * sizeof(float));
+    if (!xp) return -1;
+    for (int64_t m = 0; m < M; m++) /* x in the decoders' chunk order, zero past K */
+        for (int64_t j = 0; j < Kc; j++) {
+            const int64_t c0 = j / CH * CH;
+            xp[m * Kc + c0 + chunk_pos((int)(j - c0), a->kind, a->isa)] = j < K ? a->x[m * K + j] : 0.0f;
+        }
+    decode_fn dec = NULL;
+    dot_fn dot = dot_portable;
+#if MF_X86
+    if (a->isa == ISA_AVX512) dec = decode512, dot = dot512;
+    if (a->isa == ISA_AVX2) dec = decode256, dot = dot256;
+#endif
+#pragma omp parallel for num_threads(a->nthreads) schedule(static)
+    for (int64_t n = 0; n < a->N; n++) {
+#if MF_X86
+        if (a->isa == ISA_AVX512 && M == 1) {
+            row_fused512(a, n, xp);
+            continue;
+        }
+#endif
+        row_buffered(a, n, xp, Kc, dec, dot);
+    }
+    free(xp);
+    return 0;
+}
