@@ -37,6 +37,7 @@
 
 enum { K_FP4 = 0, K_FP6 = 1, K_E4M3 = 2, K_E5M2 = 3 }; /* element kinds */
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { SF_FP32 = 0, SF_E8M0 = 1, SF_E4M3 = 2 }; /* scale formats */
 #define CH 32  /* columns per chunk: the unit of the decoders' column orders */
 #define KC 512 /* columns per segment: the decoded buffer (2 KiB) stays in L1 */
 #define MMAX 16
@@ -51,7 +52,7 @@ typedef struct {
     float *y;            /* M × N */
     int64_t M, N, K, row_bytes, data_bytes, br, bc, ngc;
     float ts; /* NVFP4's tensor scale (1 otherwise): a block's scale is slut[code] * ts */
-    int32_t bits, kind, nthreads, isa;
+    int32_t bits, kind, nthreads, isa, sfmt; /* sfmt: the scales' format (SF_*) */
 } gemv_args_t;
 
 static inline uint32_t code_at(const uint8_t *row, int64_t k, int bits) {
@@ -125,6 +126,14 @@ T512 static inline __attribute__((always_inline)) void fp4_512(const uint8_t *ro
     }
 }
 
+/* 32 FP4 columns from k with the scale vector s (lanes 0-7: columns 0-15, lanes 8-15: 16-31). */
+T512 static inline __attribute__((always_inline)) void fp4s_512(const uint8_t *row, int64_t k, __m512 s, __m512 t,
+                                                                __m512 *v0, __m512 *v1) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k / 2)));
+    *v0 = _mm512_mul_ps(_mm512_permutexvar_ps(b, t), s);
+    *v1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t), s);
+}
+
 typedef struct { __m512 tlo, thi; __m128i spread; __m512i quad, sh6, sign; const uint8_t *end; } fp6c_t;
 
 T512 static inline __attribute__((always_inline)) __m512 fp6_512(const uint8_t *row, int64_t k, float s,
@@ -140,15 +149,20 @@ T512 static inline __attribute__((always_inline)) __m512 fp6_512(const uint8_t *
     return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), sg)), _mm512_set1_ps(s));
 }
 
-/* FP8 by the float16 converter: E5M2 is float16's high byte (exact, inf and NaN included); E4M3's
- * sign goes to bit 15 and its exponent and mantissa to bits 7-13: its value × 2^-8, the 2^8
- * folded into the scale (exact unless that overflows: then × 2^8 first), NaN patched. */
+/* 16 E4M3 codes as float32: sign to bit 15 and exponent and mantissa to bits 7-13 make a float16
+ * of value × 2^-8 (exact, subnormals too); the codes of NaN patched. */
+T512 static inline __attribute__((always_inline)) __m512 e4m3_div256_512(__m128i raw) {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7), _mm256_set1_epi16((short)0xBF80));
+    const __mmask16 isnan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
+    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), isnan, _mm512_set1_ps(NAN));
+}
+
+/* FP8 by the float16 converter: E5M2 is float16's high byte (exact, inf and NaN included); E4M3
+ * by e4m3_div256_512, the 2^8 folded into the scale (exact unless that overflows: then × 2^8 first). */
 T512 static inline __attribute__((always_inline)) __m512 fp8_512(const uint8_t *row, int64_t k, float s, int e5m2) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)(row + k));
     if (e5m2) return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8)), _mm512_set1_ps(s));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7), _mm256_set1_epi16((short)0xBF80));
-    const __mmask16 isnan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
-    __m512 v = _mm512_mask_mov_ps(_mm512_cvtph_ps(h), isnan, _mm512_set1_ps(NAN));
+    const __m512 v = e4m3_div256_512(raw);
     const float s8 = s * 256.0f;
     if (isinf(s8) && !isinf(s)) return _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(256.0f)), _mm512_set1_ps(s));
     return _mm512_mul_ps(v, _mm512_set1_ps(s8));
@@ -180,31 +194,6 @@ T512 static void decode512(const gemv_args_t *a, const uint8_t *row, int64_t k0,
         _mm512_storeu_ps(w + j, v0);
         _mm512_storeu_ps(w + j + 16, v1);
     }
-}
-
-/* One row of x (M = 1, a decode step): the chunks decoded in registers and multiplied at once;
- * returns the segment's contribution added to *acc (4 partial sums of 16 lanes). */
-T512 static void fused512(const gemv_args_t *a, const uint8_t *row, int64_t k0, int64_t nfull, const float *sh,
-                          const float *x, __m512 *acc) {
-    DECODE_SETUP_512;
-    __m512 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
-    int64_t j = 0;
-    for (; j + 2 * CH <= nfull; j += 2 * CH) {
-        __m512 v0, v1, v2, v3;
-        DECODE_CHUNK_512(k0 + j, sh + j / 16, v0, v1);
-        DECODE_CHUNK_512(k0 + j + CH, sh + j / 16 + 2, v2, v3);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j), v0, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), v1, a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 32), v2, a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 48), v3, a3);
-    }
-    if (j < nfull) {
-        __m512 v0, v1;
-        DECODE_CHUNK_512(k0 + j, sh + j / 16, v0, v1);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j), v0, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + j + 16), v1, a1);
-    }
-    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
 }
 
 /* acc[m][0..63] += x[m] · w over the segment's n columns (a multiple of CH) */
@@ -333,25 +322,62 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
 }
 
 #if MF_X86
-/* Row n of W against the one row of x (a decode step): whole chunks decoded in registers. */
-T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp) {
-    float w[CH] __attribute__((aligned(64)));
-    float sh[KC / 16];
-    float acc[64] __attribute__((aligned(64)));
-    __m512 v[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+/* The scale of block t of the grid. */
+#define SCALE_AT(t) (a->slut ? a->slut[((const uint8_t *)a->scales)[t]] * a->ts : ((const float *)a->scales)[t])
+
+/* One row of x (M = 1, a decode step), row n of W: whole chunks decoded in registers and
+ * multiplied at once, their block scales read as they come (blocks 2^lb columns wide; lb = 62:
+ * one scale per row); the last, partial chunk by the table. */
+T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int lb) {
+    DECODE_SETUP_512;
     const uint8_t *row = a->data + n * a->row_bytes;
-    for (int64_t k0 = 0; k0 < a->K; k0 += KC) {
-        const int64_t kc = a->K - k0 < KC ? a->K - k0 : KC, nfull = kc / CH * CH;
-        half_scales(a, n, k0, kc, sh);
-        fused512(a, row, k0, nfull, sh, xp + k0, v);
-        if (nfull < kc) { /* the last, partial chunk by the table */
-            decode_tail(a, row, k0 + nfull, 0, kc - nfull, sh + nfull / 16, w);
-            v[0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k0 + nfull), _mm512_load_ps(w), v[0]);
-            v[1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k0 + nfull + 16), _mm512_load_ps(w + 16), v[1]);
+    const int64_t t0 = (n / a->br) * a->ngc, nfull = a->K / CH * CH;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    float sh[2];
+    int64_t j = 0;
+    if (a->kind == K_FP4 && by16 && lb == 4 && a->sfmt == SF_E4M3) {
+        /* NVFP4: 16 scale codes (256 columns) decoded at once, each chunk's pair picked by a permute;
+         * E4M3 × ts = (E4M3 × 2^-8) × (ts × 2^8), exact: ts ≤ FLT_MAX / 2688 by its definition */
+        const uint8_t *sc = (const uint8_t *)a->scales + t0;
+        const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
+        for (; j + 256 <= nfull; j += 256) {
+            const __m512 S = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 4)))), ts256);
+            for (int c = 0; c < 8; c += 2) {
+                const __m512i i0 = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                                    2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c);
+                const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(2));
+                __m512 v0, v1, v2, v3;
+                fp4s_512(row, j + CH * c, _mm512_permutexvar_ps(i0, S), t4, &v0, &v1);
+                fp4s_512(row, j + CH * (c + 1), _mm512_permutexvar_ps(i1, S), t4, &v2, &v3);
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + CH * c), v0, a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + CH * c + 16), v1, a1);
+                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + CH * c + 32), v2, a2);
+                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + CH * c + 48), v3, a3);
+            }
         }
     }
-    for (int q = 0; q < 4; q++) _mm512_store_ps(acc + 16 * q, v[q]);
-    finish(a, n, acc);
+    for (; j < nfull; j += CH) {
+        sh[0] = SCALE_AT(t0 + (j >> lb));
+        sh[1] = by16 || a->kind != K_FP4 ? SCALE_AT(t0 + ((j + 16) >> lb)) : sh[0];
+        __m512 v0, v1;
+        DECODE_CHUNK_512(j, sh, v0, v1);
+        if (j & CH) {
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j), v0, a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + 16), v1, a3);
+        } else {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j), v0, a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + 16), v1, a1);
+        }
+    }
+    if (j < a->K) { /* the last, partial chunk */
+        float w[CH] __attribute__((aligned(64))), hs[2];
+        hs[0] = SCALE_AT(t0 + (j >> lb));
+        hs[1] = a->K - j > 16 ? SCALE_AT(t0 + ((j + 16) >> lb)) : hs[0];
+        decode_tail(a, row, j, 0, a->K - j, hs, w);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j), _mm512_load_ps(w), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + 16), _mm512_load_ps(w + 16), a1);
+    }
+    a->y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 #endif
 
@@ -372,11 +398,14 @@ int mf_gemv(const gemv_args_t *a) {
     if (a->isa == ISA_AVX512) dec = decode512, dot = dot512;
     if (a->isa == ISA_AVX2) dec = decode256, dot = dot256;
 #endif
+    int lb = -1; /* blocks 2^lb columns wide, 62 for one per row; -1: neither */
+    if (a->ngc == 1) lb = 62;
+    else if ((a->bc & (a->bc - 1)) == 0) lb = __builtin_ctzll((unsigned long long)a->bc);
 #pragma omp parallel for num_threads(a->nthreads) schedule(static)
     for (int64_t n = 0; n < a->N; n++) {
 #if MF_X86
-        if (a->isa == ISA_AVX512 && M == 1) {
-            row_fused512(a, n, xp);
+        if (a->isa == ISA_AVX512 && M == 1 && lb >= 0) {
+            row_fused512(a, n, xp, lb);
             continue;
         }
 #endif

@@ -37,6 +37,7 @@ from minifloat.scaling.schemes import Scheme
 MAX_ROWS = 16  # rows of x the decode kernels take (a decode step, a speculative verification)
 ISAS = ("portable", "avx2", "avx512")  # the kernel's ISA codes 0, 1, 2
 _KINDS = {"e2m1": 0, "e3m2": 1, "e2m3": 1, "e4m3": 2, "e5m2": 3}  # element kinds of _gemv.c
+_SCALE_FORMATS = {"fp32": 0, "e8m0": 1, "e4m3": 2}  # SF_* of _gemv.c
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 
@@ -46,7 +47,7 @@ class GemvArgs(ctypes.Structure):
     _fields_ = [
         *((n, _P) for n in ("x", "data", "scales", "slut", "lut", "y")),
         *((n, _L) for n in ("M", "N", "K", "row_bytes", "data_bytes", "br", "bc", "ngc")),
-        ("ts", _F), *((n, _I) for n in ("bits", "kind", "nthreads", "isa")),
+        ("ts", _F), *((n, _I) for n in ("bits", "kind", "nthreads", "isa", "sfmt")),
     ]  # fmt: skip
 
 
@@ -61,13 +62,18 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def isas() -> list[str]:
-    """The ISA paths this CPU runs (``"portable"`` always, when the kernels were built)."""
+@functools.cache
+def _isas() -> tuple[str, ...]:
     lib = _library()
     if lib is None:
-        return []
+        return ()
     mask = lib.mf_gemv_isas()
-    return [name for i, name in enumerate(ISAS) if mask >> i & 1]
+    return tuple(name for i, name in enumerate(ISAS) if mask >> i & 1)
+
+
+def isas() -> list[str]:
+    """The ISA paths this CPU runs (``"portable"`` always, when the kernels were built)."""
+    return list(_isas())
 
 
 def best_isa() -> str | None:
@@ -83,8 +89,13 @@ def best_isa() -> str | None:
     return have[-1]
 
 
-def _blocks_fit(lay) -> bool:
-    """The kernels take blocks 16·j columns wide, or one scale per row (per row, per tensor)."""
+@functools.cache
+def _weight_fits(shape: tuple[int, ...], scheme: Scheme) -> bool:
+    """A 2-D weight in an element format the kernels decode, in blocks they walk: 16·j columns
+    wide, or one scale per row (per row, per tensor)."""
+    if len(shape) != 2 or scheme.element_format.name not in _KINDS:
+        return False
+    lay = layout_for(shape, scheme)
     return lay.grid[1] == 1 or lay.block_cols % 16 == 0
 
 
@@ -92,11 +103,10 @@ def supports(x: torch.Tensor, data: torch.Tensor, shape, scheme: Scheme) -> bool
     """Whether `matmul` takes this call: CPU tensors, kernels built, at most 16 rows of a float `x`,
     an element format the kernels decode and blocks they walk."""
     return (
-        os.environ.get("MINIFLOAT_KERNELS", "auto") != "reference"  # the debugging switch of minifloat.kernels
-        and x.device.type == "cpu" and data.device.type == "cpu" and x.dim() == 2
+        x.device.type == "cpu" and data.device.type == "cpu" and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and len(shape) == 2 and scheme.element_format.name in _KINDS and _blocks_fit(layout_for(shape, scheme))
-        and _library() is not None
+        and _weight_fits(tuple(shape), scheme) and _library() is not None
+        and os.environ.get("MINIFLOAT_KERNELS", "auto") != "reference"  # the debugging switch of minifloat.kernels
     )  # fmt: skip
 
 
@@ -109,6 +119,39 @@ def _tables(fmt_name: str, scale_format: str) -> tuple[torch.Tensor, torch.Tenso
     return lut, slut
 
 
+_PLANS: dict[tuple, GemvArgs] = {}  # a weight's arguments, by its parts' addresses (all the plan holds)
+
+
+def _plan(data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: Scheme) -> GemvArgs:
+    """The weight's half of mf_gemv's arguments, made once per weight: a decode step calls every
+    Linear once per token, and building them costs more than a small layer's product. The plan
+    holds only addresses, sizes and values derived from the parts the key names, so a part freed
+    and another allocated at its address with the same key gives the same plan."""
+    ts = 1.0 if tensor_scale is None else float(tensor_scale)
+    key = (data.data_ptr(), data.numel(), scale.data_ptr(), scale.dtype, ts, tuple(shape), scheme)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    lay = layout_for(shape, scheme)
+    fmt = scheme.element_format
+    row_bytes = lay.cols_pad * fmt.bits // 8
+    if tuple(data.shape) != (lay.rows_pad, row_bytes) or not data.is_contiguous():
+        raise MinifloatError(f"packed codes of shape {tuple(data.shape)}; a {scheme.name} weight of {tuple(shape)} has {(lay.rows_pad, row_bytes)}, contiguous")
+    if tuple(scale.shape) != lay.grid or not scale.is_contiguous() or scale.dtype != (torch.float32 if scheme.scale_format == "fp32" else torch.uint8):
+        raise MinifloatError(f"scales of shape {tuple(scale.shape)} {scale.dtype}; a {scheme.name} weight of {tuple(shape)} has {lay.grid}, contiguous")
+    lut, slut = _tables(fmt.name, scheme.scale_format)
+    plan = GemvArgs(
+        data=data.data_ptr(), scales=scale.data_ptr(), slut=None if slut is None else slut.data_ptr(), lut=lut.data_ptr(),
+        N=shape[0], K=shape[1], row_bytes=row_bytes, data_bytes=data.numel(), br=lay.block_rows, bc=lay.block_cols,
+        ngc=lay.grid[1], ts=ts, bits=fmt.bits, kind=_KINDS[fmt.name], sfmt=_SCALE_FORMATS[scheme.scale_format],
+        nthreads=cpu.threads_for(shape[0] * shape[1] // 4),
+    )  # fmt: skip
+    if len(_PLANS) >= 4096:  # bounded: weights that came and went
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
 def matmul(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None,
            shape, scheme: Scheme, *, isa: str | None = None) -> torch.Tensor:  # fmt: skip
     """``x · Wᵀ`` in float32, (M, N), for `x` (M, K) and W's parts (as `reference.dequantize`
@@ -116,31 +159,16 @@ def matmul(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, tensor_scal
     if not supports(x, data, shape, scheme):
         raise MinifloatError(f"the decode kernels do not take a {scheme.name} weight of {tuple(shape)} with "
                              f"input {tuple(x.shape)} {x.dtype} on {x.device}; use reference_matmul")  # fmt: skip
+    if x.shape[1] != shape[1]:
+        raise MinifloatError(f"the input has {x.shape[1]} features, the weight takes {shape[1]}")
     isa = isa or best_isa()
-    if isa not in isas():
+    if isa not in _isas():
         raise MinifloatError(f"ISA path {isa!r} does not run on this CPU; it runs {', '.join(isas())}")
-    lay = layout_for(shape, scheme)
-    fmt = scheme.element_format
-    n, k = shape
-    if x.shape[1] != k:
-        raise MinifloatError(f"the input has {x.shape[1]} features, the weight takes {k}")
-    lut, slut = _tables(fmt.name, scheme.scale_format)
+    args = GemvArgs.from_buffer_copy(_plan(data, scale, tensor_scale, shape, scheme))  # calls may run at once
     x = x.float().contiguous()
-    data = data.contiguous()
-    row_bytes = lay.cols_pad * fmt.bits // 8
-    if data.shape != (lay.rows_pad, row_bytes):
-        raise MinifloatError(f"packed codes of shape {tuple(data.shape)}; a {scheme.name} weight of {tuple(shape)} has {(lay.rows_pad, row_bytes)}")
-    scales = scale.contiguous() if slut is None else scale.contiguous().view(torch.uint8)
-    if slut is None:
-        scales = scales.float()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    args = GemvArgs(
-        x=x.data_ptr(), data=data.data_ptr(), scales=scales.data_ptr(), slut=None if slut is None else slut.data_ptr(),
-        lut=lut.data_ptr(), y=y.data_ptr(), M=x.shape[0], N=n, K=k, row_bytes=row_bytes, data_bytes=data.numel(),
-        br=lay.block_rows, bc=lay.block_cols, ngc=lay.grid[1], ts=1.0 if tensor_scale is None else float(tensor_scale),
-        bits=fmt.bits, kind=_KINDS[fmt.name], nthreads=cpu.threads_for(n * k // 4), isa=ISAS.index(isa),
-    )  # fmt: skip
-    if n and _library().mf_gemv(ctypes.byref(args)) != 0:
+    y = torch.empty(x.shape[0], shape[0], dtype=torch.float32)
+    args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(isa)
+    if shape[0] and _library().mf_gemv(ctypes.byref(args)) != 0:
         raise MemoryError("mf_gemv: no memory for the input's scratch copy")
     return y
 

@@ -214,7 +214,8 @@ def dequantize_rows(q: QuantizedTensor, index: torch.Tensor, dtype: torch.dtype 
         raise MinifloatError(f"row index out of range: the table has {n} rows, got indices {int(idx.min())} … {int(idx.max())}")
     idx = idx.long()
     lay = layout_for(q.shape, q.scheme)
-    per_row = q.decode_scales()[idx // lay.block_rows]  # (rows, blocks along K): each row's decode scales
+    # (rows, blocks along K): each row's decode scales, decoded from those rows' scale codes only
+    per_row = decode_scales(q.scale[idx // lay.block_rows], q.tensor_scale, q.scheme.scale_format)
     rows = Scheme(element=q.scheme.element, granularity="block", block=(1, lay.block_cols))
     return kernels.dequantize(q.data[idx], per_row.contiguous(), None, (idx.numel(), k), rows, dtype)
 

@@ -1,0 +1,152 @@
+"""The decode kernels (`minifloat.kernels.gemv`) against a float64 product with the dequantized
+weight, on every ISA path this CPU runs, forced in turn."""
+
+import pytest
+import torch
+
+import minifloat
+from minifloat import get_scheme
+from minifloat.formats.packing import pack
+from minifloat.kernels import gemv, reference
+from minifloat.kernels import quantize as quantize_parts
+
+pytestmark = pytest.mark.skipif(not gemv.isas(), reason="the CPU kernels were not built")
+
+SCHEMES = {
+    "nvfp4": get_scheme("nvfp4"), "nvfp4-4over6": get_scheme("nvfp4").replace(scale_rule="4over6"),
+    "nvfp4_2d": get_scheme("nvfp4_2d"), "mxfp4": get_scheme("mxfp4"), "mxfp6_e2m3": get_scheme("mxfp6_e2m3"),
+    "mxfp6_e3m2": get_scheme("mxfp6_e3m2"), "mxfp8": get_scheme("mxfp8"), "mxfp8_e5m2": get_scheme("mxfp8_e5m2"),
+    "fp8_tensor": get_scheme("fp8"), "fp8_e5m2": get_scheme("fp8_e5m2"), "fp8_rowwise": get_scheme("fp8_rowwise"),
+    "fp8_block128": get_scheme("fp8_block128"), "fp8_block128x128": get_scheme("fp8_block128x128"),
+    "fp4_tensor": get_scheme("fp4"), "fp6_tensor": get_scheme("fp6_e3m2"),
+}  # fmt: skip
+ISAS = gemv.isas()
+
+
+def oracle(x, parts, shape, scheme):
+    """float64 x · Wᵀ with W dequantized, and the bound on float32 accumulation error: γ_K Σ|x||w|."""
+    w = reference.dequantize(*parts, torch.Size(shape), scheme).double()
+    xd = x.double()
+    return xd @ w.t(), (xd.abs() @ w.abs().t()) * (shape[1] + 2) * 2.0**-24
+
+
+def check(y, want, bound):
+    assert y.dtype == torch.float32 and y.shape == want.shape
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isnan(y), torch.isnan(want)), "NaN where the float64 product has none, or not where it has"
+    assert torch.equal(y[torch.isinf(want)], want[torch.isinf(want)].float())
+    err = (y.double() - want).abs()[finite]
+    assert (err <= bound[finite] + 1e-37).all(), f"max error {(err - bound[finite]).max():.3e} over the bound"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize(("n", "k"), [(37, 300), (5, 77), (130, 1040), (3, 16), (11, 60), (9, 250)])
+def test_kernel_equals_the_float64_product_for_every_row_count(name, isa, n, k):
+    scheme = SCHEMES[name]
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    parts = quantize_parts(w, scheme)
+    for m in range(1, 17) if k == 300 else (1, 2, 16):
+        x = torch.randn(m, k, generator=g)
+        y = gemv.matmul(x, *parts, w.shape, scheme, isa=isa)
+        check(y, *oracle(x, parts, w.shape, scheme))
+
+
+def _with_codes(scheme, n, k, code, where):
+    """A weight whose codes at `where` are `code` (NaN / inf of the element format)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    data, scale, ts = quantize_parts(w, scheme)
+    from minifloat.formats.packing import unpack
+    from minifloat.scaling.layout import layout_for
+
+    lay = layout_for(w.shape, scheme)
+    fmt = scheme.element_format
+    codes = unpack(data.reshape(-1), fmt, lay.rows_pad * lay.cols_pad).view(lay.rows_pad, lay.cols_pad).clone()
+    for r, c in where:
+        codes[r, c] = code
+    return pack(codes.reshape(-1), fmt).view(data.shape), scale, ts
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("name", "code"), [("mxfp8", 0x7F), ("fp8_rowwise", 0xFF), ("fp8_e5m2", 0x7C), ("fp8_e5m2", 0xFC),
+                                            ("fp8_e5m2", 0x7E), ("mxfp8_e5m2", 0x7D)])  # fmt: skip
+def test_nan_and_infinite_codes_propagate(name, code, isa):
+    scheme = SCHEMES[name]
+    n, k = 9, 200
+    parts = _with_codes(scheme, n, k, code, [(2, 5), (4, 199), (7, 64)])
+    for m in (1, 3):
+        x = torch.randn(m, k)
+        x[0, 64] = 0.0  # inf × 0: NaN, as in the float64 product
+        y = gemv.matmul(x, *parts, (n, k), scheme, isa=isa)
+        want, bound = oracle(x, parts, (n, k), scheme)
+        assert not torch.isfinite(want).all()
+        check(y, want, bound)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "mxfp6_e3m2", "fp8_block128x128"])
+def test_nan_scales_and_inputs_propagate(name, isa):
+    scheme = SCHEMES[name]
+    w = torch.randn(20, 256)
+    data, scale, ts = quantize_parts(w, scheme)
+    scale = scale.clone()
+    scale.view(-1)[1] = float("nan") if scale.dtype == torch.float32 else (0xFF if scheme.scale_format == "e8m0" else 0x7F)
+    x = torch.randn(2, 256)
+    x[1, 3] = float("nan")
+    y = gemv.matmul(x, data, scale, ts, w.shape, scheme, isa=isa)
+    check(y, *oracle(x, (data, scale, ts), w.shape, scheme))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_an_e4m3_weight_with_huge_row_scales_is_exact(isa):
+    """E4M3 values are decoded × 2^-8 and the 2^8 moved into the scale, except where that overflows."""
+    scheme = SCHEMES["fp8_rowwise"]
+    w = torch.randn(4, 64) * torch.tensor([[1.0], [1e36], [3e38], [1e-30]])
+    parts = quantize_parts(w, scheme)
+    x = torch.randn(1, 64) * 1e-3
+    check(gemv.matmul(x, *parts, w.shape, scheme, isa=isa), *oracle(x, parts, w.shape, scheme))
+
+
+def test_the_isa_is_chosen_at_run_time_and_can_be_forced(monkeypatch):
+    assert ISAS[0] == "portable" and gemv.best_isa() == ISAS[-1]
+    monkeypatch.setenv("MINIFLOAT_GEMV_ISA", "portable")
+    assert gemv.best_isa() == "portable"
+    monkeypatch.setenv("MINIFLOAT_GEMV_ISA", "sve")
+    with pytest.raises(minifloat.MinifloatError, match="MINIFLOAT_GEMV_ISA='sve'"):
+        gemv.best_isa()
+    with pytest.raises(minifloat.MinifloatError, match="does not run on this CPU"):
+        s = SCHEMES["mxfp4"]
+        gemv.matmul(torch.randn(1, 32), *quantize_parts(torch.randn(2, 32), s), (2, 32), s, isa="neon")
+
+
+def test_what_the_kernels_do_not_take_goes_to_the_reference(monkeypatch):
+    s = SCHEMES["mxfp4"]
+    parts = quantize_parts(torch.randn(8, 64), s)
+    assert gemv.supports(torch.randn(16, 64), parts[0], (8, 64), s)
+    assert not gemv.supports(torch.randn(17, 64), parts[0], (8, 64), s)  # prefill: the GEMM
+    odd = s.replace(block=(1, 6))  # blocks not 16·j wide
+    assert not gemv.supports(torch.randn(1, 60), quantize_parts(torch.randn(8, 60), odd)[0], (8, 60), odd)
+    monkeypatch.setenv("MINIFLOAT_KERNELS", "reference")
+    assert not gemv.supports(torch.randn(1, 64), parts[0], (8, 64), s)
+    with pytest.raises(minifloat.MinifloatError, match="use reference_matmul"):
+        gemv.matmul(torch.randn(1, 64), *parts, (8, 64), s)
+
+
+def test_weight_only_layers_and_w4a4_decode_steps_run_on_the_kernels(monkeypatch):
+    from minifloat.infer.linear import QuantizedLinear
+
+    calls = []
+    real = gemv.matmul
+    monkeypatch.setattr(gemv, "matmul", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    lin = torch.nn.Linear(96, 40)
+    for config in ("nvfp4-weight-only", "nvfp4", "mxfp8"):
+        layer = QuantizedLinear.from_linear(lin, config, input_amax=4.0 if config == "nvfp4" else None)
+        calls.clear()
+        for m in (1, 4, 40):
+            x = torch.randn(m, 96)
+            got = layer(x)
+            want = layer.prepare("emulated")(x)  # the exact emulation: quantized input, dequantized operands
+            layer.prepare("auto")
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert calls == [1, 4], (config, calls)  # 40 rows: the GEMM
