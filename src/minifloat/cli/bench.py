@@ -12,6 +12,7 @@ from minifloat.io import jsonio
 from minifloat.report.table import cell
 
 QUANTIZE, GEMM, TRAIN = (keyword_defaults(f) for f in (bench.bench_quantize, bench.bench_gemm, bench.bench_train))
+_WEIGHTS = ("fp32", "fp8-weight-only", "mxfp4-weight-only", "nvfp4-weight-only")  # bench_decode.WEIGHT_CONFIGS
 
 
 def _dims(example: str, what: str):
@@ -35,6 +36,7 @@ def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
     return cell(v, spec, missing="-", suffix=suffix)
 
 
+_gemv_shape = _dims("2048x8192", "a GEMV shape (KxN)")
 _size = _dims(f"{QUANTIZE['rows']}x{QUANTIZE['cols']}", "size")
 _mnk = _dims("4096x4096x4096", "shape (MxNxK)")
 
@@ -43,6 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
     p.add_argument("what", choices=["quantize", "gemm", "train", "decode"], help="what to time")
     p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
+    p.add_argument("--weights", default=",".join(_WEIGHTS),
+                   help="decode: comma-separated PTQ configs to time greedy decoding with, fp32 the baseline ('' for none)")
+    p.add_argument("--no-quantize-head", dest="quantize_head", action="store_false",
+                   help="decode: keep the LM head (and a tied embedding) in float; by default they are quantized weight-only too")
+    p.add_argument("--gemv", default="2048x8192", help="decode: comma-separated KxN decode GEMVs to time against torch's int4 / int8 kernels ('' for none)")
     p.add_argument("--kv-formats", default=None,
                    help="decode: comma-separated KV caches, FORMAT[+RECENT][@OPTION…] with OPTION hadamard, hadamard-kv, "
                         "channel (KIVI's per-channel keys) or pre-rope, e.g. nvfp4+bf16@channel (default: every format)")  # fmt: skip
@@ -192,11 +199,18 @@ def _decode(args: argparse.Namespace) -> int:
     from minifloat.infer.pipeline import tokenizer_for
     from minifloat.train.corpus import load_corpus, stdlib_corpus
 
+    from minifloat.infer.config import get_quant_config
+
     if args.model is None:
         raise MinifloatError("bench decode needs a model: minifloat bench decode MODEL (a run folder, a transformers folder, a .gguf)")
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    for w in weights:  # a bad name fails before the model runs
+        if w != "fp32":
+            get_quant_config(w)
+    gemvs = [_gemv_shape(s.strip()) for s in args.gemv.split(",") if s.strip()]
     model = load_model(args.model)
     context = adapter_for(model).context_length
-    formats = decode.DEFAULT_FORMATS if not args.kv_formats else tuple(f.strip() for f in args.kv_formats.split(","))
+    formats = decode.DEFAULT_FORMATS if args.kv_formats is None else tuple(f.strip() for f in args.kv_formats.split(",") if f.strip())
     from minifloat.infer.kvcache import parse_kv_spec
 
     for f in formats:  # a bad name fails before the model runs
@@ -210,11 +224,20 @@ def _decode(args: argparse.Namespace) -> int:
     corpus = stdlib_corpus() if args.data is None else load_corpus(args.data)
     text = token_ids(bytes(corpus.val.numpy()), tokenizer_for(args.model))
     echo = (lambda s: None) if args.json else print
-    echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} windows per context "
-         f"({'greedy continuations of held-out prompts' if args.kv_text == 'generated' else 'held-out text'}):")
-    out = {"kv": decode.kv_quality(model, text, formats, contexts, windows=args.windows, source=args.kv_text, echo=echo)}
+    out = {}
+    prompts = [text[s : s + 16].reshape(1, -1) for s in range(0, len(text) - 16, max((len(text) - 16) // args.windows, 1))][: args.windows]
+    if weights:
+        new = min(args.new_tokens, context - 16)
+        echo(f"greedy decoding per weight format, {len(prompts)} prompts × {new} tokens, "
+             f"{'head quantized too' if args.quantize_head else 'head in float'}, FP32 KV cache:")  # fmt: skip
+        out["weights"] = decode.weight_speed(args.model, prompts, weights, new_tokens=new, quantize_head=args.quantize_head, echo=echo)
+    if gemvs:
+        out["gemv"] = decode.gemv_peers(gemvs, echo=echo)
+    if formats:
+        echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} windows per context "
+             f"({'greedy continuations of held-out prompts' if args.kv_text == 'generated' else 'held-out text'}):")
+        out["kv"] = decode.kv_quality(model, text, formats, contexts, windows=args.windows, source=args.kv_text, echo=echo)
     if drafts and ks:
-        prompts = [text[s : s + 16].reshape(1, -1) for s in range(0, len(text) - 16, max((len(text) - 16) // args.windows, 1))][: args.windows]
         new = min(args.new_tokens, context - 16)
         echo(f"speculative greedy decoding, {len(prompts)} prompts × {new} tokens (plain greedy first):")
         out["speculative"] = decode.speculative(model, prompts, drafts, ks, new_tokens=new, echo=echo)

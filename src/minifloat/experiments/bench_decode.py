@@ -1,4 +1,13 @@
-"""`minifloat bench decode`: what a KV-cache format costs in decoding, and what an FP4 draft buys.
+"""`minifloat bench decode`: what a weight format buys in decoding speed, what a KV-cache format
+costs, and what an FP4 draft buys.
+
+Weight formats (`weight_speed`): per PTQ config, the model quantized in memory (the LM head too,
+by default) generates greedily from held-out prompts; tokens/s, the weight bytes one token reads
+(every Linear's codes and scales once, a tied table once), the bound those bytes set at the read
+bandwidth measured in the same run (`read_bandwidth`), and the ratio to FP32 tokens/s.
+`gemv_peers` times one decode GEMV per shape, interleaved: FP32, minifloat's decode kernels
+and torch's own int4 / int8 weight-only CPU kernels (the peer; bfloat16 activations, the
+dtype their fast paths take, and float32).
 
 KV formats: along windows of each context length — the model's own greedy continuations of
 held-out prompts (``source="generated"``, what a served model decodes), or held-out text itself
@@ -23,12 +32,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer import generate
+from minifloat.infer import generate, load_model, quantize_model
 from minifloat.infer.adapter import adapter_for
 from minifloat.infer.decoding import draft_model
 from minifloat.infer.kvcache import parse_kv_spec
 from minifloat.infer.metrics import Quality
 
+WEIGHT_CONFIGS = ("fp32", "fp8-weight-only", "mxfp4-weight-only", "nvfp4-weight-only")
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
 FP4_COST_RATIO = 0.25  # an FP4 draft's forward against a BF16 target's: a quarter of the weight bytes (memory-bound decode)
 
@@ -124,3 +134,116 @@ def speculative(model, prompts: Sequence[torch.Tensor], drafts: Sequence[str] = 
                  f"{row['target_forwards_per_token']:.2f} target forwards/token, ×{row['speedup_here']:.2f} here, "
                  f"×{row['implied_speedup']:.2f} implied (draft cost {cost_ratio})")  # fmt: skip
     return {"plain_tokens_per_s": plain_tps, "cost_ratio": cost_ratio, "kv_cache": kv_cache, "runs": rows}
+
+
+def _median_interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each call, the calls interleaved round by round (a noisy machine slows
+    them alike)."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Bytes/s of one read-only pass over a buffer far larger than the caches (a sum)."""
+    x = torch.ones(nbytes // 4)
+    t = _median_interleaved({"sum": lambda: x.sum()}, reps)["sum"]
+    return nbytes / t
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every Linear's weight (packed codes and scales, or
+    the float tensor) and bias, a table shared by tied modules once. The embedding reads one row."""
+    from minifloat.infer.linear import QuantizedLinear
+
+    seen, total = set(), 0
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear):
+            parts = [b for n, b in mod.named_buffers() if not n.startswith("input_transform.")]
+        elif isinstance(mod, torch.nn.Linear):
+            parts = [p for p in (mod.weight, mod.bias) if p is not None]
+        else:
+            continue
+        for t in parts:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.nbytes
+    return total
+
+
+def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[str] = WEIGHT_CONFIGS,
+                 new_tokens: int = 32, quantize_head: bool = True, kv_cache: str = "fp32",
+                 echo: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Greedy decoding speed per weight config (see the module docstring); ``"fp32"`` is the
+    unquantized model, the ratios' baseline."""
+    bandwidth = read_bandwidth()
+    echo(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (one pass over 256 MiB)")
+    rows = []
+    for cfg in configs:
+        model = load_model(path)
+        if cfg != "fp32":
+            quantize_model(model, cfg, quantize_head=quantize_head)
+        generate(model, prompts[0], 4, kv_cache=kv_cache)  # warm: first calls build plans and tables
+        n = secs = 0.0
+        for p in prompts:
+            g = generate(model, p, new_tokens, kv_cache=kv_cache)
+            n += g.new_tokens
+            secs += g.seconds
+        nbytes = weight_bytes_per_token(model)
+        row = {"config": cfg, "tokens_per_s": n / secs, "weight_bytes_per_token": nbytes,
+               "bound_tokens_per_s": bandwidth / nbytes}  # fmt: skip
+        rows.append(row)
+        del model
+    base = next((r["tokens_per_s"] for r in rows if r["config"] == "fp32"), None)
+    for r in rows:
+        r["vs_fp32"] = r["tokens_per_s"] / base if base else None
+        echo(f"  {r['config']:<24} {r['tokens_per_s']:7.1f} tok/s  {r['weight_bytes_per_token'] / 1e6:8.1f} MB/token  "
+             f"bound {r['bound_tokens_per_s']:7.1f} tok/s  " + (f"×{r['vs_fp32']:.2f} FP32" if base else ""))  # fmt: skip
+    return {"read_bandwidth_bytes_per_s": bandwidth, "quantize_head": quantize_head, "new_tokens": new_tokens,
+            "prompts": len(prompts), "runs": rows}  # fmt: skip
+
+
+GEMV_SCHEMES = ("nvfp4", "mxfp4", "fp8_rowwise")
+
+
+def gemv_peers(shapes: Sequence[tuple[int, int]] = ((2048, 8192),), schemes: Sequence[str] = GEMV_SCHEMES,
+               reps: int = 30, echo: Callable[[str], None] = print) -> list[dict]:  # fmt: skip
+    """One decode GEMV (1 × K · (N × K)ᵀ) per shape (K, N), interleaved: FP32 ``F.linear``, the
+    decode kernels per scheme, torch's int4 (group 32) and int8 weight-only CPU kernels with
+    bfloat16 and float32 activations. Median ms and the ratio to FP32."""
+    import torch.nn.functional as F
+
+    from minifloat.kernels import gemv
+    from minifloat.quant import quantize
+
+    rows = []
+    for k, n in shapes:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(1, k, generator=g)
+        fns: dict[str, Callable[[], object]] = {"fp32": lambda w=w, x=x: F.linear(x, w)}
+        for name in schemes:
+            q = quantize(w, name)
+            fns[f"minifloat {name}"] = lambda q=q, x=x: gemv.matmul(x, q.data, q.scale, q.tensor_scale, q.shape, q.scheme)
+        if k % 32 == 0 and n % 16 == 0 and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+            codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+            sz = torch.rand(k // 32, n, 2, generator=g)
+            w8, s8 = torch.randint(-128, 127, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g)
+            for dt, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+                xd, szd, s8d = x.to(dt), sz.to(dt), s8.to(dt)
+                fns[f"torch int4 ({tag} x)"] = lambda xd=xd, szd=szd: torch._weight_int4pack_mm_for_cpu(xd, packed, 32, szd)
+                fns[f"torch int8 ({tag} x)"] = lambda xd=xd, s8d=s8d: torch._weight_int8pack_mm(xd, w8, s8d)
+        t = _median_interleaved(fns, reps)
+        echo(f"  GEMV 1×{k} · ({n}×{k})ᵀ, median of {reps}:")
+        for name, secs in t.items():
+            row = {"shape": [k, n], "kernel": name, "ms": secs * 1e3, "vs_fp32": t["fp32"] / secs}
+            rows.append(row)
+            echo(f"    {name:<26} {row['ms']:8.3f} ms  ×{row['vs_fp32']:.2f} FP32")
+    return rows

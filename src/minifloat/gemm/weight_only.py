@@ -89,5 +89,5 @@ def weight_only_mm(x: torch.Tensor, w: QuantizedTensor, *, backend: str = "auto"
 register_weight_only_kernel(
     "decode",
     lambda x, w: gemv.supports(x, w.data, w.shape, w.scheme),
-    lambda x, w: gemv.matmul(x, w.data, w.scale, w.tensor_scale, w.shape, w.scheme),
+    lambda x, w: gemv.run(x, w.data, w.scale, w.tensor_scale, w.shape, w.scheme),
 )

@@ -29,7 +29,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.formats.codec import value_table
-from minifloat.formats.registry import E4M3, E8M0
+from minifloat.formats.registry import E4M3, E8M0, get_format
 from minifloat.kernels import cpu, reference
 from minifloat.scaling.layout import layout_for
 from minifloat.scaling.schemes import Scheme
@@ -37,6 +37,7 @@ from minifloat.scaling.schemes import Scheme
 MAX_ROWS = 16  # rows of x the decode kernels take (a decode step, a speculative verification)
 ISAS = ("portable", "avx2", "avx512")  # the kernel's ISA codes 0, 1, 2
 _KINDS = {"e2m1": 0, "e3m2": 1, "e2m3": 1, "e4m3": 2, "e5m2": 3}  # element kinds of _gemv.c
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCALE_FORMATS = {"fp32": 0, "e8m0": 1, "e4m3": 2}  # SF_* of _gemv.c
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -78,25 +79,24 @@ def isas() -> list[str]:
 
 def best_isa() -> str | None:
     """The path calls take: ``MINIFLOAT_GEMV_ISA`` when set, else the widest this CPU runs."""
-    have = isas()
-    if not have:
-        return None
+    have = _isas()
     forced = os.environ.get("MINIFLOAT_GEMV_ISA")
-    if forced:
-        if forced not in have:
-            raise MinifloatError(f"MINIFLOAT_GEMV_ISA={forced!r}: this CPU runs {', '.join(have)}; unset it or pick one of them")
-        return forced
-    return have[-1]
+    if not forced or not have:
+        return have[-1] if have else None
+    if forced not in have:
+        raise MinifloatError(f"MINIFLOAT_GEMV_ISA={forced!r}: this CPU runs {', '.join(have)}; unset it or pick one of them")
+    return forced
 
 
 @functools.cache
-def _weight_fits(shape: tuple[int, ...], scheme: Scheme) -> bool:
+def _weight_fits(shape: tuple[int, ...], element: str, granularity: str, block) -> bool:
     """A 2-D weight in an element format the kernels decode, in blocks they walk: 16·j columns
     wide, or one scale per row (per row, per tensor)."""
-    if len(shape) != 2 or scheme.element_format.name not in _KINDS:
+    if len(shape) != 2 or get_format(element).name not in _KINDS:
         return False
-    lay = layout_for(shape, scheme)
-    return lay.grid[1] == 1 or lay.block_cols % 16 == 0
+    if granularity != "block":
+        return True
+    return -(-shape[1] // block[1]) == 1 or block[1] % 16 == 0
 
 
 def supports(x: torch.Tensor, data: torch.Tensor, shape, scheme: Scheme) -> bool:
@@ -104,16 +104,14 @@ def supports(x: torch.Tensor, data: torch.Tensor, shape, scheme: Scheme) -> bool
     an element format the kernels decode and blocks they walk."""
     return (
         x.device.type == "cpu" and data.device.type == "cpu" and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and _weight_fits(tuple(shape), scheme) and _library() is not None
-        and os.environ.get("MINIFLOAT_KERNELS", "auto") != "reference"  # the debugging switch of minifloat.kernels
+        and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _INPUT_DTYPES
+        and _weight_fits(tuple(shape), scheme.element, scheme.granularity, scheme.block) and bool(_isas())
+        and os.environ.get("MINIFLOAT_KERNELS") != "reference"  # the debugging switch of minifloat.kernels
     )  # fmt: skip
 
 
 @functools.cache
 def _tables(fmt_name: str, scale_format: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from minifloat.formats.registry import get_format
-
     lut = value_table(get_format(fmt_name), torch.float32).contiguous()
     slut = None if scale_format == "fp32" else value_table(E8M0 if scale_format == "e8m0" else E4M3, torch.float32)
     return lut, slut
@@ -128,7 +126,8 @@ def _plan(data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: 
     holds only addresses, sizes and values derived from the parts the key names, so a part freed
     and another allocated at its address with the same key gives the same plan."""
     ts = 1.0 if tensor_scale is None else float(tensor_scale)
-    key = (data.data_ptr(), data.numel(), scale.data_ptr(), scale.dtype, ts, tuple(shape), scheme)
+    key = (data.data_ptr(), data.numel(), scale.data_ptr(), scale.dtype, ts, tuple(shape), scheme.element,
+           scheme.block, scheme.granularity, scheme.scale_format)  # what the plan reads of the scheme  # fmt: skip
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -164,10 +163,16 @@ def matmul(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, tensor_scal
     isa = isa or best_isa()
     if isa not in _isas():
         raise MinifloatError(f"ISA path {isa!r} does not run on this CPU; it runs {', '.join(isas())}")
+    return run(x, data, scale, tensor_scale, shape, scheme, isa=isa)
+
+
+def run(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme, *, isa: str | None = None) -> torch.Tensor:
+    """`matmul` for a call `supports` took (the dispatch has asked): no checks repeated, as a
+    decode step makes hundreds of these calls per token."""
     args = GemvArgs.from_buffer_copy(_plan(data, scale, tensor_scale, shape, scheme))  # calls may run at once
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], shape[0], dtype=torch.float32)
-    args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(isa)
+    args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(isa or best_isa())
     if shape[0] and _library().mf_gemv(ctypes.byref(args)) != 0:
         raise MemoryError("mf_gemv: no memory for the input's scratch copy")
     return y
