@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP_INSTALL := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIND_LINKS) -c constraints.txt
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean gpu-check
 
 # setup.py and the kernel source too: an updated checkout rebuilds the kernels it calls.
 $(STAMP): pyproject.toml constraints.txt setup.py src/minifloat/kernels/_cpu.c src/minifloat/kernels/_gemv.c
@@ -26,6 +26,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest
+
+# On a machine with an NVIDIA GPU (and a CUDA torch in the venv): the CUDA tests, validate at full
+# size, bench gemm and bench decode on CUDA, one report in runs/gpu-check/report.md.
+gpu-check: $(STAMP)
+	$(BIN)/python tools/gpu_check.py --out runs/gpu-check
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -20,7 +20,9 @@ ML_DTYPES = {
 }
 FORMAT_NAMES = list(minifloat.FORMATS)
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def requires_cuda(test):
+    """A CUDA test: skipped without a device, selected by `make gpu-check` (``-m cuda``)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 def oracle_encode(x: np.ndarray, name: str, saturate: bool) -> np.ndarray:

@@ -69,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"{', '.join(GEMM['schemes'])})")
     p.add_argument("--shape", type=_mnk, default=None,
                    help="gemm: MxNxK (default 4096x4096x4096 on CUDA, 1024x1024x1024 on CPU)")
-    p.add_argument("--device", default=None, help="gemm: cpu or cuda[:i] (default: cuda when there is one)")
+    p.add_argument("--device", default=None, help="gemm: cpu or cuda[:i] (default: cuda when there is one); decode: where the model runs (default cpu)")
     p.add_argument("--recipes", default=None, help=f"train: comma-separated recipes (default: {','.join(TRAIN['recipes'])})")
     p.add_argument("--layers", type=int, default=TRAIN["layers"], help="train: MLP blocks")
     p.add_argument("--dim", type=int, default=TRAIN["dim"], help="train: model width")
@@ -208,7 +208,12 @@ def _decode(args: argparse.Namespace) -> int:
         if w != "fp32":
             get_quant_config(w)
     gemvs = [_gemv_shape(s.strip()) for s in args.gemv.split(",") if s.strip()]
-    model = load_model(args.model)
+    import torch
+
+    device = torch.device(args.device or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MinifloatError(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
+    model = load_model(args.model).to(device)
     context = adapter_for(model).context_length
     formats = decode.DEFAULT_FORMATS if args.kv_formats is None else tuple(f.strip() for f in args.kv_formats.split(",") if f.strip())
     from minifloat.infer.kvcache import parse_kv_spec
@@ -225,13 +230,14 @@ def _decode(args: argparse.Namespace) -> int:
     text = token_ids(bytes(corpus.val.numpy()), tokenizer_for(args.model))
     echo = (lambda s: None) if args.json else print
     out = {}
-    prompts = [text[s : s + 16].reshape(1, -1) for s in range(0, len(text) - 16, max((len(text) - 16) // args.windows, 1))][: args.windows]
+    prompts = [text[s : s + 16].reshape(1, -1).to(device) for s in range(0, len(text) - 16, max((len(text) - 16) // args.windows, 1))][: args.windows]
     if weights:
         new = min(args.new_tokens, context - 16)
         echo(f"greedy decoding per weight format, {len(prompts)} prompts × {new} tokens, "
              f"{'head quantized too' if args.quantize_head else 'head in float'}, FP32 KV cache:")  # fmt: skip
-        out["weights"] = decode.weight_speed(args.model, prompts, weights, new_tokens=new, quantize_head=args.quantize_head, echo=echo)
-    if gemvs:
+        out["weights"] = decode.weight_speed(args.model, prompts, weights, new_tokens=new, quantize_head=args.quantize_head,
+                                             device=device, echo=echo)  # fmt: skip
+    if gemvs and device.type == "cpu":  # the decode kernels and torch's int4 / int8 peers are CPU kernels
         out["gemv"] = decode.gemv_peers(gemvs, echo=echo)
     if formats:
         echo(f"KV-cache formats against an FP32 cache, teacher-forced over {args.windows} windows per context "

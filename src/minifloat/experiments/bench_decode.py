@@ -179,14 +179,14 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[str] = WEIGHT_CONFIGS,
                  new_tokens: int = 32, quantize_head: bool = True, kv_cache: str = "fp32",
-                 echo: Callable[[str], None] = print) -> dict:  # fmt: skip
+                 device: torch.device | str = "cpu", echo: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Greedy decoding speed per weight config (see the module docstring); ``"fp32"`` is the
     unquantized model, the ratios' baseline."""
     bandwidth = read_bandwidth()
     echo(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (one pass over 256 MiB)")
     rows = []
     for cfg in configs:
-        model = load_model(path)
+        model = load_model(path).to(device)
         if cfg != "fp32":
             quantize_model(model, cfg, quantize_head=quantize_head)
         generate(model, prompts[0], 4, kv_cache=kv_cache)  # warm: first calls build plans and tables

@@ -53,6 +53,7 @@ typedef struct {
     int64_t M, N, K, row_bytes, data_bytes, br, bc, ngc;
     float ts; /* NVFP4's tensor scale (1 otherwise): a block's scale is slut[code] * ts */
     int32_t bits, kind, nthreads, isa, sfmt; /* sfmt: the scales' format (SF_*) */
+    int32_t nan_free; /* 1: no code of W is NaN (checked when the plan was made): no lanes to patch */
 } gemv_args_t;
 
 static inline uint32_t code_at(const uint8_t *row, int64_t k, int bits) {
@@ -151,18 +152,20 @@ T512 static inline __attribute__((always_inline)) __m512 fp6_512(const uint8_t *
 
 /* 16 E4M3 codes as float32: sign to bit 15 and exponent and mantissa to bits 7-13 make a float16
  * of value × 2^-8 (exact, subnormals too); the codes of NaN patched. */
-T512 static inline __attribute__((always_inline)) __m512 e4m3_div256_512(__m128i raw) {
+T512 static inline __attribute__((always_inline)) __m512 e4m3_div256_512(__m128i raw, int nan_free) {
     const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7), _mm256_set1_epi16((short)0xBF80));
+    if (nan_free) return _mm512_cvtph_ps(h);
     const __mmask16 isnan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
     return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), isnan, _mm512_set1_ps(NAN));
 }
 
 /* FP8 by the float16 converter: E5M2 is float16's high byte (exact, inf and NaN included); E4M3
  * by e4m3_div256_512, the 2^8 folded into the scale (exact unless that overflows: then × 2^8 first). */
-T512 static inline __attribute__((always_inline)) __m512 fp8_512(const uint8_t *row, int64_t k, float s, int e5m2) {
+T512 static inline __attribute__((always_inline)) __m512 fp8_512(const uint8_t *row, int64_t k, float s, int e5m2,
+                                                                 int nan_free) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)(row + k));
     if (e5m2) return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8)), _mm512_set1_ps(s));
-    const __m512 v = e4m3_div256_512(raw);
+    const __m512 v = e4m3_div256_512(raw, nan_free);
     const float s8 = s * 256.0f;
     if (isinf(s8) && !isinf(s)) return _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(256.0f)), _mm512_set1_ps(s));
     return _mm512_mul_ps(v, _mm512_set1_ps(s8));
@@ -172,7 +175,7 @@ T512 static inline __attribute__((always_inline)) __m512 fp8_512(const uint8_t *
     do {                                                                                                \
         if (a->kind == K_FP4) fp4_512(row, K_, SH_, by16, t4, &(V0), &(V1));                            \
         else if (a->kind == K_FP6) V0 = fp6_512(row, K_, (SH_)[0], &c6), V1 = fp6_512(row, K_ + 16, (SH_)[1], &c6); \
-        else V0 = fp8_512(row, K_, (SH_)[0], e5m2), V1 = fp8_512(row, K_ + 16, (SH_)[1], e5m2);        \
+        else V0 = fp8_512(row, K_, (SH_)[0], e5m2, a->nan_free), V1 = fp8_512(row, K_ + 16, (SH_)[1], e5m2, a->nan_free);        \
     } while (0)
 
 #define DECODE_SETUP_512                                                                                \
@@ -327,55 +330,107 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
 
 /* One row of x (M = 1, a decode step), row n of W: whole chunks decoded in registers and
  * multiplied at once, their block scales read as they come (blocks 2^lb columns wide; lb = 62:
- * one scale per row); the last, partial chunk by the table. */
+ * one scale per row); the last, partial chunk by the table. One loop per element kind and
+ * scale layout, so the hot loops hold no branch on either. */
+#define FMA2(J, V0, V1, A0, A1)                                                                     \
+    A0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + (J)), V0, A0), A1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + (J) + 16), V1, A1)
+#define FUSED_LOOP(DEC)                                                                             \
+    do {                                                                                            \
+        for (; j + 2 * CH <= nfull; j += 2 * CH) {                                                  \
+            __m512 v0, v1, v2, v3;                                                                  \
+            DEC(j, v0, v1);                                                                         \
+            DEC(j + CH, v2, v3);                                                                    \
+            FMA2(j, v0, v1, a0, a1);                                                                \
+            FMA2(j + CH, v2, v3, a2, a3);                                                           \
+        }                                                                                           \
+        if (j < nfull) {                                                                            \
+            __m512 v0, v1;                                                                          \
+            DEC(j, v0, v1);                                                                         \
+            FMA2(j, v0, v1, a0, a1);                                                                \
+            j += CH;                                                                                \
+        }                                                                                           \
+    } while (0)
+/* the chunk's two half scales (equal unless blocks are 16 columns wide) */
+#define S0(J) SCALE_AT(t0 + ((J) >> lb))
+#define S1(J) (lb == 4 ? SCALE_AT(t0 + (((J) + 16) >> lb)) : S0(J))
+#define DEC_FP4_ONE(J, V0, V1) do { const float sc_[2] = {S0(J), 0}; fp4_512(row, J, sc_, 0, t4, &(V0), &(V1)); } while (0)
+#define DEC_FP4_BY16(J, V0, V1) \
+    fp4s_512(row, J, _mm512_insertf32x8(_mm512_set1_ps(S0(J)), _mm256_set1_ps(S1(J)), 1), t4, &(V0), &(V1))
+#define DEC_FP6(J, V0, V1) V0 = fp6_512(row, J, S0(J), &c6), V1 = fp6_512(row, (J) + 16, S1(J), &c6)
+#define DEC_E5M2(J, V0, V1) V0 = fp8_512(row, J, S0(J), 1, 1), V1 = fp8_512(row, (J) + 16, S1(J), 1, 1)
+#define DEC_E4M3(J, V0, V1) V0 = fp8_512(row, J, S0(J), 0, nan_free), V1 = fp8_512(row, (J) + 16, S1(J), 0, nan_free)
+
+/* 16 E8M0 scale codes as float32: 2^(c - 127), the bits c << 23 (c = 0: 2^-127, a subnormal;
+ * c = 255: NaN), as the E8M0 table holds them. */
+T512 static inline __attribute__((always_inline)) __m512 e8m0_512(__m128i raw) {
+    const __m512i c = _mm512_cvtepu8_epi32(raw);
+    __m512i bits = _mm512_slli_epi32(c, 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(bits);
+}
+
 T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int lb) {
     DECODE_SETUP_512;
+    (void)by16;
     const uint8_t *row = a->data + n * a->row_bytes;
     const int64_t t0 = (n / a->br) * a->ngc, nfull = a->K / CH * CH;
+    const int nan_free = a->nan_free;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    float sh[2];
     int64_t j = 0;
-    if (a->kind == K_FP4 && by16 && lb == 4 && a->sfmt == SF_E4M3) {
-        /* NVFP4: 16 scale codes (256 columns) decoded at once, each chunk's pair picked by a permute;
-         * E4M3 × ts = (E4M3 × 2^-8) × (ts × 2^8), exact: ts ≤ FLT_MAX / 2688 by its definition */
-        const uint8_t *sc = (const uint8_t *)a->scales + t0;
-        const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
-        for (; j + 256 <= nfull; j += 256) {
-            const __m512 S = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 4)))), ts256);
-            for (int c = 0; c < 8; c += 2) {
-                const __m512i i0 = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                                    2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c);
-                const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(2));
-                __m512 v0, v1, v2, v3;
-                fp4s_512(row, j + CH * c, _mm512_permutexvar_ps(i0, S), t4, &v0, &v1);
-                fp4s_512(row, j + CH * (c + 1), _mm512_permutexvar_ps(i1, S), t4, &v2, &v3);
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + CH * c), v0, a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + CH * c + 16), v1, a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + CH * c + 32), v2, a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + CH * c + 48), v3, a3);
+    if (a->kind == K_FP4 && lb == 4) {
+        if (a->sfmt == SF_E4M3) {
+            /* NVFP4: 16 scale codes (256 columns) decoded at once, each chunk's pair picked by a permute;
+             * E4M3 × ts = (E4M3 × 2^-8) × (ts × 2^8), exact: ts ≤ FLT_MAX / 2688 by its definition */
+            const uint8_t *sc = (const uint8_t *)a->scales + t0;
+            const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
+            const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            for (; j + 256 <= nfull; j += 256) {
+                const __m512 S = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 4))), 0), ts256);
+                for (int c = 0; c < 8; c += 2) {
+                    const __m512i i0 = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * c));
+                    const __m512i i1 = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * c + 2));
+                    __m512 v0, v1, v2, v3;
+                    fp4s_512(row, j + CH * c, _mm512_permutexvar_ps(i0, S), t4, &v0, &v1);
+                    fp4s_512(row, j + CH * (c + 1), _mm512_permutexvar_ps(i1, S), t4, &v2, &v3);
+                    FMA2(j + CH * c, v0, v1, a0, a1);
+                    FMA2(j + CH * c + CH, v2, v3, a2, a3);
+                }
             }
         }
-    }
-    for (; j < nfull; j += CH) {
-        sh[0] = SCALE_AT(t0 + (j >> lb));
-        sh[1] = by16 || a->kind != K_FP4 ? SCALE_AT(t0 + ((j + 16) >> lb)) : sh[0];
-        __m512 v0, v1;
-        DECODE_CHUNK_512(j, sh, v0, v1);
-        if (j & CH) {
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j), v0, a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + 16), v1, a3);
-        } else {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j), v0, a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + 16), v1, a1);
+        FUSED_LOOP(DEC_FP4_BY16);
+    } else if (a->kind == K_FP4) {
+        if (a->sfmt == SF_E8M0 && lb == 5) {
+            /* MXFP4: 16 scale codes (512 columns) decoded at once, each chunk's broadcast by a permute */
+            const uint8_t *sc = (const uint8_t *)a->scales + t0;
+            float sf[16] __attribute__((aligned(64)));
+            for (; j + 512 <= nfull; j += 512) {
+                /* the scales through memory: each chunk's is a broadcast operand of its table's multiply */
+                _mm512_store_ps(sf, e8m0_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 5)))));
+                for (int c = 0; c < 16; c += 2) {
+                    const __m512 ts0 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
+                    const __m512 ts1 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c + 1]));
+                    const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c) / 2)));
+                    const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
+                    FMA2(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), a0, a1);
+                    FMA2(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), a2, a3);
+                }
+            }
         }
+        FUSED_LOOP(DEC_FP4_ONE);
+    } else if (a->kind == K_FP6) {
+        FUSED_LOOP(DEC_FP6);
+    } else if (a->kind == K_E5M2) {
+        FUSED_LOOP(DEC_E5M2);
+    } else {
+        FUSED_LOOP(DEC_E4M3);
     }
     if (j < a->K) { /* the last, partial chunk */
         float w[CH] __attribute__((aligned(64))), hs[2];
         hs[0] = SCALE_AT(t0 + (j >> lb));
         hs[1] = a->K - j > 16 ? SCALE_AT(t0 + ((j + 16) >> lb)) : hs[0];
         decode_tail(a, row, j, 0, a->K - j, hs, w);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j), _mm512_load_ps(w), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + j + 16), _mm512_load_ps(w + 16), a1);
+        FMA2(j, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);
     }
     a->y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
@@ -387,11 +442,19 @@ int mf_gemv(const gemv_args_t *a) {
     const int64_t M = a->M, K = a->K, Kc = (K + CH - 1) / CH * CH;
     float *xp = malloc((size_t)(M * Kc) * sizeof(float));
     if (!xp) return -1;
-    for (int64_t m = 0; m < M; m++) /* x in the decoders' chunk order, zero past K */
-        for (int64_t j = 0; j < Kc; j++) {
-            const int64_t c0 = j / CH * CH;
-            xp[m * Kc + c0 + chunk_pos((int)(j - c0), a->kind, a->isa)] = j < K ? a->x[m * K + j] : 0.0f;
+    int perm[CH], identity = 1;
+    for (int c = 0; c < CH; c++) identity &= (perm[c] = chunk_pos(c, a->kind, a->isa)) == c;
+    for (int64_t m = 0; m < M; m++) { /* x in the decoders' chunk order, zero past K */
+        const float *xr = a->x + m * K;
+        float *o = xp + m * Kc;
+        memset(o + K / CH * CH, 0, (size_t)(Kc - K / CH * CH) * sizeof(float));
+        if (identity) {
+            memcpy(o, xr, (size_t)K * sizeof(float));
+            continue;
         }
+        for (int64_t c0 = 0; c0 < K; c0 += CH)
+            for (int c = 0, n = K - c0 < CH ? (int)(K - c0) : CH; c < n; c++) o[c0 + perm[c]] = xr[c0 + c];
+    }
     decode_fn dec = NULL;
     dot_fn dot = dot_portable;
 #if MF_X86

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 
 import torch
 
@@ -117,20 +118,20 @@ def _tables(fmt_name: str, scale_format: str) -> tuple[torch.Tensor, torch.Tenso
     return lut, slut
 
 
-_PLANS: dict[tuple, GemvArgs] = {}  # a weight's arguments, by its parts' addresses (all the plan holds)
+_PLANS: dict[tuple, tuple] = {}  # a weight's arguments: (its codes, its scales (weak references), the plan)
 
 
 def _plan(data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: Scheme) -> GemvArgs:
     """The weight's half of mf_gemv's arguments, made once per weight: a decode step calls every
-    Linear once per token, and building them costs more than a small layer's product. The plan
-    holds only addresses, sizes and values derived from the parts the key names, so a part freed
-    and another allocated at its address with the same key gives the same plan."""
+    Linear once per token, and building them costs more than a small layer's product. A plan
+    serves the very tensors it was made from, unchanged since (their version counters), so an
+    in-place write or a new tensor at a freed one's address makes a new plan."""
     ts = 1.0 if tensor_scale is None else float(tensor_scale)
-    key = (data.data_ptr(), data.numel(), scale.data_ptr(), scale.dtype, ts, tuple(shape), scheme.element,
+    key = (data.data_ptr(), data._version, scale.data_ptr(), scale._version, ts, tuple(shape), scheme.element,
            scheme.block, scheme.granularity, scheme.scale_format)  # what the plan reads of the scheme  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0]() is data and hit[1]() is scale:
+        return hit[2]
     lay = layout_for(shape, scheme)
     fmt = scheme.element_format
     row_bytes = lay.cols_pad * fmt.bits // 8
@@ -143,12 +144,18 @@ def _plan(data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: 
         data=data.data_ptr(), scales=scale.data_ptr(), slut=None if slut is None else slut.data_ptr(), lut=lut.data_ptr(),
         N=shape[0], K=shape[1], row_bytes=row_bytes, data_bytes=data.numel(), br=lay.block_rows, bc=lay.block_cols,
         ngc=lay.grid[1], ts=ts, bits=fmt.bits, kind=_KINDS[fmt.name], sfmt=_SCALE_FORMATS[scheme.scale_format],
-        nthreads=cpu.threads_for(shape[0] * shape[1] // 4),
+        nthreads=cpu.threads_for(shape[0] * shape[1] // 4), nan_free=int(not _has_nan_codes(data, fmt)),
     )  # fmt: skip
     if len(_PLANS) >= 4096:  # bounded: weights that came and went
         _PLANS.clear()
-    _PLANS[key] = plan
+    _PLANS[key] = (weakref.ref(data), weakref.ref(scale), plan)
     return plan
+
+
+def _has_nan_codes(data: torch.Tensor, fmt) -> bool:
+    """Whether any code is NaN: E4M3's S.1111.111 (the kernels decode the others' NaN as they
+    are, and FP6 / FP4 have none)."""
+    return fmt.name == "e4m3" and bool(((data & 0x7F) == 0x7F).any())
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None,
