@@ -20,8 +20,8 @@
  *   2 AVX-512: FP4 by 16-entry vpermps tables (the nibble is the index), FP6 by 32-entry
  *     two-table permutes and a sign xor, FP8 by the float16 converter (E5M2 is float16's high
  *     byte; E4M3 moved into float16's bits, × 2^8 folded into the scale, NaN patched);
- *   1 AVX2 + FMA: FP4 by 8-entry vpermps of the magnitude and a sign xor, FP6 / FP8 by gathers
- *     from the value table;
+ *   1 AVX2 + FMA + F16C: FP4 by 8-entry vpermps of the magnitude and a sign xor, FP6 by four
+ *     such tables blended by the code's bits 3 and 4, FP8 by the float16 converter as above;
  *   0 portable C: the value table, element by element.
  */
 #include <math.h>
@@ -181,6 +181,7 @@ T512 static inline __attribute__((always_inline)) __m512 fp8_512(const uint8_t *
 #define DECODE_SETUP_512                                                                                \
     const __m512 t4 = _mm512_loadu_ps(a->lut);                                                          \
     const int by16 = a->ngc > 1 && a->bc % CH != 0, e5m2 = a->kind == K_E5M2;                           \
+    (void)by16, (void)e5m2;                                                                             \
     const fp6c_t c6 = {_mm512_loadu_ps(a->lut), _mm512_loadu_ps(a->lut + 16),                           \
                        _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1),             \
                        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),               \
@@ -243,15 +244,48 @@ T256 static void decode256(const gemv_args_t *a, const uint8_t *row, int64_t k0,
         }
         return;
     }
-    for (int64_t j = 0; j < nfull; j += 8) { /* FP6 / FP8: 8 codes, then a gather from the table */
-        uint32_t c[8];
-        if (a->bits == 8) {
-            for (int q = 0; q < 8; q++) c[q] = row[k0 + j + q];
-        } else {
-            for (int q = 0; q < 8; q++) c[q] = code_at(row, k0 + j + q, 6);
+    if (a->kind == K_FP6) { /* 8 codes (6 bytes): the magnitude from 4 eight-entry tables by bits 3 and 4, bit 5 the sign */
+        const __m256 t0 = _mm256_loadu_ps(a->lut), t1 = _mm256_loadu_ps(a->lut + 8);
+        const __m256 t2 = _mm256_loadu_ps(a->lut + 16), t3 = _mm256_loadu_ps(a->lut + 24);
+        const __m128i spread = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), sh6 = _mm256_setr_epi32(0, 6, 12, 18, 0, 6, 12, 18);
+        const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+        const uint8_t *end = a->data + a->data_bytes;
+        for (int64_t j = 0; j < nfull; j += 8) {
+            const uint8_t *p = row + (k0 + j) / 4 * 3;
+            __m128i raw; /* 8 bytes, 6 of them the codes: read in place unless that passes the end */
+            if (p + 8 <= end) raw = _mm_loadl_epi64((const __m128i *)p);
+            else { uint8_t tmp[16] = {0}; memcpy(tmp, p, 6); raw = _mm_loadu_si128((const __m128i *)tmp); }
+            const __m128i words = _mm_shuffle_epi8(raw, spread);
+            const __m256i c = _mm256_srlv_epi32(_mm256_permutevar8x32_epi32(_mm256_castsi128_si256(words), pairs), sh6);
+            const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)), b4 = _mm256_castsi256_ps(_mm256_slli_epi32(c, 27));
+            const __m256 lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, c), _mm256_permutevar8x32_ps(t1, c), b3);
+            const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t2, c), _mm256_permutevar8x32_ps(t3, c), b3);
+            const __m256i mag = _mm256_castps_si256(_mm256_blendv_ps(lo, hi, b4));
+            const __m256 v = _mm256_castsi256_ps(_mm256_xor_si256(mag, _mm256_and_si256(_mm256_slli_epi32(c, 26), sign)));
+            _mm256_storeu_ps(w + j, _mm256_mul_ps(v, _mm256_set1_ps(sh[j / 16])));
         }
-        const __m256 v = _mm256_i32gather_ps(a->lut, _mm256_loadu_si256((const __m256i *)c), 4);
-        _mm256_storeu_ps(w + j, _mm256_mul_ps(v, _mm256_set1_ps(sh[j / 16])));
+        return;
+    }
+    /* FP8: 8 codes by the float16 converter, as decode512's */
+    for (int64_t j = 0; j < nfull; j += 8) {
+        const __m128i raw = _mm_loadl_epi64((const __m128i *)(row + k0 + j));
+        float s = sh[j / 16];
+        __m256 v;
+        if (a->kind == K_E5M2) {
+            v = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
+        } else {
+            const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(raw), 7), _mm_set1_epi16((short)0xBF80));
+            v = _mm256_cvtph_ps(h);
+            if (!a->nan_free) {
+                const __m128i isnan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x3F80));
+                v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cvtepi16_epi32(isnan)));
+            }
+            const float s8 = s * 256.0f;
+            if (isinf(s8) && !isinf(s)) v = _mm256_mul_ps(v, _mm256_set1_ps(256.0f));
+            else s = s8;
+        }
+        _mm256_storeu_ps(w + j, _mm256_mul_ps(v, _mm256_set1_ps(s)));
     }
 }
 
@@ -372,7 +406,6 @@ T512 static inline __attribute__((always_inline)) __m512 e8m0_512(__m128i raw) {
 
 T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int lb) {
     DECODE_SETUP_512;
-    (void)by16;
     const uint8_t *row = a->data + n * a->row_bytes;
     const int64_t t0 = (n / a->br) * a->ngc, nfull = a->K / CH * CH;
     const int nan_free = a->nan_free;
