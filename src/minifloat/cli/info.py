@@ -23,6 +23,9 @@ def run(args: argparse.Namespace) -> int:
     for dev in out["devices"]:
         print(f"\n{dev['device']}: {dev['name']}  ({dev['detail']})")
         print(f"  fast quantize kernels: {dev['fast_kernels']}")
+        if "decode_kernels" in dev:
+            print(f"  decode kernels (weight-only GEMVs, ≤ 16 rows): {dev['decode_kernels']}")
+            print(f"  FP8 GEMMs (per tensor / per row): {dev['fp8_gemm']}")
         for r in dev["recipes"]:
             note = f"  ({r['why']})" if r["why"] else ""
             print(f"  {r['recipe']:12} {r['backend']:9}{note}")

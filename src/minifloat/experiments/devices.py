@@ -14,8 +14,9 @@ import platform
 
 import torch
 
+from minifloat.gemm import onednn
 from minifloat.gemm.support import choose_backend, cpu_flags, native_support
-from minifloat.kernels import cpu
+from minifloat.kernels import cpu, gemv
 from minifloat.recipes import RECIPES, ROLES
 
 
@@ -29,6 +30,20 @@ def _recipes(device: torch.device) -> list[dict]:
     return rows
 
 
+def _decode_kernels() -> str:
+    """Which ISA path the decode kernels (`minifloat.kernels.gemv`) take here."""
+    have = gemv.isas()
+    if not have:
+        return "no (the kernels were not built: weight-only GEMVs dequantize the weight)"
+    return f"{gemv.best_isa()} (this CPU runs {', '.join(have)}; MINIFLOAT_GEMV_ISA forces one)"
+
+
+def _fp8_gemm() -> str:
+    """The path of CPU FP8 GEMMs (per tensor / per row) and the probe that chose it."""
+    p = onednn.probe()
+    return f"{'oneDNN torch._scaled_mm' if p.onednn else 'emulated (dequantize, FP32 GEMM)'} — {p.why}"
+
+
 def describe() -> dict:
     """The devices, their capability, and the GEMM backend each recipe gets on each."""
     cpu_dev = torch.device("cpu")
@@ -38,6 +53,8 @@ def describe() -> dict:
         "detail": f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, ISA: {' '.join(cpu_flags()) or 'unknown'}",
         "capability": None,
         "fast_kernels": "yes (compiled C/OpenMP)" if cpu.runs_on(cpu_dev) else "no (reference PyTorch path)",
+        "decode_kernels": _decode_kernels(),
+        "fp8_gemm": _fp8_gemm(),
         "recipes": _recipes(cpu_dev),
     }]
     if torch.cuda.is_available():
