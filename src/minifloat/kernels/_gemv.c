@@ -110,6 +110,14 @@ static void decode_tail(const gemv_args_t *a, const uint8_t *row, int64_t k0, in
 #if MF_X86
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
+/* 16 bytes from p, zeros past `end` (a load that stays inside its buffer) */
+static inline __m128i load16(const uint8_t *p, const uint8_t *end) {
+    if (p + 16 <= end) return _mm_loadu_si128((const __m128i *)p);
+    uint8_t tmp[16] = {0};
+    memcpy(tmp, p, (size_t)(end - p));
+    return _mm_loadu_si128((const __m128i *)tmp);
+}
+
 /* Chunk decoders: the 32 columns from k (a whole chunk of the segment, sh its half scales
  * from the chunk's first) as two vectors of scaled values, in the chunk order. */
 T512 static inline __attribute__((always_inline)) void fp4_512(const uint8_t *row, int64_t k, const float *sh,
@@ -404,10 +412,10 @@ T512 static inline __attribute__((always_inline)) __m512 e8m0_512(__m128i raw) {
     return _mm512_castsi512_ps(bits);
 }
 
-T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int lb) {
+T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int lb, const uint8_t *scale_end) {
     DECODE_SETUP_512;
     const uint8_t *row = a->data + n * a->row_bytes;
-    const int64_t t0 = (n / a->br) * a->ngc, nfull = a->K / CH * CH;
+    const int64_t t0 = (a->br == 1 ? n : n / a->br) * a->ngc, nfull = a->K / CH * CH;
     const int nan_free = a->nan_free;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t j = 0;
@@ -430,6 +438,14 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
                     FMA2(j + CH * c + CH, v2, v3, a2, a3);
                 }
             }
+            if (j < nfull) { /* the last, partial group of chunks: its codes read within the scale grid */
+                const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
+                for (int c = 0; j < nfull; j += CH, c++) {
+                    __m512 v0, v1;
+                    fp4s_512(row, j, _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * c)), S), t4, &v0, &v1);
+                    FMA2(j, v0, v1, a0, a1);
+                }
+            }
         }
         FUSED_LOOP(DEC_FP4_BY16);
     } else if (a->kind == K_FP4) {
@@ -447,6 +463,14 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
                     const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
                     FMA2(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), a0, a1);
                     FMA2(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), a2, a3);
+                }
+            }
+            if (j < nfull) { /* the last, partial group of chunks */
+                _mm512_store_ps(sf, e8m0_512(load16(sc + (j >> 5), scale_end)));
+                for (int c = 0; j < nfull; j += CH, c++) {
+                    const __m512 ts = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + j / 2)));
+                    FMA2(j, _mm512_permutexvar_ps(b, ts), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), ts), a0, a1);
                 }
             }
         }
@@ -494,6 +518,8 @@ int mf_gemv(const gemv_args_t *a) {
     if (a->isa == ISA_AVX512) dec = decode512, dot = dot512;
     if (a->isa == ISA_AVX2) dec = decode256, dot = dot256;
 #endif
+    /* the end of the scale grid (of 8-bit codes: read 16 at a time): (rows_pad / br) × ngc of them */
+    const uint8_t *scale_end = (const uint8_t *)a->scales + (a->N + a->br - 1) / a->br * a->ngc;
     int lb = -1; /* blocks 2^lb columns wide, 62 for one per row; -1: neither */
     if (a->ngc == 1) lb = 62;
     else if ((a->bc & (a->bc - 1)) == 0) lb = __builtin_ctzll((unsigned long long)a->bc);
@@ -501,7 +527,7 @@ int mf_gemv(const gemv_args_t *a) {
     for (int64_t n = 0; n < a->N; n++) {
 #if MF_X86
         if (a->isa == ISA_AVX512 && M == 1 && lb >= 0) {
-            row_fused512(a, n, xp, lb);
+            row_fused512(a, n, xp, lb, scale_end);
             continue;
         }
 #endif
