@@ -6,8 +6,7 @@ import torch
 
 import minifloat
 from minifloat import quantize
-from minifloat.gemm import scaled_mm
-from minifloat.gemm import onednn
+from minifloat.gemm import onednn, scaled_mm
 
 
 @pytest.fixture

@@ -103,8 +103,10 @@ def test_every_command_takes_a_gguf_file(tmp_path, capsys):
     assert sum(isinstance(m, minifloat.infer.QuantizedLinear) for m in q.modules()) == 7 * LAYERS
     capsys.readouterr()
     assert main(["bench", "decode", path, "--kv-formats", "fp8,nvfp4", "--contexts", "24", "--drafts", "", "--windows", "2",
-                 "--json"]) == 0  # fmt: skip
-    rows = json.loads(capsys.readouterr().out)["kv"]
+                 "--weights", "fp32,mxfp4-weight-only", "--new-tokens", "4", "--gemv", "", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert [r["config"] for r in out["weights"]["runs"]] == ["fp32", "mxfp4-weight-only"] and "gemv" not in out
+    rows = out["kv"]
     assert [r["format"] for r in rows] == ["fp8", "nvfp4"] and all(0 <= r["kl"] and 0 <= r["top1"] <= 1 for r in rows)
     assert main(["ptq-compare", path, "--schemes", "fp8-dynamic", "--no-torchao", "--no-plots", "--json", "--out",
                  str(tmp_path / "ptq"), *small, "--calib-batches", "1"]) == 0  # fmt: skip

@@ -15,6 +15,7 @@ from minifloat.infer import (
     evaluate,
     gpt_to_transformers,
     load_gpt,
+    load_model,
     quantize_model,
     token_batches,
 )
@@ -169,8 +170,20 @@ def test_generate_command_streams_and_reports(trained, capsys):
 
 def test_bench_decode_reports_kv_formats_and_drafts(trained, capsys):
     assert main(["bench", "decode", str(trained), "--kv-formats", "fp32,fp8,nvfp4", "--contexts", "40", "--windows", "2",
-                 "--draft-tokens", "2", "--drafts", "nvfp4", "--new-tokens", "8", "--json"]) == 0  # fmt: skip
+                 "--draft-tokens", "2", "--drafts", "nvfp4", "--new-tokens", "8", "--weights", "fp32,nvfp4-weight-only",
+                 "--gemv", "64x48", "--json"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)
+    fp32, fp4 = out["weights"]["runs"]
+    model = load_model(trained)
+    linear = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert fp32["weight_bytes_per_token"] == sum(w.nbytes for w in linear.values()) + sum(
+        m.bias.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
+    nk = sum(w.numel() for w in linear.values())  # codes 4 bits, an E4M3 scale per 16, an FP32 scale per tensor
+    biases = fp32["weight_bytes_per_token"] - 4 * nk
+    assert fp4["weight_bytes_per_token"] == nk // 2 + nk // 16 + 4 * len(linear) + biases
+    assert fp32["vs_fp32"] == 1.0 and fp4["tokens_per_s"] > 0 and fp4["bound_tokens_per_s"] > fp32["bound_tokens_per_s"]
+    kernels = {r["kernel"] for r in out["gemv"]}
+    assert {"fp32", "minifloat nvfp4", "minifloat mxfp4", "torch int4 (bf16 x)", "torch int8 (fp32 x)"} <= kernels
     kv = {r["format"]: r for r in out["kv"]}
     assert kv["fp32"]["kl"] == 0.0 and kv["fp32"]["top1"] == 1.0  # the reference against itself
     assert kv["fp8"]["kv_bytes"] < kv["fp32"]["kv_bytes"] / 3 and kv["nvfp4"]["kv_bytes"] < kv["fp8"]["kv_bytes"]

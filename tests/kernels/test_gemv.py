@@ -150,3 +150,33 @@ def test_weight_only_layers_and_w4a4_decode_steps_run_on_the_kernels(monkeypatch
             layer.prepare("auto")
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         assert calls == [1, 4], (config, calls)  # 40 rows: the GEMM
+
+
+def test_a_plan_serves_only_the_unchanged_tensors_it_was_made_from():
+    """Plans are kept per weight; an in-place write (a NaN code) or a new tensor makes a new one."""
+    s = SCHEMES["fp8_rowwise"]
+    w = torch.randn(6, 64)
+    data, scale, ts = quantize_parts(w, s)
+    x = torch.randn(1, 64)
+    assert torch.isfinite(gemv.matmul(x, data, scale, ts, w.shape, s)).all()  # the plan: no NaN codes
+    data[2, 7] = 0x7F  # E4M3 NaN, written in place
+    y = gemv.matmul(x, data, scale, ts, w.shape, s)
+    assert torch.isnan(y[0, 2]) and torch.isfinite(y[0, [0, 1, 3, 4, 5]]).all()
+    scale[3, 0] = 2 * scale[3, 0]
+    check(gemv.matmul(x, data, scale, ts, w.shape, s), *oracle(x, (data, scale, ts), w.shape, s))
+
+
+def test_gpu_check_says_what_it_needs_without_a_gpu(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).parents[2] / "tools" / "gpu_check.py"
+    if torch.cuda.is_available() or not tool.exists():
+        pytest.skip("a CUDA machine runs the real thing (make gpu-check)")
+    spec = importlib.util.spec_from_file_location("gpu_check", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--out", "unused"]) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+    names = [name for name, _, _ in mod.steps(Path("out"))]
+    assert names[0] == "CUDA tests" and any("validate" in n for n in names) and "bench decode" in names

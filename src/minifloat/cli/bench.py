@@ -195,11 +195,10 @@ def _decode(args: argparse.Namespace) -> int:
     from minifloat.experiments import bench_decode as decode
     from minifloat.infer import load_model
     from minifloat.infer.adapter import adapter_for
+    from minifloat.infer.config import get_quant_config
     from minifloat.infer.metrics import token_ids
     from minifloat.infer.pipeline import tokenizer_for
     from minifloat.train.corpus import load_corpus, stdlib_corpus
-
-    from minifloat.infer.config import get_quant_config
 
     if args.model is None:
         raise MinifloatError("bench decode needs a model: minifloat bench decode MODEL (a run folder, a transformers folder, a .gguf)")

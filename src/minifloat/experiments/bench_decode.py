@@ -243,8 +243,8 @@ def gemv_peers(shapes: Sequence[tuple[int, int]] = ((2048, 8192),), schemes: Seq
             w8, s8 = torch.randint(-128, 127, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g)
             for dt, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
                 xd, szd, s8d = x.to(dt), sz.to(dt), s8.to(dt)
-                fns[f"torch int4 ({tag} x)"] = lambda xd=xd, szd=szd: torch._weight_int4pack_mm_for_cpu(xd, packed, 32, szd)
-                fns[f"torch int8 ({tag} x)"] = lambda xd=xd, s8d=s8d: torch._weight_int8pack_mm(xd, w8, s8d)
+                fns[f"torch int4 ({tag} x)"] = lambda xd=xd, szd=szd, p=packed: torch._weight_int4pack_mm_for_cpu(xd, p, 32, szd)
+                fns[f"torch int8 ({tag} x)"] = lambda xd=xd, s8d=s8d, w8=w8: torch._weight_int8pack_mm(xd, w8, s8d)
         t = _median_interleaved(fns, reps)
         echo(f"  GEMV 1×{k} · ({n}×{k})ᵀ, median of {reps}:")
         for name, secs in t.items():

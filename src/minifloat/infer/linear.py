@@ -25,8 +25,8 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.gemm import scaled_mm, weight_only_mm
 from minifloat.infer.config import QuantConfig, get_quant_config
-from minifloat.kernels.gemv import MAX_ROWS as DECODE_ROWS
 from minifloat.infer.rtn import Transform, WeightQuantizer, round_to_nearest
+from minifloat.kernels.gemv import MAX_ROWS as DECODE_ROWS
 from minifloat.quant import QuantizedTensor, quantize
 from minifloat.scaling.layout import layout_for
 
