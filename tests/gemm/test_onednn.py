@@ -64,7 +64,9 @@ def test_auto_takes_oneDNN_only_where_the_probe_says(monkeypatch, fresh_probe):
         onednn.probe.cache_clear()
         monkeypatch.setenv("MINIFLOAT_CPU_SCALED_MM", "onednn")
         got = scaled_mm(a, b, backend="auto")
-        assert calls == [1] and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+        da, db = a.dequantize().double(), b.dequantize().double()
+        bound = (da.abs() @ db.abs().t()) * 66 * 2.0**-24  # FP32 sums of 64 exact products, in either order
+        assert calls == [1] and ((got.double() - da @ db.t()).abs() <= bound).all()
         mx = quantize(torch.randn(8, 64), "mxfp8")
         scaled_mm(mx, mx, backend="auto")  # block scales along K: the emulation
         assert calls == [1]

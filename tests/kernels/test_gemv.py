@@ -137,8 +137,17 @@ def test_weight_only_layers_and_w4a4_decode_steps_run_on_the_kernels(monkeypatch
     from minifloat.infer.linear import QuantizedLinear
 
     calls = []
-    real = gemv.run
-    monkeypatch.setattr(gemv, "run", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    real = gemv._library()
+
+    class Counting:  # the library, counting the kernel's calls and their rows
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def mf_gemv(self, args):
+            calls.append(args._obj.M)
+            return real.mf_gemv(args)
+
+    monkeypatch.setattr(gemv, "_library", lambda: Counting())
     lin = torch.nn.Linear(96, 40)
     for config in ("nvfp4-weight-only", "nvfp4", "mxfp8"):
         layer = QuantizedLinear.from_linear(lin, config, input_amax=4.0 if config == "nvfp4" else None)

@@ -45,8 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
     p.add_argument("what", choices=["quantize", "gemm", "train", "decode"], help="what to time")
     p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
-    p.add_argument("--weights", default=",".join(_WEIGHTS),
-                   help="decode: comma-separated PTQ configs to time greedy decoding with, fp32 the baseline ('' for none)")
+    p.add_argument("--weights", default=None,
+                   help="decode: comma-separated PTQ configs to time greedy decoding with, fp32 the baseline ('' for none; "
+                        "default: fp32 and the fp8, mxfp4 and nvfp4 weight-only configs)")
     p.add_argument("--no-quantize-head", dest="quantize_head", action="store_false",
                    help="decode: keep the LM head (and a tied embedding) in float; by default they are quantized weight-only too")
     p.add_argument("--gemv", default="2048x8192", help="decode: comma-separated KxN decode GEMVs to time against torch's int4 / int8 kernels ('' for none)")
@@ -55,7 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "channel (KIVI's per-channel keys) or pre-rope, e.g. nvfp4+bf16@channel (default: every format)")  # fmt: skip
     p.add_argument("--data", default=None, help="decode: UTF-8 text file or folder whose held-out split it reads (default: the Python stdlib sources)")
     p.add_argument("--contexts", default="128", help="decode: comma-separated window lengths (≤ the model's context)")
-    p.add_argument("--drafts", default="nvfp4,mxfp4", help="decode: FP4 drafts for speculative decoding ('' for none)")
+    p.add_argument("--drafts", default="nvfp4,mxfp4",
+                   help="decode: FP4 drafts for speculative decoding, nvfp4 or mxfp4, each optionally -gptq (a copy "
+                        "quantized by GPTQ on --draft-calib-batches of the training split) ('' for none)")
+    p.add_argument("--draft-calib-batches", type=int, default=8, help="decode: calibration batches (4 × 128 tokens) of a -gptq draft")
     p.add_argument("--draft-tokens", default="2,4,8", help="decode: comma-separated k")
     p.add_argument("--new-tokens", type=int, default=64, help="decode: tokens per speculative generation")
     p.add_argument("--windows", type=int, default=4, help="decode: held-out windows (or prompts) per context")
@@ -202,7 +206,7 @@ def _decode(args: argparse.Namespace) -> int:
 
     if args.model is None:
         raise MinifloatError("bench decode needs a model: minifloat bench decode MODEL (a run folder, a transformers folder, a .gguf)")
-    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    weights = list(_WEIGHTS) if args.weights is None else [w.strip() for w in args.weights.split(",") if w.strip()]
     for w in weights:  # a bad name fails before the model runs
         if w != "fp32":
             get_quant_config(w)
@@ -225,6 +229,8 @@ def _decode(args: argparse.Namespace) -> int:
         raise MinifloatError(f"--contexts {bad[0]}: each must be in (17, {context}] (the model's context)")
     ks = [int(k) for k in args.draft_tokens.split(",") if k.strip()]
     drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
+    for d in drafts:  # a bad name fails before the model runs
+        decode.check_draft(d)
     corpus = stdlib_corpus() if args.data is None else load_corpus(args.data)
     text = token_ids(bytes(corpus.val.numpy()), tokenizer_for(args.model))
     echo = (lambda s: None) if args.json else print
@@ -245,7 +251,13 @@ def _decode(args: argparse.Namespace) -> int:
     if drafts and ks:
         new = min(args.new_tokens, context - 16)
         echo(f"speculative greedy decoding, {len(prompts)} prompts × {new} tokens (plain greedy first):")
-        out["speculative"] = decode.speculative(model, prompts, drafts, ks, new_tokens=new, echo=echo)
+        calibration = None
+        if any(d.endswith("-gptq") for d in drafts):
+            from minifloat.infer.pipeline import TextSource, batches_for
+
+            source = TextSource(data=args.data, batch_size=4, calib_batches=args.draft_calib_batches)
+            calibration = batches_for(model, source, "train", tokenizer_for(args.model))
+        out["speculative"] = decode.speculative(model, prompts, drafts, ks, new_tokens=new, calibration=calibration, echo=echo)
     if args.json:
         print(jsonio.dumps(out, indent=2))
     return 0

@@ -55,10 +55,16 @@ from minifloat.gemm.support import (
     native_kind,
     native_support,
 )
-from minifloat.gemm.weight_only import register_weight_only_kernel, weight_only_kernels, weight_only_mm
+from minifloat.gemm.weight_only import (
+    bound_decode,
+    bound_is_current,
+    register_weight_only_kernel,
+    weight_only_kernels,
+    weight_only_mm,
+)
 
 __all__ = [
-    "scaled_mm", "weight_only_mm", "register_weight_only_kernel", "weight_only_kernels", "BACKENDS", "choose_backend", "native_support", "native_kind", "device_capability",
+    "scaled_mm", "weight_only_mm", "register_weight_only_kernel", "bound_decode", "bound_is_current", "weight_only_kernels", "BACKENDS", "choose_backend", "native_support", "native_kind", "device_capability",
     "cpu_flags", "native_bf16_cpu",
     "native_args", "swizzle_scales", "operand_values", "autocast_dtype", "without_autocast",
 ]  # fmt: skip

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class WeightOnlyKernel:
 
 
 _KERNELS: dict[str, WeightOnlyKernel] = {}
+_VERSION = [0]  # bumped by every registration: a `bound_decode` made before one is stale
 
 
 def register_weight_only_kernel(name: str, supports, fn) -> None:
@@ -52,6 +54,7 @@ def register_weight_only_kernel(name: str, supports, fn) -> None:
         raise MinifloatError(f"{name!r} names the dispatch itself; give the kernel another name")
     _KERNELS.pop(name, None)
     _KERNELS[name] = WeightOnlyKernel(name, supports, fn)
+    _VERSION[0] += 1
 
 
 def weight_only_kernels() -> list[str]:
@@ -91,3 +94,22 @@ register_weight_only_kernel(
     lambda x, w: gemv.supports(x, w.data, w.shape, w.scheme),
     lambda x, w: gemv.run(x, w.data, w.scale, w.tensor_scale, w.shape, w.scheme),
 )
+
+
+def bound_decode(w: QuantizedTensor, backend: str = "auto") -> tuple[int, gemv.Bound] | None:
+    """``(registry version, call)``: the decode kernel bound to `w`, the call ``weight_only_mm(x, w,
+    backend=backend)`` makes for a float CPU `x` of at most 16 rows — where no other kernel is
+    registered to take it first, and the kernels take `w`; else None. A Linear makes it once
+    (`QuantizedLinear.prepare`) and uses it while `bound_is_current`."""
+    if backend not in ("auto", "native", "decode") or list(_KERNELS) != ["decode"] or w.device.type != "cpu":
+        return None
+    probe = torch.empty(1, w.shape[1])
+    if not gemv.supports(probe, w.data, w.shape, w.scheme):
+        return None
+    return _VERSION[0], gemv.Bound(w.data, w.scale, w.tensor_scale, w.shape, w.scheme)
+
+
+def bound_is_current(bound: tuple[int, gemv.Bound]) -> bool:
+    """Whether a `bound_decode` call still stands for the dispatch: no kernel registered since, the
+    weight's parts unchanged, the kernels not switched off (``MINIFLOAT_KERNELS=reference``)."""
+    return bound[0] == _VERSION[0] and bound[1].current() and os.environ.get("MINIFLOAT_KERNELS") != "reference"

@@ -25,6 +25,7 @@
  *   0 portable C: the value table, element by element.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -320,6 +321,11 @@ static void dot_portable(const float *xp, int64_t xstride, int64_t M, const floa
             for (int q = 0; q < 8; q++) ac[q] += x[j + q] * w[j + q];
     }
 }
+
+/* sizeof(gemv_args_t) and where its last field lies: the bindings check that their mirror of it has
+ * every field (a missing last field can hide in the padding, so the size alone would not say). */
+int64_t mf_gemv_args_size(void) { return (int64_t)sizeof(gemv_args_t); }
+int64_t mf_gemv_args_last(void) { return (int64_t)offsetof(gemv_args_t, nan_free); }
 
 /* Which paths this CPU runs: bit 1 AVX2 + FMA + F16C, bit 2 AVX-512 (F, BW, VL, DQ); bit 0 always. */
 int mf_gemv_isas(void) {

@@ -49,7 +49,7 @@ class GemvArgs(ctypes.Structure):
     _fields_ = [
         *((n, _P) for n in ("x", "data", "scales", "slut", "lut", "y")),
         *((n, _L) for n in ("M", "N", "K", "row_bytes", "data_bytes", "br", "bc", "ngc")),
-        ("ts", _F), *((n, _I) for n in ("bits", "kind", "nthreads", "isa", "sfmt")),
+        ("ts", _F), *((n, _I) for n in ("bits", "kind", "nthreads", "isa", "sfmt", "nan_free")),
     ]  # fmt: skip
 
 
@@ -61,6 +61,11 @@ def _library() -> ctypes.CDLL | None:
         lib.mf_gemv_isas.argtypes = []
         lib.mf_gemv.restype = ctypes.c_int
         lib.mf_gemv.argtypes = [ctypes.POINTER(GemvArgs)]
+        lib.mf_gemv_args_size.restype = lib.mf_gemv_args_last.restype = ctypes.c_int64
+        last = GemvArgs._fields_[-1][0]
+        if (lib.mf_gemv_args_size(), lib.mf_gemv_args_last()) != (ctypes.sizeof(GemvArgs), getattr(GemvArgs, last).offset):
+            raise RuntimeError(f"GemvArgs does not mirror the kernels' gemv_args_t (size {ctypes.sizeof(GemvArgs)} against "
+                               f"{lib.mf_gemv_args_size()}, {last} at {getattr(GemvArgs, last).offset} against {lib.mf_gemv_args_last()})")  # fmt: skip
     return lib
 
 
@@ -183,6 +188,39 @@ def run(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme, *, is
     if shape[0] and _library().mf_gemv(ctypes.byref(args)) != 0:
         raise MemoryError("mf_gemv: no memory for the input's scratch copy")
     return y
+
+
+class Bound:
+    """`run` for one weight, what it reads of the weight looked up once: a decode step makes a call
+    per Linear per token, and on small layers the lookups cost as much as the product. Valid while
+    the weight's parts are unchanged (their version counters; `current`)."""
+
+    __slots__ = ("parts", "versions", "plan", "n", "meta")
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: Scheme) -> None:
+        self.parts = (data, scale, tensor_scale)
+        self.meta = (tuple(shape), scheme)
+        self.versions = (data._version, scale._version)
+        self.plan = _plan(data, scale, tensor_scale, shape, scheme)
+        self.n = shape[0]
+
+    def __reduce__(self):
+        """Copied or pickled as its parts (the plan holds addresses: it is made again)."""
+        return Bound, (*self.parts, *self.meta)
+
+    def current(self) -> bool:
+        data, scale, _ = self.parts
+        return (data._version, scale._version) == self.versions
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`run` of a float (M ≤ 16, K) CPU `x` (the caller checks)."""
+        args = GemvArgs.from_buffer_copy(self.plan)
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(best_isa())
+        if self.n and _library().mf_gemv(ctypes.byref(args)) != 0:
+            raise MemoryError("mf_gemv: no memory for the input's scratch copy")
+        return y
 
 
 def reference_matmul(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme) -> torch.Tensor:
