@@ -149,7 +149,7 @@ def _plan(data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: 
         data=data.data_ptr(), scales=scale.data_ptr(), slut=None if slut is None else slut.data_ptr(), lut=lut.data_ptr(),
         N=shape[0], K=shape[1], row_bytes=row_bytes, data_bytes=data.numel(), br=lay.block_rows, bc=lay.block_cols,
         ngc=lay.grid[1], ts=ts, bits=fmt.bits, kind=_KINDS[fmt.name], sfmt=_SCALE_FORMATS[scheme.scale_format],
-        nthreads=cpu.threads_for(shape[0] * shape[1] // 4), nan_free=int(not _has_nan_codes(data, fmt)),
+        nan_free=int(not _has_nan_codes(data, fmt)),
     )  # fmt: skip
     if len(_PLANS) >= 4096:  # bounded: weights that came and went
         _PLANS.clear()
@@ -181,11 +181,17 @@ def matmul(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, tensor_scal
 def run(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme, *, isa: str | None = None) -> torch.Tensor:
     """`matmul` for a call `supports` took (the dispatch has asked): no checks repeated, as a
     decode step makes hundreds of these calls per token."""
-    args = GemvArgs.from_buffer_copy(_plan(data, scale, tensor_scale, shape, scheme))  # calls may run at once
+    return _call(_plan(data, scale, tensor_scale, shape, scheme), x, isa)
+
+
+def _call(plan: GemvArgs, x: torch.Tensor, isa: str | None) -> torch.Tensor:
+    """mf_gemv with the weight's `plan` and the input `x` (float, M ≤ 16 rows, on the CPU)."""
+    args = GemvArgs.from_buffer_copy(plan)  # a copy: calls may run at once
     x = x.float().contiguous()
-    y = torch.empty(x.shape[0], shape[0], dtype=torch.float32)
+    y = torch.empty(x.shape[0], plan.N, dtype=torch.float32)
     args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(isa or best_isa())
-    if shape[0] and _library().mf_gemv(ctypes.byref(args)) != 0:
+    args.nthreads = cpu.threads_for(plan.N * plan.K // 4)  # torch's thread count now
+    if plan.N and _library().mf_gemv(ctypes.byref(args)) != 0:
         raise MemoryError("mf_gemv: no memory for the input's scratch copy")
     return y
 
@@ -195,32 +201,27 @@ class Bound:
     per Linear per token, and on small layers the lookups cost as much as the product. Valid while
     the weight's parts are unchanged (their version counters; `current`)."""
 
-    __slots__ = ("parts", "versions", "plan", "n", "meta")
+    __slots__ = ("parts", "versions", "plan", "meta")
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: Scheme) -> None:
         self.parts = (data, scale, tensor_scale)
         self.meta = (tuple(shape), scheme)
-        self.versions = (data._version, scale._version)
+        self.versions = self._versions()
         self.plan = _plan(data, scale, tensor_scale, shape, scheme)
-        self.n = shape[0]
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(t._version for t in self.parts if t is not None)
 
     def __reduce__(self):
         """Copied or pickled as its parts (the plan holds addresses: it is made again)."""
         return Bound, (*self.parts, *self.meta)
 
     def current(self) -> bool:
-        data, scale, _ = self.parts
-        return (data._version, scale._version) == self.versions
+        return self._versions() == self.versions
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`run` of a float (M ≤ 16, K) CPU `x` (the caller checks)."""
-        args = GemvArgs.from_buffer_copy(self.plan)
-        x = x.float().contiguous()
-        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(best_isa())
-        if self.n and _library().mf_gemv(ctypes.byref(args)) != 0:
-            raise MemoryError("mf_gemv: no memory for the input's scratch copy")
-        return y
+        return _call(self.plan, x, None)
 
 
 def reference_matmul(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme) -> torch.Tensor:
