@@ -418,13 +418,38 @@ T512 static inline __attribute__((always_inline)) __m512 e8m0_512(__m128i raw) {
     return _mm512_castsi512_ps(bits);
 }
 
-T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int lb, const uint8_t *scale_end) {
+T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int lb, const uint8_t *scale_end,
+                              int wide) {
     DECODE_SETUP_512;
     const uint8_t *row = a->data + n * a->row_bytes;
     const int64_t t0 = (a->br == 1 ? n : n / a->br) * a->ngc, nfull = a->K / CH * CH;
     const int nan_free = a->nan_free;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t j = 0;
+    if (wide) {
+        /* NVFP4, 128 columns (64 bytes) at a time: shifting each 32-bit lane by 4q puts the code of
+         * column 8i + q in lane i's low nibble, which vpermps reads: 8 lookups, no byte unpacking
+         * (the shuffle unit bounds these loops). Lane i's block is i / 2 in every vector, so one
+         * scale vector (a permute of 16 decoded scales) serves the 8; x is in the same order. */
+        const uint8_t *sc = (const uint8_t *)a->scales + t0;
+        const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
+        const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        const int64_t k128 = a->K / 128 * 128;
+        for (; j < k128; j += 256) {
+            const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
+            for (int h = 0; h < 2 && j + 128 * h < k128; h++) {
+                const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * h)), S);
+                const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * h) / 2));
+                const float *xx = xp + j + 128 * h;
+#define WIDE_Q(q, A) A = _mm512_fmadd_ps(_mm512_loadu_ps(xx + 16 * (q)), \
+                                         _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * (q)), t4), sv), A)
+                WIDE_Q(0, a0); WIDE_Q(1, a1); WIDE_Q(2, a2); WIDE_Q(3, a3);
+                WIDE_Q(4, a0); WIDE_Q(5, a1); WIDE_Q(6, a2); WIDE_Q(7, a3);
+#undef WIDE_Q
+            }
+        }
+        j = k128;
+    }
     if (a->kind == K_FP4 && lb == 4) {
         if (a->sfmt == SF_E4M3) {
             /* NVFP4: 16 scale codes (256 columns) decoded at once, each chunk's pair picked by a permute;
@@ -505,7 +530,13 @@ int mf_gemv(const gemv_args_t *a) {
     const int64_t M = a->M, K = a->K, Kc = (K + CH - 1) / CH * CH;
     float *xp = malloc((size_t)(M * Kc) * sizeof(float));
     if (!xp) return -1;
-    int perm[CH], identity = 1;
+    int lb = -1; /* blocks 2^lb columns wide, 62 for one per row; -1: neither */
+    if (a->ngc == 1) lb = 62;
+    else if ((a->bc & (a->bc - 1)) == 0) lb = __builtin_ctzll((unsigned long long)a->bc);
+    /* NVFP4 (16-column blocks, E4M3 scales) decoding one row of x on AVX-512: whole 128-column
+     * chunks by shifts of 64 loaded bytes (see row_fused512), x in their order */
+    const int wide = MF_X86 && a->isa == ISA_AVX512 && M == 1 && a->kind == K_FP4 && lb == 4 && a->sfmt == SF_E4M3;
+    int perm[CH], identity = !wide;
     for (int c = 0; c < CH; c++) identity &= (perm[c] = chunk_pos(c, a->kind, a->isa)) == c;
     for (int64_t m = 0; m < M; m++) { /* x in the decoders' chunk order, zero past K */
         const float *xr = a->x + m * K;
@@ -515,7 +546,12 @@ int mf_gemv(const gemv_args_t *a) {
             memcpy(o, xr, (size_t)K * sizeof(float));
             continue;
         }
-        for (int64_t c0 = 0; c0 < K; c0 += CH)
+        int64_t c0 = 0;
+        if (wide) /* 128-column chunks: vector q, lane i holds column 8i + q (row_fused512's NVFP4 loop) */
+            for (; c0 + 128 <= K; c0 += 128)
+                for (int q = 0; q < 8; q++)
+                    for (int i = 0; i < 16; i++) o[c0 + 16 * q + i] = xr[c0 + 8 * i + q];
+        for (; c0 < K; c0 += CH)
             for (int c = 0, n = K - c0 < CH ? (int)(K - c0) : CH; c < n; c++) o[c0 + perm[c]] = xr[c0 + c];
     }
     decode_fn dec = NULL;
@@ -526,14 +562,11 @@ int mf_gemv(const gemv_args_t *a) {
 #endif
     /* the end of the scale grid (of 8-bit codes: read 16 at a time): (rows_pad / br) × ngc of them */
     const uint8_t *scale_end = (const uint8_t *)a->scales + (a->N + a->br - 1) / a->br * a->ngc;
-    int lb = -1; /* blocks 2^lb columns wide, 62 for one per row; -1: neither */
-    if (a->ngc == 1) lb = 62;
-    else if ((a->bc & (a->bc - 1)) == 0) lb = __builtin_ctzll((unsigned long long)a->bc);
 #pragma omp parallel for num_threads(a->nthreads) schedule(static)
     for (int64_t n = 0; n < a->N; n++) {
 #if MF_X86
         if (a->isa == ISA_AVX512 && M == 1 && lb >= 0) {
-            row_fused512(a, n, xp, lb, scale_end);
+            row_fused512(a, n, xp, lb, scale_end, wide);
             continue;
         }
 #endif
