@@ -10,13 +10,16 @@
  * order (the same for any thread count: a row of W is one thread's). NaN and inf codes and
  * scales propagate as the reference's products do.
  *
- * Work per row n of W, by segments of KC columns: the segment's codes are decoded (scaled) into
- * a float buffer in L1, then every row of x is multiplied with it. Within a 32-column chunk a
- * decoder may write the columns in its own order (FP4: even columns, then odd: the two nibbles
- * of a byte); x is copied once per call into the same order, zero beyond K, so the products pair
- * up. Columns past the last whole chunk are decoded one by one from the value table.
+ * Work per row n of W. One row of x (a decode step, AVX-512: row_fused512): whole chunks are
+ * decoded in registers and multiplied at once, one loop per element kind and scale layout. More
+ * rows (row_buffered): by segments of KC columns, the segment's codes decoded (scaled) into a
+ * float buffer in L1, then every row of x multiplied with it. Within a 32-column chunk a decoder
+ * may take the columns in its own order (FP4: even columns, then odd: the two nibbles of a byte;
+ * NVFP4 in row_fused512: 128-column chunks, column 8i + q in lane i of the q-th vector); x is
+ * copied once per call into the same order, zero beyond K, so the products pair up. Columns past
+ * the last whole chunk are decoded one by one from the value table.
  *
- * ISA paths (chosen at run time, `mf_gemv_isa`; each forced in turn by the tests):
+ * ISA paths (chosen at run time, `mf_gemv_isas`; each forced in turn by the tests):
  *   2 AVX-512: FP4 by 16-entry vpermps tables (the nibble is the index), FP6 by 32-entry
  *     two-table permutes and a sign xor, FP8 by the float16 converter (E5M2 is float16's high
  *     byte; E4M3 moved into float16's bits, × 2^8 folded into the scale, NaN patched);
