@@ -3,8 +3,9 @@ dispatch every weight-only Linear goes through, where decode kernels plug in.
 
 A kernel is registered with `register_weight_only_kernel(name, supports, fn)`: `supports(x, w)`
 says whether it takes this input and weight (device, scheme, shapes), `fn(x, w)` returns the
-float32 product. ``backend="auto"`` takes the most recently registered kernel that supports the call (a
-user's before the built-in one), and the reference otherwise; a name asks for that kernel (a clear error where it does not apply);
+float32 product. ``backend="auto"`` takes the most recently registered kernel that supports the
+call (a user's before the built-in one), and the reference otherwise; a name asks for that
+kernel (a clear error where it does not apply);
 ``"emulated"`` is the reference: the weight dequantized exactly (codes × scales, float32) and a
 float32 GEMM, so every kernel must equal it up to summation order.
 
