@@ -377,6 +377,44 @@ def test_sigkill_during_checkpoint_write_resumes_from_the_last_complete_one(tmp_
     assert result["final"]["loss"] == full["final"]["loss"]
 
 
+_TIMED_KILL_SCRIPT = """
+import os, signal, sys
+import torch
+from minifloat.train import TrainConfig, train
+real = torch.save
+def die_on_the_sixth(obj, path, *a, **k):
+    if int(obj["step"]) == 6:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed as the sixth timed checkpoint starts
+    real(obj, path, *a, **k)
+torch.save = die_on_the_sixth
+cfg = TrainConfig(model="tiny", steps=8, batch_size=4, seq_len=32, eval_every=0, eval_batches=2, checkpoint_every=0,
+                  checkpoint_minutes=1e-9, keep_checkpoints=2, max_bytes=200_000, warmup=2)
+train(cfg, sys.argv[1], progress=False)
+"""
+
+
+def test_a_run_killed_without_step_checkpoints_resumes_from_its_last_timed_one(tmp_path):
+    """No --checkpoint-every: checkpoints come by time (here every step: a 1e-9-minute interval),
+    the newest `keep_checkpoints` kept; SIGKILL mid-run loses only the steps since the last."""
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-c", _TIMED_KILL_SCRIPT, str(out)], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert [p.name for p in checkpoint.checkpoints(out / "checkpoints")] == ["ckpt-00000004", "ckpt-00000005"]
+    assert checkpoint.latest_checkpoint(out / "checkpoints").name == "ckpt-00000005"
+    cfg = _cfg(steps=8, eval_every=0, checkpoint_every=0, checkpoint_minutes=1e-9, keep_checkpoints=2)
+    result = train(cfg, out, resume=True, progress=False)
+    assert result["final"]["step"] == 8 and len(_losses(out)) == 8
+    assert [p.name for p in checkpoint.checkpoints(out / "checkpoints")] == ["ckpt-00000007", "ckpt-00000008"]
+    full = train(cfg, tmp_path / "full", progress=False)
+    assert result["final"]["loss"] == full["final"]["loss"]  # resumed bit for bit
+    quiet = train(_cfg(steps=3, checkpoint_every=0), tmp_path / "quiet", progress=False)  # 5 minutes: none till the end
+    assert quiet["final"]["step"] == 3 and [p.name for p in checkpoint.checkpoints(tmp_path / "quiet" / "checkpoints")] == ["ckpt-00000003"]
+    for bad, match in (({"checkpoint_minutes": -1.0}, "--checkpoint-minutes must be"), ({"keep_checkpoints": 0}, "--keep-checkpoints must be")):
+        with pytest.raises(minifloat.MinifloatError, match=match):
+            _cfg(**bad)
+
+
 def test_high_precision_last_blocks_and_head_stay_unquantized():
     model = build_model(_cfg(precision="nvfp4", high_precision_last=1))
     kinds = {fqn: type(m).__name__ for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

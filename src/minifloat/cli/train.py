@@ -63,8 +63,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_training_arguments(p, eval_zero="none")
     p.add_argument(
-        "--checkpoint-every", type=int, default=DEFAULTS["checkpoint_every"], help="steps between checkpoints, 0 for one at the end"
+        "--checkpoint-every", type=int, default=DEFAULTS["checkpoint_every"], help="steps between checkpoints, 0 for none by steps"
     )
+    p.add_argument(
+        "--checkpoint-minutes", type=float, default=DEFAULTS["checkpoint_minutes"],
+        help="minutes between checkpoints, so that a killed run loses at most this; 0 for none by time (one is always written at the end)",
+    )  # fmt: skip
+    p.add_argument("--keep-checkpoints", type=int, default=DEFAULTS["keep_checkpoints"], help="the newest checkpoints kept")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
     p.add_argument("--config", default=None, metavar="JSON",
                    help="a TrainConfig as JSON (as `minifloat compare` writes); of the other flags only --out, --resume, --overwrite and --quiet apply")  # fmt: skip
@@ -85,7 +90,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
     )  # fmt: skip
-    for name in ("precision", "checkpoint_every", "fsdp"):
+    for name in ("precision", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "fsdp"):
         if hasattr(args, name):
             fields[name] = getattr(args, name)
     fields.update(override)

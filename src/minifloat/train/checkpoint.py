@@ -10,8 +10,8 @@ A checkpoint is a folder ``ckpt-<step>/`` with
 - ``manifest.json``: the step, the run's config and the SHA-256 of both files.
 
 It is written into a temporary folder and renamed into place; then ``latest`` (a one-line file,
-itself replaced atomically) points to it; only then is the previous checkpoint removed. A
-crash at any moment leaves the last complete checkpoint in force. (Saving a step whose folder
+itself replaced atomically) points to it; only then are checkpoints beyond the newest `keep`
+removed. A crash at any moment leaves the last complete checkpoint in force. (Saving a step whose folder
 exists names the new folder ``ckpt-<step>.1`` and removes the old one after ``latest`` moves.)
 """
 
@@ -34,14 +34,15 @@ from minifloat.quant.serialization import CorruptFileError, load, save
 _FILES = ("model.safetensors", "state.pt")  # what the manifest's checksums cover
 
 
-def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict, config: dict) -> Path:
-    """Write checkpoint `step` under `root` atomically and point ``latest`` at it."""
+def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict, config: dict,
+                    keep: int = 1) -> Path:  # fmt: skip
+    """Write checkpoint `step` under `root` atomically, point ``latest`` at it, then keep the newest
+    `keep` checkpoints (this one among them)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".ckpt-tmp-*"):  # what a killed save left behind
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"ckpt-{step:08d}"
-    previous = latest_checkpoint(root, verify=False)  # before the new folder joins them
     tmp = make_dir_beside(final, "ckpt-tmp-")
     try:
         save(tmp / "model.safetensors", weights)
@@ -68,10 +69,23 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
             shutil.rmtree(tmp, ignore_errors=True)
     with atomic_path(root / "latest") as t:
         t.write_text(final.name + "\n")
-    for old in (previous, replaced):
-        if old is not None and old != final:
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    for old in checkpoints(root)[:-keep]:
+        if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoint folders under `root` (with a manifest), oldest first."""
+    root = Path(root)
+    found = sorted(
+        (int(m[1]), int(m[2] or 0), p)
+        for p in (root.iterdir() if root.is_dir() else ())
+        if (m := re.fullmatch(r"ckpt-(\d+)(?:\.(\d+))?", p.name)) and (p / "manifest.json").is_file()
+    )
+    return [p for *_, p in found]
 
 
 def _free_name(path: Path) -> Path:
@@ -90,16 +104,12 @@ def latest_checkpoint(root: str | Path, verify: bool = True) -> Path | None:
     root = Path(root)
     pointer = root / "latest"
     if not pointer.exists():
-        found = sorted(
-            (int(m[1]), int(m[2] or 0), p)
-            for p in (root.iterdir() if root.is_dir() else ())
-            if (m := re.fullmatch(r"ckpt-(\d+)(?:\.(\d+))?", p.name)) and (p / "manifest.json").is_file()
-        )
+        found = checkpoints(root)
         if not found:
             return None
         if verify:
-            warnings.warn(f"{root} has no 'latest' pointer; using the newest checkpoint, {found[-1][2].name}", stacklevel=2)
-        return found[-1][2]
+            warnings.warn(f"{root} has no 'latest' pointer; using the newest checkpoint, {found[-1].name}", stacklevel=2)
+        return found[-1]
     path = root / pointer.read_text().strip()
     if verify and not path.is_dir():
         raise MinifloatError(f"{pointer} points to {path.name}, which does not exist; the checkpoint folder was altered")

@@ -33,7 +33,9 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 8
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # steps between checkpoints (0: by time only, and at the end)
+    checkpoint_minutes: float = 5.0  # minutes between checkpoints, so a killed run loses at most this (0: off)
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are removed
     compile: bool = False
     activation_checkpointing: bool = False
     data: str | None = None  # None: the embedded stdlib corpus
@@ -72,6 +74,10 @@ class TrainConfig:
             raise MinifloatError(
                 "--eval-every, --checkpoint-every and --telemetry-every must be ≥ 0 (0: off)"
             )
+        if not (math.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes >= 0):
+            raise MinifloatError(f"--checkpoint-minutes must be a number ≥ 0 (0: off), got {self.checkpoint_minutes}")
+        if self.keep_checkpoints < 1:
+            raise MinifloatError(f"--keep-checkpoints must be ≥ 1 (the checkpoint a run resumes from), got {self.keep_checkpoints}")
         if self.seq_len > block_size:
             raise MinifloatError(f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {block_size}")
 

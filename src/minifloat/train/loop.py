@@ -160,6 +160,7 @@ def train(
         _enable_activation_checkpointing(model)
     mon = Monitor(model, every=c.telemetry_every) if monitor and c.telemetry_every and c.precision in RECIPES else None
     bar = _progress(c.steps, start, progress and main)
+    saved_at = time.monotonic()  # the last checkpoint (or the start): the time-interval clock
 
     for step in range(start, c.steps):
         t0 = time.perf_counter()
@@ -183,8 +184,12 @@ def train(
         if main:
             append_record(log_path, last)
         bar(last)
-        if (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0) or step + 1 == c.steps:
+        due = bool(c.checkpoint_every and (step + 1) % c.checkpoint_every == 0) or step + 1 == c.steps
+        if c.checkpoint_minutes and not due:
+            due = _time_is_up(saved_at, c.checkpoint_minutes, world)
+        if due:
             _save(ckpt_root, step + 1, c, model, opt, scaler, data_gen, main, world)
+            saved_at = time.monotonic()
 
     if mon is not None:
         mon.close()
@@ -271,9 +276,20 @@ def _save(ckpt_root: Path, step: int, c: TrainConfig, model, opt, scaler: LossSc
         torch.distributed.all_gather_object(rngs, torch.get_rng_state())
         state["torch_rng_ranks"] = rngs
     if main:
-        checkpoint.save_checkpoint(ckpt_root, step, _weights(weights), state, c.to_dict())
+        checkpoint.save_checkpoint(ckpt_root, step, _weights(weights), state, c.to_dict(), keep=c.keep_checkpoints)
     if world > 1:
         torch.distributed.barrier()
+
+
+def _time_is_up(since: float, minutes: float, world: int) -> bool:
+    """Whether `minutes` have passed since `since` — on rank 0's clock, so that every rank of a
+    sharded run takes the (collective) checkpoint at the same step."""
+    up = time.monotonic() - since >= 60 * minutes
+    if world > 1:
+        flag = torch.tensor([float(up)])
+        torch.distributed.broadcast(flag, src=0)
+        up = bool(flag.item())
+    return up
 
 
 def _clear_previous_run(ckpt_root: Path, log_path: Path, overwrite: bool, main: bool) -> None:
