@@ -11,6 +11,7 @@ from pathlib import Path
 
 from minifloat.errors import MinifloatError
 from minifloat.nn.rounded import HIGH_PRECISIONS
+from minifloat.optim.states import STATE_FORMATS
 from minifloat.recipes import RECIPES
 from minifloat.train.model import get_config
 
@@ -36,6 +37,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints (0: by time only, and at the end)
     checkpoint_minutes: float = 5.0  # minutes between checkpoints, so a killed run loses at most this (0: off)
     keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are removed
+    optimizer_states: str = "fp32"  # AdamW's moments: fp32 (torch's AdamW), bf16, fp8, fp8-dre (minifloat.optim)
     compile: bool = False
     activation_checkpointing: bool = False
     data: str | None = None  # None: the embedded stdlib corpus
@@ -78,6 +80,11 @@ class TrainConfig:
             raise MinifloatError(f"--checkpoint-minutes must be a number ≥ 0 (0: off), got {self.checkpoint_minutes}")
         if self.keep_checkpoints < 1:
             raise MinifloatError(f"--keep-checkpoints must be ≥ 1 (the checkpoint a run resumes from), got {self.keep_checkpoints}")
+        if self.optimizer_states not in STATE_FORMATS:
+            raise MinifloatError(f"--optimizer-states {self.optimizer_states!r}: use one of {', '.join(STATE_FORMATS)}")
+        if self.fsdp and self.optimizer_states != "fp32":
+            raise MinifloatError(f"--optimizer-states {self.optimizer_states} does not run under --fsdp yet (sharded "
+                                 "quantized moments are not built); use --optimizer-states fp32 with --fsdp")  # fmt: skip
         if self.seq_len > block_size:
             raise MinifloatError(f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {block_size}")
 

@@ -32,6 +32,7 @@ from minifloat.nn import rounded
 from minifloat.nn.convert import convert
 from minifloat.nn.loss_scaling import LossScaler
 from minifloat.nn.monitor import Monitor
+from minifloat.optim import AdamW
 from minifloat.recipes import RECIPES
 from minifloat.train import checkpoint
 from minifloat.train.config import TrainConfig, lr_at
@@ -200,14 +201,15 @@ def train(
     return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": _unwrap(model).num_params()}
 
 
-def _optimizer(model: torch.nn.Module, c: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on the matrices only (not on norms and biases)."""
+def _optimizer(model: torch.nn.Module, c: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the matrices only (not on norms and biases): torch's with FP32
+    moments, `minifloat.optim.AdamW` with the moments stored as `c.optimizer_states` says."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
-    )  # fmt: skip
+    groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if c.optimizer_states != "fp32":
+        return AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8, state_format=c.optimizer_states)
+    return torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def _step(model, opt, scaler: LossScaler, split: torch.Tensor, data_gen: torch.Generator, c: TrainConfig,

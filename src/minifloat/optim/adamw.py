@@ -1,0 +1,111 @@
+"""`AdamW` with its moments stored in fewer bytes (`minifloat.optim.states`).
+
+The update is torch's AdamW (decoupled weight decay, bias correction) computed in float32 from
+the decoded moments; the new moments are encoded again after the step. ``state_format``:
+
+- ``"fp32"``: 8 bytes a parameter (torch's AdamW);
+- ``"bf16"``: 4 bytes;
+- ``"fp8"``: E4M3 codes with a float32 scale per `block` values, about 2.06 bytes; the second
+  moment is stored as its square root (half the dynamic range in the log domain, and the
+  quantity the update divides by);
+- ``"fp8-dre"``: as ``"fp8"``, each block's magnitudes first expanded over E4M3's range (COAT),
+  about 2.13 bytes.
+
+Every state entry is a plain tensor, so ``state_dict()`` / ``load_state_dict()`` round-trip
+through `torch.save` (``weights_only=True``) and minifloat's checkpoints, and a resumed run
+continues bit for bit.
+
+Example:
+    >>> p = torch.nn.Parameter(torch.randn(300))
+    >>> opt = AdamW([p], lr=1e-2, state_format="fp8-dre")
+    >>> p.grad = torch.randn(300)
+    >>> opt.step()
+    >>> sorted(opt.state[p])
+    ['exp_avg.codes', 'exp_avg.dre_c', 'exp_avg.dre_k', 'exp_avg.scale', 'exp_avg_sq.codes', 'exp_avg_sq.dre_c', 'exp_avg_sq.dre_k', 'exp_avg_sq.scale', 'step']
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.optim.states import STATE_FORMATS, decode_state, encode_state
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with quantized moments; see the module docstring."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, state_format: str = "fp32", block: int = 128) -> None:  # fmt: skip
+        if state_format not in STATE_FORMATS:
+            raise MinifloatError(f"state_format {state_format!r}: use one of {', '.join(STATE_FORMATS)}")
+        if not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1:
+            raise MinifloatError(f"betas must be in [0, 1), got {betas}")
+        if lr < 0 or eps <= 0 or weight_decay < 0 or block < 1:
+            raise MinifloatError(f"lr ≥ 0, eps > 0, weight_decay ≥ 0 and block ≥ 1, got {lr}, {eps}, {weight_decay}, {block}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_format=state_format, block=block)
+        super().__init__(params, defaults)
+
+    def _moment(self, state: dict, name: str, fmt: str, like: torch.Tensor) -> torch.Tensor:
+        prefix = name + "."
+        stored = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if not stored:
+            return torch.zeros_like(like, dtype=torch.float32)
+        return decode_state(stored, fmt, like.shape)
+
+    def _store(self, state: dict, name: str, x: torch.Tensor, fmt: str, block: int) -> None:
+        for k in [k for k in state if k.startswith(name + ".")]:
+            del state[k]
+        for k, v in encode_state(x, fmt, block).items():
+            state[f"{name}.{k}"] = v
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd, fmt, block = group["lr"], group["eps"], group["weight_decay"], group["state_format"], group["block"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise MinifloatError("minifloat.optim.AdamW does not take sparse gradients")
+                state = self.state[p]
+                step = int(state.get("step", torch.tensor(0.0)).item()) + 1
+                g = p.grad.float()
+                m = self._moment(state, "exp_avg", fmt, p)
+                v = self._moment(state, "exp_avg_sq", fmt, p)
+                if fmt.startswith("fp8"):
+                    v = v * v  # stored as √v
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+                denom = (v.sqrt() / bc2**0.5).add_(eps)
+                update = (m / bc1) / denom
+                w = p.float()
+                if wd:
+                    w.mul_(1 - lr * wd)
+                w.add_(update, alpha=-lr)
+                p.copy_(w)
+                self._store(state, "exp_avg", m, fmt, block)
+                self._store(state, "exp_avg_sq", v.sqrt() if fmt.startswith("fp8") else v, fmt, block)
+                state["step"] = torch.tensor(float(step))
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that state tensors keep their dtypes: torch casts floating-point state to
+        the parameter's dtype, which would turn E4M3 codes and BF16 moments into float32."""
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params, strict=True):
+            for k, v in state_dict["state"].get(i, {}).items():
+                if isinstance(v, torch.Tensor):
+                    self.state[p][k] = v.to(p.device, copy=True)
+
+    def state_nbytes(self) -> int:
+        """Bytes the moments and step counters hold."""
+        return sum(t.nbytes for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))

@@ -1,0 +1,93 @@
+"""How an optimizer moment is stored: the format names and their encode / decode.
+
+A moment (a float32 tensor of a parameter's shape) is flattened and cut into blocks of `block`
+values (the last one zero-padded):
+
+- ``"fp32"``: as it is; ``"bf16"``: rounded to bfloat16 (nearest even);
+- ``"fp8"``: E4M3 codes with one float32 scale per block (the block's absmax onto E4M3's max;
+  minifloat's own row-scaled quantizer, ``fp8_rowwise`` over the (blocks, block) view);
+- ``"fp8-dre"``: COAT's dynamic range expansion (Xi et al., 2024) before the same E4M3 step. Per
+  block, with c = √(min·max) of the nonzero magnitudes and k = log R / log(max / min), R the
+  ratio of E4M3's largest to smallest normal value: y = sign(x) · (|x| / c)^k, so the block's
+  magnitudes span E4M3's whole normal range instead of crowding its top; decoding takes
+  x = sign(y) · |y|^(1/k) · c. A block of one magnitude (or all zeros) keeps k = 1.
+
+`encode_state` returns a dict of plain tensors (what the optimizer's state_dict holds and
+checkpoints save); `decode_state` turns it back into float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.formats.registry import E4M3
+from minifloat.quant import QuantizedTensor, quantize
+from minifloat.scaling.schemes import get_scheme
+
+STATE_FORMATS = ("fp32", "bf16", "fp8", "fp8-dre")
+_BLOCKS = get_scheme("fp8_rowwise")  # one float32 scale per row of the (blocks, block) view
+_RANGE = math.log(E4M3.max / E4M3.min_normal)  # log R: E4M3's normal range
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    flat = x.detach().reshape(-1).float()
+    pad = -flat.numel() % block
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, block)
+
+
+def dre_forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """COAT's expansion of each row of `x` (blocks): ``(y, c, k)``, c and k one per row (any float dtype)."""
+    mag = x.abs()
+    nonzero = mag > 0
+    big = torch.where(nonzero, mag, torch.zeros_like(mag)).amax(dim=1, keepdim=True)
+    small = torch.where(nonzero, mag, torch.full_like(mag, math.inf)).amin(dim=1, keepdim=True)
+    empty = ~nonzero.any(dim=1, keepdim=True)
+    small = torch.where(empty, torch.ones_like(small), small)
+    big = torch.where(empty, torch.ones_like(big), big)
+    c = torch.sqrt(small * big)
+    spread = torch.log(big / small)
+    k = torch.where(spread > 0, _RANGE / spread.clamp_min(1e-30), torch.ones_like(spread))
+    y = torch.sign(x) * torch.where(nonzero, (mag / c) ** k, torch.zeros_like(mag))
+    return y, c, k
+
+
+def dre_inverse(y: torch.Tensor, c: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The inverse of `dre_forward`: sign(y) · |y|^(1/k) · c per row."""
+    mag = y.abs()
+    return torch.sign(y) * torch.where(mag > 0, mag ** (1 / k) * c, torch.zeros_like(mag))
+
+
+def encode_state(x: torch.Tensor, fmt: str, block: int = 128) -> dict[str, torch.Tensor]:
+    """The stored form of the float32 moment `x` in `fmt` (see the module docstring)."""
+    if fmt == "fp32":
+        return {"value": x.detach().float().clone()}
+    if fmt == "bf16":
+        return {"value": x.detach().to(torch.bfloat16)}
+    if fmt not in STATE_FORMATS:
+        raise MinifloatError(f"unknown optimizer state format {fmt!r}; use one of {', '.join(STATE_FORMATS)}")
+    b = _blocks(x, block)
+    out = {}
+    if fmt == "fp8-dre":
+        b, c, k = dre_forward(b)
+        out.update(dre_c=c.reshape(-1), dre_k=k.reshape(-1))
+    q = quantize(b, _BLOCKS)
+    out.update(codes=q.data, scale=q.scale.reshape(-1))
+    return out
+
+
+def decode_state(stored: dict[str, torch.Tensor], fmt: str, shape: torch.Size) -> torch.Tensor:
+    """The float32 moment of `shape` that `stored` (from `encode_state`) holds."""
+    if fmt in ("fp32", "bf16"):
+        return stored["value"].float()
+    codes, scale = stored["codes"], stored["scale"]
+    q = QuantizedTensor(codes, scale.view(-1, 1), None, codes.shape, _BLOCKS)
+    b = q.dequantize(torch.float32)
+    if fmt == "fp8-dre":
+        b = dre_inverse(b, stored["dre_c"].view(-1, 1), stored["dre_k"].view(-1, 1))
+    n = math.prod(shape)
+    return b.reshape(-1)[:n].view(shape)

@@ -1,0 +1,176 @@
+"""`minifloat.optim.AdamW` against torch's AdamW, the storage formats against float64 and ml_dtypes."""
+
+import io
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import minifloat
+from minifloat.optim import AdamW, decode_state, dre_forward, dre_inverse, encode_state
+
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(37, 53, generator=g)), torch.nn.Parameter(torch.randn(300, generator=g))]
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g))
+
+
+def test_fp32_states_are_torch_adamw():
+    ours, theirs = _params(), _params()
+    a, b = AdamW(ours, **HP), torch.optim.AdamW(theirs, **HP)
+    for step in range(5):
+        _grads(ours, step)
+        _grads(theirs, step)
+        a.step()
+        b.step()
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-dre"])
+def test_a_step_equals_torch_adamw_on_the_stored_moments(fmt):
+    """One step from a stored state equals torch's AdamW started from the very moments the format
+    holds (decoded): the state's rounding is the only difference."""
+    ours, theirs = _params(), _params()
+    opt = AdamW(ours, **HP, state_format=fmt)
+    for step in range(3):
+        _grads(ours, step)
+        opt.step()
+    b = torch.optim.AdamW(theirs, **HP)
+    _grads(theirs, 3)
+    b.step()  # creates its state, overwritten next with our decoded moments
+    for p, q in zip(ours, theirs, strict=True):
+        s = opt.state[p]
+        m = decode_state({k[8:]: v for k, v in s.items() if k.startswith("exp_avg.")}, fmt, p.shape)
+        v = decode_state({k[11:]: v for k, v in s.items() if k.startswith("exp_avg_sq.")}, fmt, p.shape)
+        q.data.copy_(p.data)
+        b.state[q]["exp_avg"].copy_(m)
+        b.state[q]["exp_avg_sq"].copy_(v * v if fmt.startswith("fp8") else v)
+        b.state[q]["step"].fill_(3)
+    _grads(ours, 3)
+    _grads(theirs, 3)
+    opt.step()
+    b.step()
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-dre"])
+def test_stored_moments_are_within_their_formats_rounding(fmt):
+    """torch's exact AdamW moments, stored and read back: one rounding of the format (bf16: half
+    an ulp; E4M3 with the block's absmax scale: 2^-4 relative, or 2^-10 of the scale for its
+    subnormals; after the expansion: (1 + 2^-4)^(1/k) - 1 relative, k the block's exponent)."""
+    params = _params()
+    ref = torch.optim.AdamW(params, **HP)
+    for step in range(3):
+        _grads(params, step)
+        ref.step()
+    for p in params:
+        for x in (ref.state[p]["exp_avg"], ref.state[p]["exp_avg_sq"].sqrt()):
+            got = decode_state(encode_state(x, fmt, block=128), fmt, x.shape).double().reshape(-1)
+            want = x.double().reshape(-1)
+            if fmt == "bf16":
+                bound = want.abs() * 2**-8
+            else:
+                n = want.numel()
+                blocks = torch.nn.functional.pad(want, (0, -n % 128)).view(-1, 128)
+                scale = blocks.abs().amax(dim=1, keepdim=True) / 448
+                if fmt == "fp8":
+                    bound = torch.maximum(blocks.abs() * 2**-4, scale * 2**-10)
+                else:
+                    _, _, k = dre_forward(blocks)
+                    bound = blocks.abs() * ((1 + 2**-4) ** (1 / k) - 1) * 1.0001
+                bound = bound.reshape(-1)[:n]
+            assert ((got - want).abs() <= bound + 1e-30).all(), fmt
+
+
+def test_dre_round_trip_is_exact_in_float64_and_fills_e4m3s_range():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 128, generator=g, dtype=torch.float64) * torch.exp(torch.randn(6, 1, generator=g, dtype=torch.float64) * 3))
+    x[2] = 0.0  # an all-zero block
+    x[3, :5] = 0.0
+    x[4] = 2.5  # one magnitude
+    y, c, k = dre_forward(x)
+    assert torch.allclose(dre_inverse(y, c, k), x, rtol=1e-12, atol=0)
+    mag = y[0].abs()
+    spread = math.log(float(mag.max() / mag[mag > 0].min()))
+    assert spread == pytest.approx(math.log(minifloat.E4M3.max / minifloat.E4M3.min_normal), rel=1e-9)
+    assert k[4].item() == 1.0 and torch.equal(y[2], x[2])
+
+
+def test_fp8_states_are_e4m3_codes_with_a_scale_per_block():
+    x = torch.randn(1000) * 0.01
+    s = encode_state(x, "fp8", block=128)
+    assert s["codes"].shape == (8, 128) and s["codes"].dtype == torch.uint8 and s["scale"].shape == (8,)
+    vals = s["codes"].numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64) * s["scale"].numpy()[:, None].astype(np.float64)
+    got = decode_state(s, "fp8", x.shape)
+    assert np.array_equal(got.numpy().astype(np.float64), vals.reshape(-1)[:1000].astype(np.float32).astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8", "fp8-dre"])
+def test_resume_from_a_state_dict_is_bit_identical(fmt):
+    straight, resumed = _params(), _params()
+    a = AdamW(straight, **HP, state_format=fmt)
+    b = AdamW(resumed, **HP, state_format=fmt)
+    for step in range(3):
+        _grads(straight, step)
+        a.step()
+        _grads(resumed, step)
+        b.step()
+    buf = io.BytesIO()
+    torch.save({"opt": b.state_dict(), "params": [p.detach().clone() for p in resumed]}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    fresh = [torch.nn.Parameter(t) for t in saved["params"]]
+    c = AdamW(fresh, **HP, state_format=fmt)
+    c.load_state_dict(saved["opt"])
+    for step in range(3, 6):
+        _grads(straight, step)
+        a.step()
+        _grads(fresh, step)
+        c.step()
+    for p, q in zip(straight, fresh, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_state_bytes_per_parameter_and_bad_arguments():
+    sizes = {}
+    for fmt in ("fp32", "bf16", "fp8", "fp8-dre"):
+        p = torch.nn.Parameter(torch.randn(128 * 64))
+        opt = AdamW([p], state_format=fmt)
+        p.grad = torch.randn_like(p)
+        opt.step()
+        sizes[fmt] = (opt.state_nbytes() - 4) / p.numel()  # less the step counter
+    assert sizes == {"fp32": 8.0, "bf16": 4.0, "fp8": 2 + 8 / 128, "fp8-dre": 2 + 24 / 128}
+    with pytest.raises(minifloat.MinifloatError, match="state_format 'int8'"):
+        AdamW([torch.nn.Parameter(torch.ones(2))], state_format="int8")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-dre"])
+def test_training_with_quantized_states_resumes_bit_for_bit(tmp_path, fmt):
+    from minifloat.train import checkpoint
+    from minifloat.train.config import TrainConfig
+    from minifloat.train.loop import train
+
+    cfg = dict(model="tiny", batch_size=4, seq_len=32, eval_every=0, max_bytes=200_000, warmup=2, optimizer_states=fmt)
+    full = train(TrainConfig(steps=6, **cfg), tmp_path / "full", progress=False)
+    train(TrainConfig(steps=3, **cfg), tmp_path / "split", progress=False)
+    _, _, state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "split" / "checkpoints"))
+    stored = next(iter(state["optimizer"]["state"].values()))
+    assert {"exp_avg.value", "exp_avg.codes"} & set(stored)  # the quantized moments, as stored
+    if fmt == "fp8-dre":
+        assert stored["exp_avg.codes"].dtype == torch.uint8
+    resumed = train(TrainConfig(steps=6, **cfg), tmp_path / "split", resume=True, progress=False)
+    assert resumed["final"]["loss"] == full["final"]["loss"] and math.isfinite(full["final"]["loss"])
+    with pytest.raises(minifloat.MinifloatError, match="does not run under --fsdp yet"):
+        TrainConfig(steps=6, fsdp=True, **cfg)
