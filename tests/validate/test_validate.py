@@ -124,5 +124,13 @@ def test_memory_command(capsys):
     assert rows["states on the device (all but activations)"]["bytes"] == 28e9 and rows["master weights"]["where"] == "host"
     assert main(["memory", "--model", "tiny", "--precision", "fp8", "--seq", "64", "--batch", "2", "--measure"]) == 0
     assert "measured / planned" in capsys.readouterr().out
+    for fmt, per_param in (("bf16", 4.0), ("fp8", 2 * (1 + 4 / 128)), ("fp8-dre", 2 * (1 + 12 / 128))):
+        assert main(["memory", "--model", "tiny", "--precision", "fp8", "--seq", "64", "--batch", "2", "--optimizer-states", fmt,
+                     "--measure", "--json"]) == 0  # fmt: skip
+        out = json.loads(capsys.readouterr().out)
+        states = out["measured"]["optimizer states"]  # every parameter's moments, padded to whole blocks each
+        assert states["planned"] == pytest.approx(per_param * out["params"], rel=1e-3)
+        assert states["measured"] == pytest.approx(states["planned"], rel=2e-2) and states["measured"] >= states["planned"]
+    assert main(["memory", "--params", "7B", "--optimizer", "sgd", "--optimizer-states", "fp8"]) == 2
     assert main(["memory", "--params", "seven"]) == 2
     assert main(["memory", "--params", "7B", "--offload", "gpu"]) == 2

@@ -20,7 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="te: Transformer Engine / Megatron's; minifloat: this library's training (default: te for --params, "
                         "minifloat for --model)")  # fmt: skip
     p.add_argument("--master", default="fp32", choices=("fp32", "none"), help="master weights beside the compute copy (te)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="optimizer (its FP32 states)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="optimizer")
+    p.add_argument("--optimizer-states", default="fp32", choices=("fp32", "bf16", "fp8", "fp8-dre"),
+                   help="how AdamW stores its moments (minifloat.optim.AdamW; train --optimizer-states)")
     p.add_argument("--offload", default="", help="comma-separated: master, optimizer (moved to host memory)")
     p.add_argument("--world-size", type=int, default=1, help="devices the states are sharded over (FSDP2 / ZeRO-3)")
     p.add_argument("--batch", type=int, default=1, help="sequences per device")
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
                                         else shape if shape else (None, None, None, None))  # fmt: skip
         layout = args.layout or "te"
     p = plan(params=n, precision=args.precision, layout=layout, master=args.master, optimizer=args.optimizer,
+             optimizer_states=args.optimizer_states,
              world_size=args.world_size, batch=args.batch, seq=args.seq, hidden=hidden, layers=layers, heads=heads,
              vocab=vocab, flash=not args.no_flash)  # fmt: skip
     rows = p.table(offload)
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         if not args.model:
             raise MinifloatError("--measure builds a built-in GPT's training state: use it with --model")
-        m = measured_state(args.model, args.precision, batch=args.batch, seq=args.seq)
+        m = measured_state(args.model, args.precision, batch=args.batch, seq=args.seq, optimizer_states=args.optimizer_states)
         result["measured"] = {k: {"planned": p.rows.get(k, 0.0), "measured": v}
                               for k, v in m.items() if k != "num_params"}  # fmt: skip
     if args.json:

@@ -32,6 +32,17 @@ _BLOCKS = get_scheme("fp8_rowwise")  # one float32 scale per row of the (blocks,
 _RANGE = math.log(E4M3.max / E4M3.min_normal)  # log R: E4M3's normal range
 
 
+def state_bytes(numel: int, fmt: str, block: int = 128) -> float:
+    """Bytes one moment of `numel` values takes in `fmt` (E4M3 codes padded to whole blocks, a
+    float32 scale per block, and for ``fp8-dre`` the block's centre and exponent)."""
+    if fmt not in STATE_FORMATS:
+        raise MinifloatError(f"unknown optimizer state format {fmt!r}; use one of {', '.join(STATE_FORMATS)}")
+    if fmt in ("fp32", "bf16"):
+        return (4 if fmt == "fp32" else 2) * numel
+    blocks = -(-numel // block)
+    return blocks * (block + 4 + (8 if fmt == "fp8-dre" else 0))
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     flat = x.detach().reshape(-1).float()
     pad = -flat.numel() % block

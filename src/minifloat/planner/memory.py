@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass, field
 
 from minifloat.errors import MinifloatError
+from minifloat.optim import STATE_FORMATS, AdamW, state_bytes
 
 PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4")
 # bytes per value of one stored copy of a weight (codes and block scales)
@@ -117,7 +118,7 @@ def parse_params(text: str) -> tuple[int, str | None]:
 
 
 def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str = "fp32", optimizer: str = "adamw",
-         world_size: int = 1, batch: int = 1, seq: int = 2048, hidden: int | None = None, layers: int | None = None,
+         optimizer_states: str = "fp32", world_size: int = 1, batch: int = 1, seq: int = 2048, hidden: int | None = None, layers: int | None = None,
          heads: int | None = None, vocab: int | None = None, flash: bool = True) -> Plan:  # fmt: skip
     """The per-device bytes of training a `params`-parameter model (module docstring)."""
     if precision not in PRECISIONS:
@@ -128,6 +129,8 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
         raise MinifloatError(f"--master {master!r}: use fp32 or none")
     if optimizer not in ("adamw", "sgd"):
         raise MinifloatError(f"--optimizer {optimizer!r}: use adamw or sgd")
+    if optimizer_states not in STATE_FORMATS or (optimizer == "sgd" and optimizer_states != "fp32"):
+        raise MinifloatError(f"--optimizer-states {optimizer_states!r}: use one of {', '.join(STATE_FORMATS)} (with adamw; sgd keeps fp32)")
     if world_size < 1 or batch < 1 or seq < 1:
         raise MinifloatError(f"--world-size, --batch and --seq must be ≥ 1, got {world_size}, {batch}, {seq}")
     p = Plan(params, precision, layout, master, world_size)
@@ -166,8 +169,10 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
         a["weight copies"] = (f"the packed weight saved for the backward, {kept:.3f} bytes a Linear weight"
                               f"{'' if hidden and layers else ' (every parameter counted as a Linear weight)'}" if kept
                               else "none: the recipe re-quantizes the weight along the other axis in the backward")  # fmt: skip
-    p.rows["optimizer states"] = 4 * moments * n
-    a["optimizer states"] = f"{optimizer}: {moments} FP32 moment{'s' if moments > 1 else ''} a parameter"
+    p.rows["optimizer states"] = moments * state_bytes(round(n), optimizer_states)
+    a["optimizer states"] = (f"{optimizer}: {moments} FP32 moment{'s' if moments > 1 else ''} a parameter" if optimizer_states == "fp32"
+                             else f"{optimizer}: {moments} moments stored as {optimizer_states} (minifloat.optim.AdamW), "
+                                  f"{state_bytes(round(n), optimizer_states) / n:.3f} bytes a parameter each")  # fmt: skip
     if world_size > 1:
         for k in list(p.rows):
             a[k] += f"; sharded {world_size} ways"
@@ -187,7 +192,7 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
     return p
 
 
-def measured_state(size: str, precision: str, *, batch: int, seq: int) -> dict[str, int]:
+def measured_state(size: str, precision: str, *, batch: int, seq: int, optimizer_states: str = "fp32") -> dict[str, int]:
     """Bytes of a real training state of the built-in GPT `size` under minifloat's training: the
     parameters, their gradients and AdamW's states after one step, and the tensors autograd saved
     for the backward of one forward (each storage counted once)."""
@@ -201,7 +206,8 @@ def measured_state(size: str, precision: str, *, batch: int, seq: int) -> dict[s
     model = GPT(get_config(size))
     if precision not in ("fp32", "bf16"):
         convert(model, precision, filter=lambda fqn, m: fqn != "lm_head")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer_states == "fp32"
+           else AdamW(model.parameters(), lr=1e-4, state_format=optimizer_states))  # fmt: skip
     ids = torch.randint(0, model.config.vocab_size, (batch, seq + 1))
     saved: dict[int, int] = {}
 
