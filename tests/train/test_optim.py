@@ -25,16 +25,23 @@ def _grads(params, step):
         p.grad = torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g))
 
 
-def test_fp32_states_are_torch_adamw():
-    ours, theirs = _params(), _params()
-    a, b = AdamW(ours, **HP), torch.optim.AdamW(theirs, **HP)
-    for step in range(5):
-        _grads(ours, step)
-        _grads(theirs, step)
-        a.step()
-        b.step()
+def _steps(runs, steps):
+    """The same gradients, step by step, for each (parameters, optimizer) of `runs`."""
+    for step in steps:
+        for params, opt in runs:
+            _grads(params, step)
+            opt.step()
+
+
+def _close(ours, theirs):
     for p, q in zip(ours, theirs, strict=True):
         assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_fp32_states_are_torch_adamw():
+    ours, theirs = _params(), _params()
+    _steps([(ours, AdamW(ours, **HP)), (theirs, torch.optim.AdamW(theirs, **HP))], range(5))
+    _close(ours, theirs)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-dre"])
@@ -43,26 +50,17 @@ def test_a_step_equals_torch_adamw_on_the_stored_moments(fmt):
     holds (decoded): the state's rounding is the only difference."""
     ours, theirs = _params(), _params()
     opt = AdamW(ours, **HP, state_format=fmt)
-    for step in range(3):
-        _grads(ours, step)
-        opt.step()
+    _steps([(ours, opt)], range(3))
     b = torch.optim.AdamW(theirs, **HP)
-    _grads(theirs, 3)
-    b.step()  # creates its state, overwritten next with our decoded moments
+    _steps([(theirs, b)], [3])  # creates its state, overwritten next with our decoded moments
     for p, q in zip(ours, theirs, strict=True):
-        s = opt.state[p]
-        m = decode_state({k[8:]: v for k, v in s.items() if k.startswith("exp_avg.")}, fmt, p.shape)
-        v = decode_state({k[11:]: v for k, v in s.items() if k.startswith("exp_avg_sq.")}, fmt, p.shape)
+        m, v = opt.moments(p)
         q.data.copy_(p.data)
         b.state[q]["exp_avg"].copy_(m)
-        b.state[q]["exp_avg_sq"].copy_(v * v if fmt.startswith("fp8") else v)
+        b.state[q]["exp_avg_sq"].copy_(v)
         b.state[q]["step"].fill_(3)
-    _grads(ours, 3)
-    _grads(theirs, 3)
-    opt.step()
-    b.step()
-    for p, q in zip(ours, theirs, strict=True):
-        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    _steps([(ours, opt), (theirs, b)], [3])
+    _close(ours, theirs)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-dre"])
@@ -72,9 +70,7 @@ def test_stored_moments_are_within_their_formats_rounding(fmt):
     subnormals; after the expansion: (1 + 2^-4)^(1/k) - 1 relative, k the block's exponent)."""
     params = _params()
     ref = torch.optim.AdamW(params, **HP)
-    for step in range(3):
-        _grads(params, step)
-        ref.step()
+    _steps([(params, ref)], range(3))
     for p in params:
         for x in (ref.state[p]["exp_avg"], ref.state[p]["exp_avg_sq"].sqrt()):
             got = decode_state(encode_state(x, fmt, block=128), fmt, x.shape).double().reshape(-1)
@@ -122,11 +118,7 @@ def test_resume_from_a_state_dict_is_bit_identical(fmt):
     straight, resumed = _params(), _params()
     a = AdamW(straight, **HP, state_format=fmt)
     b = AdamW(resumed, **HP, state_format=fmt)
-    for step in range(3):
-        _grads(straight, step)
-        a.step()
-        _grads(resumed, step)
-        b.step()
+    _steps([(straight, a), (resumed, b)], range(3))
     buf = io.BytesIO()
     torch.save({"opt": b.state_dict(), "params": [p.detach().clone() for p in resumed]}, buf)
     buf.seek(0)
@@ -134,11 +126,7 @@ def test_resume_from_a_state_dict_is_bit_identical(fmt):
     fresh = [torch.nn.Parameter(t) for t in saved["params"]]
     c = AdamW(fresh, **HP, state_format=fmt)
     c.load_state_dict(saved["opt"])
-    for step in range(3, 6):
-        _grads(straight, step)
-        a.step()
-        _grads(fresh, step)
-        c.step()
+    _steps([(straight, a), (fresh, c)], range(3, 6))
     for p, q in zip(straight, fresh, strict=True):
         assert torch.equal(p, q)
 

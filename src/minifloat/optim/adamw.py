@@ -53,6 +53,12 @@ class AdamW(torch.optim.Optimizer):
             return torch.zeros_like(like, dtype=torch.float32)
         return decode_state(stored, fmt, like.shape)
 
+    def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`p`'s first and second moments as the state holds them, decoded to float32 (zeros before its first step)."""
+        fmt = next(g["state_format"] for g in self.param_groups if any(q is p for q in g["params"]))
+        m, v = (self._moment(self.state[p], name, fmt, p) for name in ("exp_avg", "exp_avg_sq"))
+        return m, v * v if fmt.startswith("fp8") else v  # fp8: stored as √v
+
     def _store(self, state: dict, name: str, x: torch.Tensor, fmt: str, block: int) -> None:
         for k in [k for k in state if k.startswith(name + ".")]:
             del state[k]
@@ -79,7 +85,7 @@ class AdamW(torch.optim.Optimizer):
                 m = self._moment(state, "exp_avg", fmt, p)
                 v = self._moment(state, "exp_avg_sq", fmt, p)
                 if fmt.startswith("fp8"):
-                    v = v * v  # stored as √v
+                    v = v * v  # stored as √v (`moments`)
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 bc1, bc2 = 1 - beta1**step, 1 - beta2**step
