@@ -250,7 +250,7 @@ def _decode(args: argparse.Namespace) -> int:
         out["kv"] = decode.kv_quality(model, text, formats, contexts, windows=args.windows, source=args.kv_text, echo=echo)
     if drafts and ks:
         new = min(args.new_tokens, context - 16)
-        echo(f"speculative greedy decoding, {len(prompts)} prompts × {new} tokens (plain greedy first):")
+        echo(f"speculative greedy decoding, {len(prompts)} prompts × {new} tokens, each right after plain greedy decoding of the same prompt:")
         calibration = None
         if any(d.endswith("-gptq") for d in drafts):
             from minifloat.infer.pipeline import TextSource, batches_for
