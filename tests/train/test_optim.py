@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import minifloat
-from minifloat.optim import AdamW, decode_state, dre_forward, dre_inverse, encode_state
+from minifloat.optim import (
+    AdamW,
+    bf16_stochastic,
+    decode_state,
+    dre_forward,
+    dre_inverse,
+    encode_state,
+    join_remainder,
+)
 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -22,7 +30,7 @@ def _params(seed=0):
 def _grads(params, step):
     g = torch.Generator().manual_seed(100 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g))
+        p.grad = (torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g))).to(p.dtype)
 
 
 def _steps(runs, steps):
@@ -162,3 +170,62 @@ def test_training_with_quantized_states_resumes_bit_for_bit(tmp_path, fmt):
     assert resumed["final"]["loss"] == full["final"]["loss"] and math.isfinite(full["final"]["loss"])
     with pytest.raises(minifloat.MinifloatError, match="does not run under --fsdp yet"):
         TrainConfig(steps=6, fsdp=True, **cfg)
+
+
+def test_bf16_plus_remainder_is_the_fp32_master_exactly():
+    """BF16 parameters with the int16 remainder follow an FP32-master run bit for bit (the same
+    BF16-representable start and gradients); the parameters are the masters' nearest BF16."""
+    exact = [torch.nn.Parameter(p.detach().to(torch.bfloat16).float()) for p in _params()]
+    bf16 = [torch.nn.Parameter(p.detach().clone().to(torch.bfloat16)) for p in exact]
+    a = AdamW(exact, **HP, state_format="fp8-dre")
+    b = AdamW(bf16, **HP, state_format="fp8-dre", master="bf16+remainder")
+    for step in range(4):
+        _grads(exact, step)
+        for p, q in zip(exact, bf16, strict=True):
+            p.grad = p.grad.to(torch.bfloat16).float()
+            q.grad = p.grad.to(torch.bfloat16)
+        a.step()
+        b.step()
+    for p, q in zip(exact, bf16, strict=True):
+        assert q.dtype == torch.bfloat16 and torch.equal(q, p.to(torch.bfloat16))
+        assert torch.equal(join_remainder(q, b.state[q]["remainder"]).view(torch.int32), p.detach().view(torch.int32))
+    assert b.state[bf16[0]]["remainder"].dtype == torch.int16
+
+
+def test_bf16_stochastic_rounding_is_unbiased():
+    """Each value's expected rounding is itself: the mean of 200,000 draws within 5σ (σ of a
+    Bernoulli choice between the two neighbouring BF16 values)."""
+    n = 200_000
+    for x0, seed in ((1.0 + 3 * 2**-10, 1), (-0.3, 2), (7.1e-3, 3), (2.0**-120 * 1.37, 4)):
+        x = torch.full((n,), x0, dtype=torch.float32)
+        y = bf16_stochastic(x, seed).double()
+        lo, hi = float(x[0].to(torch.bfloat16)), float(x[0].to(torch.bfloat16))
+        lo, hi = sorted({float(v) for v in y.unique()} | {lo})[0], sorted({float(v) for v in y.unique()} | {hi})[-1]
+        p = (float(x[0]) - lo) / (hi - lo) if hi > lo else 0.0
+        sigma = (hi - lo) * math.sqrt(max(p * (1 - p), 1e-12) / n)
+        assert abs(float(y.mean()) - float(x[0])) <= 5 * sigma + 1e-30, x0
+        assert set(y.unique().tolist()) <= {lo, hi}
+    special = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    out = bf16_stochastic(special, 0).float()
+    assert torch.isinf(out[:2]).all() and torch.isnan(out[2])
+
+
+@pytest.mark.parametrize("master", ["bf16-sr", "bf16+remainder"])
+def test_bf16_masters_resume_bit_for_bit(master):
+    straight = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in straight]
+    a = AdamW(straight, **HP, state_format="fp8", master=master, seed=5)
+    b = AdamW(resumed, **HP, state_format="fp8", master=master, seed=5)
+    _steps([(straight, a), (resumed, b)], range(2))
+    buf = io.BytesIO()
+    torch.save({"opt": b.state_dict(), "params": [p.detach().clone() for p in resumed]}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    fresh = [torch.nn.Parameter(t) for t in saved["params"]]
+    c = AdamW(fresh, **HP, state_format="fp8", master=master, seed=5)
+    c.load_state_dict(saved["opt"])
+    _steps([(straight, a), (fresh, c)], range(2, 5))
+    for p, q in zip(straight, fresh, strict=True):
+        assert q.dtype == torch.bfloat16 and torch.equal(p, q)
+    with pytest.raises(minifloat.MinifloatError, match="keeps the weights in bfloat16 parameters"):
+        AdamW(_params(), master=master)

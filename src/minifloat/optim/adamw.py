@@ -11,6 +11,12 @@ the decoded moments; the new moments are encoded again after the step. ``state_f
 - ``"fp8-dre"``: as ``"fp8"``, each block's magnitudes first expanded over E4M3's range (COAT),
   about 2.19 bytes (E4M3 codes, the scale, and the block's centre and exponent).
 
+``master``: what the parameters are. ``"fp32"``: as they come (float32: the FP32 master). With
+BF16 parameters: ``"bf16-sr"`` rounds each updated weight to BF16 stochastically (unbiased; the
+random bits a function of `seed`, the step and the parameter's index, so a resumed run draws the
+same); ``"bf16+remainder"`` keeps the low 16 bits of the FP32 weight as an int16 state beside the
+BF16 parameter (its nearest BF16), so the FP32 master is exact at 2 + 2 bytes a parameter.
+
 Every state entry is a plain tensor, so ``state_dict()`` / ``load_state_dict()`` round-trip
 through `torch.save` (``weights_only=True``) and minifloat's checkpoints, and a resumed run
 continues bit for bit.
@@ -29,22 +35,39 @@ from __future__ import annotations
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.optim.states import STATE_FORMATS, decode_state, encode_state
+from minifloat.optim.states import (
+    MASTERS,
+    STATE_FORMATS,
+    bf16_stochastic,
+    decode_state,
+    encode_state,
+    join_remainder,
+    split_remainder,
+)
 
 
 class AdamW(torch.optim.Optimizer):
     """AdamW with quantized moments; see the module docstring."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, state_format: str = "fp32", block: int = 128) -> None:  # fmt: skip
+                 weight_decay: float = 1e-2, *, state_format: str = "fp32", master: str = "fp32", block: int = 128,
+                 seed: int = 0) -> None:  # fmt: skip
         if state_format not in STATE_FORMATS:
             raise MinifloatError(f"state_format {state_format!r}: use one of {', '.join(STATE_FORMATS)}")
+        if master not in MASTERS:
+            raise MinifloatError(f"master {master!r}: use one of {', '.join(MASTERS)}")
+        self.master, self.seed = master, int(seed)
         if not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1:
             raise MinifloatError(f"betas must be in [0, 1), got {betas}")
         if lr < 0 or eps <= 0 or weight_decay < 0 or block < 1:
             raise MinifloatError(f"lr ≥ 0, eps > 0, weight_decay ≥ 0 and block ≥ 1, got {lr}, {eps}, {weight_decay}, {block}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_format=state_format, block=block)
         super().__init__(params, defaults)
+        if master != "fp32":
+            bad = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.dtype != torch.bfloat16]
+            if bad:
+                raise MinifloatError(f"master {master!r} keeps the weights in bfloat16 parameters; got others (shapes {bad[:3]}): "
+                                     "convert the model with .to(torch.bfloat16) first, or use master='fp32'")  # fmt: skip
 
     def _moment(self, state: dict, name: str, fmt: str, like: torch.Tensor) -> torch.Tensor:
         prefix = name + "."
@@ -71,10 +94,12 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = -1  # the parameter's position over all groups: part of its stochastic-rounding seed
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd, fmt, block = group["lr"], group["eps"], group["weight_decay"], group["state_format"], group["block"]
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -91,11 +116,17 @@ class AdamW(torch.optim.Optimizer):
                 bc1, bc2 = 1 - beta1**step, 1 - beta2**step
                 denom = (v.sqrt() / bc2**0.5).add_(eps)
                 update = (m / bc1) / denom
-                w = p.float()
+                w = join_remainder(p, state["remainder"]) if "remainder" in state else p.float()
                 if wd:
                     w.mul_(1 - lr * wd)
                 w.add_(update, alpha=-lr)
-                p.copy_(w)
+                if self.master == "bf16-sr":
+                    p.copy_(bf16_stochastic(w, (self.seed * 1_000_003 + step) * 65_537 + index))
+                elif self.master == "bf16+remainder":
+                    high, state["remainder"] = split_remainder(w)
+                    p.copy_(high)
+                else:
+                    p.copy_(w)
                 self._store(state, "exp_avg", m, fmt, block)
                 self._store(state, "exp_avg_sq", v.sqrt() if fmt.startswith("fp8") else v, fmt, block)
                 state["step"] = torch.tensor(float(step))

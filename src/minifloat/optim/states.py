@@ -23,11 +23,13 @@ import math
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.formats.codec import sr_bits
 from minifloat.formats.registry import E4M3
 from minifloat.quant import QuantizedTensor, quantize
 from minifloat.scaling.schemes import get_scheme
 
 STATE_FORMATS = ("fp32", "bf16", "fp8", "fp8-dre")
+MASTERS = ("fp32", "bf16-sr", "bf16+remainder")
 _BLOCKS = get_scheme("fp8_rowwise")  # one float32 scale per row of the (blocks, block) view
 _RANGE = math.log(E4M3.max / E4M3.min_normal)  # log R: E4M3's normal range
 
@@ -41,6 +43,31 @@ def state_bytes(numel: int, fmt: str, block: int = 128) -> float:
         return (4 if fmt == "fp32" else 2) * numel
     blocks = -(-numel // block)
     return blocks * (block + 4 + (8 if fmt == "fp8-dre" else 0))
+
+
+def bf16_stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """float32 `x` rounded to bfloat16 stochastically: up with probability (the dropped 16 bits) /
+    2^16 — 16 counter-based random bits (`minifloat.formats.codec.sr_bits` of `seed`) added to the
+    magnitude's low half, then truncated — so the expected value is `x`. inf and NaN pass as they are."""
+    bits = x.detach().float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = sr_bits(seed, x.numel()).view(x.shape) & 0xFFFF
+    special = (bits & 0x7F800000) == 0x7F800000
+    rounded = torch.where(special, bits, (bits + r) & 0xFFFF0000)
+    rounded = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32)
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def split_remainder(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 `w` as its nearest bfloat16 and the int16 remainder of its bits: bits(w) =
+    bits(bf16 as float32) + remainder exactly (`join_remainder`)."""
+    high = w.float().to(torch.bfloat16)
+    rem = w.float().view(torch.int32).to(torch.int64) - high.float().view(torch.int32).to(torch.int64)
+    return high, rem.to(torch.int16)
+
+
+def join_remainder(high: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """The float32 `split_remainder` split, exactly."""
+    return (high.float().view(torch.int32).to(torch.int64) + rem.to(torch.int64)).to(torch.int32).view(torch.float32)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
