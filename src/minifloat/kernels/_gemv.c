@@ -376,8 +376,6 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
 }
 
 #if MF_X86
-/* The scale of block t of the grid. */
-#define SCALE_AT(t) (a->slut ? a->slut[((const uint8_t *)a->scales)[t]] * a->ts : ((const float *)a->scales)[t])
 
 /* One row of x (M = 1, a decode step), row n of W: whole chunks decoded in registers and
  * multiplied at once, their block scales read as they come (blocks 2^lb columns wide; lb = 62:
@@ -402,8 +400,8 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
         }                                                                                           \
     } while (0)
 /* the chunk's two half scales (equal unless blocks are 16 columns wide) */
-#define S0(J) SCALE_AT(t0 + ((J) >> lb))
-#define S1(J) (lb == 4 ? SCALE_AT(t0 + (((J) + 16) >> lb)) : S0(J))
+#define S0(J) scale_at(a, t0 + ((J) >> lb))
+#define S1(J) (lb == 4 ? scale_at(a, t0 + (((J) + 16) >> lb)) : S0(J))
 #define DEC_FP4_ONE(J, V0, V1) do { const float sc_[2] = {S0(J), 0}; fp4_512(row, J, sc_, 0, t4, &(V0), &(V1)); } while (0)
 #define DEC_FP4_BY16(J, V0, V1) \
     fp4s_512(row, J, _mm512_insertf32x8(_mm512_set1_ps(S0(J)), _mm256_set1_ps(S1(J)), 1), t4, &(V0), &(V1))
@@ -518,8 +516,8 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
     }
     if (j < a->K) { /* the last, partial chunk */
         float w[CH] __attribute__((aligned(64))), hs[2];
-        hs[0] = SCALE_AT(t0 + (j >> lb));
-        hs[1] = a->K - j > 16 ? SCALE_AT(t0 + ((j + 16) >> lb)) : hs[0];
+        hs[0] = scale_at(a, t0 + (j >> lb));
+        hs[1] = a->K - j > 16 ? scale_at(a, t0 + ((j + 16) >> lb)) : hs[0];
         decode_tail(a, row, j, 0, a->K - j, hs, w);
         FMA2(j, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);
     }
