@@ -11,7 +11,7 @@ import torch
 
 import minifloat
 from minifloat import SCHEMES, MinifloatError, fake_quantize, get_scheme, quantize
-from tests.conftest import ML_DTYPES
+from tests.conftest import ML_DTYPES, requires_cuda
 
 F32 = np.float32
 FLT_MAX = np.finfo(np.float32).max
@@ -362,3 +362,21 @@ def oracle_values(x, name):
 def test_dequantize_refuses_what_is_not_a_quantized_tensor():
     with pytest.raises(minifloat.MinifloatError, match="dequantize takes a QuantizedTensor .*, got Tensor"):
         minifloat.dequantize(torch.ones(3))
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_quantize_matches_cpu(name, dtype):
+    """Bit-exact everywhere: the CUDA path (the PyTorch reference on the GPU) gives the CPU's
+    codes and scales (the CPU's fused kernels), NaN included, and dequantizes to its values."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(256, 384, generator=g) * torch.exp(2 * torch.randn(256, 384, generator=g))).to(dtype)
+    x[3, 5] = float("nan")
+    x[7, :40] = 0.0
+    cpu, gpu = quantize(x, name), quantize(x.cuda(), name)
+    assert torch.equal(gpu.data.cpu(), cpu.data)
+    assert torch.equal(gpu.scale.cpu().view(torch.uint8), cpu.scale.view(torch.uint8))  # bits: NaN scales too
+    if cpu.tensor_scale is not None:
+        assert torch.equal(gpu.tensor_scale.cpu(), cpu.tensor_scale)
+    assert torch.equal(gpu.dequantize().cpu().nan_to_num(7.0), cpu.dequantize().nan_to_num(7.0))

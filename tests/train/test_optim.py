@@ -18,6 +18,7 @@ from minifloat.optim import (
     encode_state,
     join_remainder,
 )
+from tests.conftest import requires_cuda
 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -221,3 +222,25 @@ def test_bf16_masters_resume_bit_for_bit(master):
                                    state_format="fp8", master=master, seed=5)  # fmt: skip
     with pytest.raises(minifloat.MinifloatError, match="keeps the weights in bfloat16 parameters"):
         AdamW(_params(), master=master)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt,master", [("fp32", "fp32"), ("bf16", "fp32"), ("fp8", "fp32"), ("fp8-dre", "bf16-sr"),
+                                        ("fp8-dre", "bf16+remainder")])  # fmt: skip
+def test_cuda_steps_match_cpu(fmt, master):
+    """The same steps on a GPU: the stored states decode to the CPU's within one FP32 rounding of
+    the update (the quantizers are bit-exact on both; torch's elementwise kernels may fuse)."""
+    dtype = torch.float32 if master == "fp32" else torch.bfloat16
+    cpu = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    a, b = (AdamW(ps, **HP, state_format=fmt, master=master) for ps in (cpu, gpu))
+    for step in range(4):
+        _grads(cpu, step)
+        for p, q in zip(cpu, gpu, strict=True):
+            q.grad = p.grad.cuda()
+        a.step()
+        b.step()
+    for p, q in zip(cpu, gpu, strict=True):
+        assert torch.allclose(q.cpu().float(), p.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=1e-7)
+        for x, y in zip(a.moments(p), b.moments(q), strict=True):
+            assert torch.allclose(y.cpu(), x, rtol=2**-3, atol=1e-6 * x.abs().max().item())
