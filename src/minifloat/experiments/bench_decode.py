@@ -35,7 +35,7 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.infer import generate, load_model, quantize_model
 from minifloat.infer.adapter import adapter_for
-from minifloat.infer.decoding import DRAFTS, draft_model
+from minifloat.infer.decoding import DRAFTS, device_of, draft_model
 from minifloat.infer.kvcache import parse_kv_spec
 from minifloat.infer.metrics import Quality
 
@@ -68,7 +68,7 @@ def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMA
     rows = []
     for ctx in contexts:
         starts = torch.linspace(0, len(text) - ctx - 1, windows).long().tolist()
-        ws = [text[s : s + ctx].reshape(1, -1).long() for s in starts]
+        ws = [text[s : s + ctx].reshape(1, -1).long().to(device_of(model)) for s in starts]
         if source == "generated":  # the prompt, then the model's own greedy tokens (FP32 cache)
             ws = [generate(model, w[:, :prefill], ctx - prefill, kv_cache="fp32").tokens for w in ws]
         ref = [_decode_logits(model, w, "fp32", prefill)[0] for w in ws]

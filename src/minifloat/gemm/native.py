@@ -99,8 +99,8 @@ def native_args(a, b, *, a_transposed: bool = False, b_transposed: bool = False)
             grid = q.scale.t() if t else q.scale
             if q.scheme.block == (1, 128):  # (rows, K / 128), outer-dim-major
                 s, recipe = _pad(grid, n, k_to // 128).t().contiguous().t(), R.BlockWise1x128
-            else:  # (rows / 128, K / 128) padded to 4 columns, passed transposed
-                s, recipe = _pad(grid, ceil_to(n, 128) // 128, ceil_to(k_to // 128, 4)).t(), R.BlockWise128x128
+            else:  # (rows / 128, K / 128) padded to 4 columns, passed transposed (a transposed grid unpadded is a view: made contiguous)
+                s, recipe = _pad(grid, ceil_to(n, 128) // 128, ceil_to(k_to // 128, 4)).contiguous().t(), R.BlockWise128x128
             args.update({f"scale_{side}": s.float(), f"scale_recipe_{side}": recipe})
     else:
         block = 32 if kind == "mx" else 16

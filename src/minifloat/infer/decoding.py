@@ -19,6 +19,7 @@ target's (Leviathan et al., 2023). Each cache drops what the target rejected.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,6 +107,11 @@ def calibrate_kv(model, batches) -> dict[int, tuple[float, float]]:
     return {i: (a[0], a[1]) for i, a in amax.items()}
 
 
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where `model` holds its weights (its first parameter or buffer; the CPU for neither)."""
+    return next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+
+
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens) -> None:
     context = adapter_for(model).context_length  # a model no adapter drives: a clear error
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] >= 1):
@@ -173,6 +179,7 @@ def generate(
     decoding: positions keep counting the dropped tokens). `stream` is called with each new token
     id as it is decided."""
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
+    input_ids = input_ids.to(device_of(model))  # token ids made on the CPU drive a model on a GPU
     kv_name, kv_options = parse_kv_spec(kv_cache)  # an unknown format or option: a clear error before any work
     kv_recent_format = kv_options.pop("recent_format", kv_recent_format)
     if kv_drop and (draft is not None or not adapter_for(model).drops_tokens):

@@ -67,6 +67,7 @@ def block_scales(
         stored = 1.0 / enc  # the decode scale (TE's scale_inv)
         if fmt.nan_code is None:  # FP6 / FP4 codes cannot hold a NaN, nor can a given scale
             stored = torch.where(torch.isnan(tiles).any(dim=(1, 3)), torch.nan, stored)
+        stored = torch.where(torch.isnan(stored), torch.nan, stored)  # one NaN (0x7FC00000), as the CPU kernel stores; CUDA's is 0x7FFFFFFF
     elif scheme.scale_format == "e8m0":
         exp = rules.e8m0_exponent(rules.finite_amax(tiles, dim=(1, 3)), fmt, scheme.scale_rule)
         enc = torch.where(torch.isnan(exp), torch.nan, pow2(-exp.nan_to_num().long()).float())
@@ -120,7 +121,7 @@ def _four_over_six(tiles: torch.Tensor, six: torch.Tensor, four: torch.Tensor, t
         codes = encode_with_bits(tiles * enc, fmt, saturate=True, canonical_nan=True)
         sq = (decode(codes, fmt).double() * dec - tiles.double()).square()
         sq = sq.permute(0, 2, 1, 3).flatten(2)  # (grid rows, grid cols, block elements in row-major order)
-        total = torch.zeros(sq.shape[:2], dtype=torch.float64)
+        total = torch.zeros(sq.shape[:2], dtype=torch.float64, device=sq.device)
         for i in range(sq.shape[2]):
             total = total + sq[:, :, i]
         errors.append(total)

@@ -50,7 +50,7 @@ def bf16_stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
     2^16 — 16 counter-based random bits (`minifloat.formats.codec.sr_bits` of `seed`) added to the
     magnitude's low half, then truncated — so the expected value is `x`. inf and NaN pass as they are."""
     bits = x.detach().float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    r = sr_bits(seed, x.numel()).view(x.shape) & 0xFFFF
+    r = sr_bits(seed, x.numel(), x.device).view(x.shape) & 0xFFFF
     special = (bits & 0x7F800000) == 0x7F800000
     rounded = torch.where(special, bits, (bits + r) & 0xFFFF0000)
     rounded = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32)

@@ -162,7 +162,10 @@ def nvfp4_global_scale_scalar(amax: float, numerator: float = NVFP4_GLOBAL_NUMER
 def nvfp4_block_scale_codes(block_amax: torch.Tensor, global_scale: torch.Tensor, expand: float = 1.0) -> torch.Tensor:
     """E4M3 codes of the NVFP4 block decode scales (saturating at 448; NaN amax → NaN code);
     `expand` 1.5 gives Four Over Six's second candidate, which maps the block amax to 4."""
-    s = (block_amax.float() / 6.0) * global_scale
+    # A true division: CUDA divides by a host scalar as a product with its reciprocal, one
+    # rounding more, which moved E4M3 codes of bfloat16 inputs against the CPU's.
+    a = block_amax.float()
+    s = (a / a.new_full((), 6.0)) * global_scale
     if expand != 1.0:
         s = s * expand
     return encode_with_bits(s.clamp_max(FLOAT32_MAX), E4M3, saturate=True, canonical_nan=True)

