@@ -13,6 +13,7 @@ from minifloat.infer import KV_FORMATS, KVCache, generate
 from minifloat.infer.decoding import probabilities
 from minifloat.kernels import reference
 from minifloat.train.model import GPT, GPTConfig
+from tests.conftest import requires_cuda
 from tests.reachable import reachable_storage_bytes
 
 
@@ -308,3 +309,23 @@ def test_a_quantized_cache_holds_less_memory_than_an_fp32_one():
     assert growth["fp32"] >= counted["fp32"]  # the store itself, at least
     # measured 0.47× and 0.40× (one layer's K and V decoded for attention weigh more at 4 layers than at 8)
     assert growth["fp8"] <= 0.6 * growth["fp32"] and growth["nvfp4"] <= 0.5 * growth["fp32"], (growth, counted)
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", ["fp8-static", "nvfp4-weight-only"])
+def test_a_model_on_a_gpu_runs_from_a_prompt_and_a_calibration_made_on_the_cpu(config):
+    """A calibration kept on the CPU serves a model on the GPU, whose logits are the CPU model's
+    (FP32 sums in another order can move an activation's FP8 code by one: 1 % of the largest
+    logit; a broken path is off by its whole size), and a prompt made on the CPU drives its decoding."""
+    model = gpt()
+    cal = minifloat.infer.calibrate(model, [prompt(s, 64) for s in range(2)])
+    cpu, gpu = copy.deepcopy(model), copy.deepcopy(model).cuda()
+    for m in (cpu, gpu):
+        minifloat.infer.quantize_model(m, config, calibration=cal)
+    ids = prompt(3, 64)
+    with torch.no_grad():
+        want = cpu(ids)
+        assert torch.allclose(gpu(ids.cuda()).cpu(), want, rtol=0, atol=1e-2 * want.abs().max().item())
+    for kv in ("fp32", "fp8", "nvfp4"):
+        got = generate(gpu, prompt(7), 16, kv_cache=kv)
+        assert got.tokens.device.type == "cuda" and torch.equal(got.tokens.cpu(), generate(cpu, prompt(7), 16, kv_cache=kv).tokens)

@@ -177,10 +177,11 @@ def _median_interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Bytes/s of one read-only pass over a buffer far larger than the caches (a sum)."""
-    x = torch.ones(nbytes // 4)
-    t = _median_interleaved({"sum": lambda: x.sum()}, reps)["sum"]
+def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes/s of one read-only pass over a buffer far larger than the caches (a sum) in `device`'s
+    memory (``.item()`` waits for a GPU to finish)."""
+    x = torch.ones(nbytes // 4, device=device)
+    t = _median_interleaved({"sum": lambda: x.sum().item()}, reps)["sum"]
     return nbytes / t
 
 
@@ -209,7 +210,7 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
                  device: torch.device | str = "cpu", echo: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Greedy decoding speed per weight config (see the module docstring); ``"fp32"`` is the
     unquantized model, the ratios' baseline."""
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(device=device)
     echo(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (one pass over 256 MiB)")
     rows = []
     for cfg in configs:

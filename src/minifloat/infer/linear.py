@@ -78,7 +78,8 @@ class QuantizedLinear(torch.nn.Module):
             )
         amax = None
         if config.static:
-            amax = torch.as_tensor(input_amax, dtype=torch.float32).detach().clone().reshape(())
+            # beside the weight: a calibration kept on the CPU serves a model on a GPU
+            amax = torch.as_tensor(input_amax, dtype=torch.float32).detach().clone().reshape(()).to(weight.data.device)
             if not (torch.isfinite(amax) and amax > 0):
                 raise MinifloatError(f"input_amax must be a finite number > 0, got {float(amax)}")
         self.register_buffer("input_amax", amax)
