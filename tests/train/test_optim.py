@@ -174,8 +174,28 @@ def test_training_with_quantized_states_resumes_bit_for_bit(tmp_path, fmt):
         assert stored["exp_avg.codes"].dtype == torch.uint8
     resumed = train(TrainConfig(steps=6, **cfg), tmp_path / "split", resume=True, progress=False)
     assert resumed["final"]["loss"] == full["final"]["loss"] and math.isfinite(full["final"]["loss"])
-    with pytest.raises(minifloat.MinifloatError, match="does not run under --fsdp yet"):
+    with pytest.raises(minifloat.MinifloatError, match="run under --fsdp yet"):
         TrainConfig(steps=6, fsdp=True, **cfg)
+
+
+def test_a_bf16_remainder_run_checkpoints_its_fp32_masters_and_refuses_another_master(tmp_path):
+    """The checkpoint's weights are the FP32 masters (BF16 parameter + remainder, exactly), so it
+    serves any precision; resuming with another master or state format is refused by name."""
+    from minifloat.train import checkpoint
+    from minifloat.train.config import TrainConfig
+    from minifloat.train.loop import train
+
+    cfg = dict(model="tiny", batch_size=4, seq_len=32, eval_every=0, max_bytes=200_000, warmup=2, precision="fp8",
+               optimizer_states="fp8", master="bf16+remainder")  # fmt: skip
+    train(TrainConfig(steps=3, **cfg), tmp_path, progress=False)
+    _, weights, state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "checkpoints"))
+    w = weights["blocks.0.mlp.fc.weight"]
+    assert w.dtype == torch.float32 and (w.view(torch.int32) & 0xFFFF).any()  # bits below BF16's: the remainder
+    assert torch.equal(w, w.to(torch.bfloat16).float()) is False
+    with pytest.raises(minifloat.MinifloatError, match="checkpoint has master='bf16\\+remainder', this run master='bf16-sr'"):
+        train(TrainConfig(steps=6, **{**cfg, "master": "bf16-sr"}), tmp_path, resume=True, progress=False)
+    with pytest.raises(minifloat.MinifloatError, match="--master bf16-sr keeps the weights in BF16, which --precision fp32"):
+        TrainConfig(master="bf16-sr", precision="fp32")
 
 
 def test_bf16_plus_remainder_is_the_fp32_master_exactly():

@@ -153,12 +153,15 @@ def test_gpt_sizes_and_tied_embeddings():
     assert [lr_at(s, c) for s in range(7)] == pytest.approx([0.5, 1.0, *cosine], rel=1e-12)
 
 
-@pytest.mark.parametrize("precision", ["fp8", "nvfp4", "bf16"])
-def test_resume_is_bit_identical(tmp_path, precision):
+@pytest.mark.parametrize("precision,states,master", [("fp8", "fp32", "fp32"), ("nvfp4", "fp32", "fp32"), ("bf16", "fp32", "fp32"),
+                                                     ("fp8", "fp8-dre", "bf16-sr"), ("fp8", "fp8", "bf16+remainder"),
+                                                     ("bf16", "bf16", "bf16-sr")])  # fmt: skip
+def test_resume_is_bit_identical(tmp_path, precision, states, master):
     full, part = tmp_path / "full", tmp_path / "part"
-    train(_cfg(precision=precision), full, progress=False)
-    train(_cfg(precision=precision, steps=3), part, progress=False)
-    train(_cfg(precision=precision), part, resume=True, progress=False)
+    kw = dict(precision=precision, optimizer_states=states, master=master)
+    train(_cfg(**kw), full, progress=False)
+    train(_cfg(**kw, steps=3), part, progress=False)
+    train(_cfg(**kw), part, resume=True, progress=False)
     assert _losses(part) == _losses(full)
     last_full = json.loads((full / "log.jsonl").read_text().splitlines()[-1])
     last_part = json.loads((part / "log.jsonl").read_text().splitlines()[-1])

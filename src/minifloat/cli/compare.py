@@ -12,7 +12,8 @@ from minifloat.experiments.compare import DEFAULT_PRECISIONS
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="train in several precisions; write metrics.json, report.md and plots")
     p.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS),
-                   help="comma-separated, the first is the reference")  # fmt: skip
+                   help="comma-separated, the first is the reference; each may add training options after @ "
+                        "(fp8@states=fp8-dre@master=bf16-sr: FP8 optimizer states and BF16 masters)")  # fmt: skip
     add_training_arguments(p, eval_zero="only the one at the end")
     p.add_argument(
         "--out", default="runs/compare", help="output folder (metrics.json, report.md, *.png, runs/)"
@@ -27,11 +28,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minifloat.experiments.compare import compare, parse_precisions
+    from minifloat.experiments.compare import compare, parse_precisions, run_fields
     from minifloat.report.comparison import summary_table
 
     precisions = parse_precisions(args.precisions)
-    base = config_from_args(args, precision=precisions[0])
+    base = config_from_args(args, **run_fields(precisions[0]))
     metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite, seeds=args.seeds)
     print_result(metrics, summary_table(metrics), args.out, args.json)
     return 0 if all(m["status"] != "failed" for m in metrics["runs"]) else 1

@@ -7,6 +7,7 @@ import os
 
 from minifloat.cli.defaults import keyword_defaults
 from minifloat.io import jsonio
+from minifloat.optim.states import MASTERS, STATE_FORMATS
 from minifloat.train.config import PRECISIONS, TrainConfig
 from minifloat.train.model import GPT_SIZES
 
@@ -70,9 +71,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="minutes between checkpoints, so that a killed run loses at most this; 0 for none by time (one is always written at the end)",
     )  # fmt: skip
     p.add_argument("--keep-checkpoints", type=int, default=DEFAULTS["keep_checkpoints"], help="the newest checkpoints kept")
-    p.add_argument("--optimizer-states", default=DEFAULTS["optimizer_states"], choices=["fp32", "bf16", "fp8", "fp8-dre"],
+    p.add_argument("--optimizer-states", default=DEFAULTS["optimizer_states"], choices=list(STATE_FORMATS),
                    help="how AdamW stores its moments: fp32 (torch's AdamW), bf16, fp8 (E4M3, a scale per 128), "
                         "fp8-dre (COAT's dynamic range expansion first); minifloat.optim.AdamW")  # fmt: skip
+    p.add_argument("--master", default=DEFAULTS["master"], choices=list(MASTERS),
+                   help="the master weights: fp32 (FP32 parameters), bf16-sr (BF16 parameters, updates rounded "
+                        "stochastically), bf16+remainder (BF16 parameters and an int16 remainder: the FP32 master exactly); "
+                        "bf16-* keep the parameters and gradients in BF16, so the model computes in BF16 around its GEMMs")  # fmt: skip
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
     p.add_argument("--config", default=None, metavar="JSON",
                    help="a TrainConfig as JSON (as `minifloat compare` writes); of the other flags only --out, --resume, --overwrite and --quiet apply")  # fmt: skip
@@ -93,7 +98,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
     )  # fmt: skip
-    for name in ("precision", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "optimizer_states", "fsdp"):
+    for name in ("precision", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "optimizer_states", "master", "fsdp"):
         if hasattr(args, name):
             fields[name] = getattr(args, name)
     fields.update(override)

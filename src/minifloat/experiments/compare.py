@@ -16,10 +16,15 @@ a diverged run's loss written as the string ``"nan"`` / ``"inf"``, see `minifloa
 - ``step_time_s``: median over the steps after the first 10 % (compilation, allocator warm-up);
 - ``weight_bytes``: the model's weights at rest in that precision — quantized Linear weights
   packed with their scales, everything else in BF16 (FP32 for ``fp32``);
-  ``master_weight_bytes`` the FP32 master copy every precision trains;
+  ``master_weight_bytes`` the master copy (FP32: 4 bytes a parameter; ``bf16-sr`` 2,
+  ``bf16+remainder`` 2 + 2);
 - ``peak_rss_bytes``: the child process's peak resident memory;
 - ``status``: ``ok``, ``diverged`` (a non-finite loss, or a final loss above the first step's)
   or ``failed`` (the process exited with an error, whose last lines are in ``error``).
+
+A precision may name training options after ``@``: ``fp8@states=fp8-dre@master=bf16-sr`` trains
+the fp8 recipe with FP8 (COAT) optimizer states and BF16 masters (`VARIANT_OPTIONS`); the
+options it does not name keep their defaults, so ``fp8`` beside it is the FP32-state run.
 
 With ``seeds`` > 1 (``--seeds N``) each seed's runs are compared with the reference's run of
 the same seed (same initial weights, same data order), and a run's entry holds the mean of
@@ -70,11 +75,33 @@ DEFAULT_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")
 HALF_PRECISIONS = ("bf16", "fp16")
 
 
+# A precision's ``@key=value`` options → the TrainConfig fields they set (unnamed ones: the defaults).
+VARIANT_OPTIONS = {"states": "optimizer_states", "master": "master"}
+
+
+def run_fields(label: str) -> dict:
+    """The TrainConfig fields of a precision as `parse_precisions` takes it.
+
+    Example:
+        >>> run_fields("fp8@states=fp8-dre@master=bf16-sr")
+        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr'}
+    """
+    name, *options = label.split("@")
+    fields = {"precision": name, **{f: getattr(TrainConfig, f) for f in VARIANT_OPTIONS.values()}}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in VARIANT_OPTIONS or not value:
+            raise MinifloatError(f"{label!r}: options after @ are key=value with a key among {', '.join(VARIANT_OPTIONS)} "
+                                 "(e.g. fp8@states=fp8-dre@master=bf16-sr)")  # fmt: skip
+        fields[VARIANT_OPTIONS[key]] = value
+    return fields
+
+
 def parse_precisions(text: str | Sequence[str]) -> list[str]:
-    """``"bf16,fp8"`` → ``["bf16", "fp8"]``, checking each name and refusing repeats."""
+    """``"bf16,fp8"`` → ``["bf16", "fp8"]``, checking each name (and its ``@`` options) and refusing repeats."""
     names = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
     names = [p for p in names if p]
-    unknown = [p for p in names if p not in PRECISIONS]
+    unknown = [p for p in names if run_fields(p)["precision"] not in PRECISIONS]
     if unknown:
         raise MinifloatError(
             f"unknown precision {unknown[0]!r} in --precisions; use any of {', '.join(PRECISIONS)}"
@@ -88,6 +115,7 @@ def weight_bytes(c: TrainConfig) -> dict[str, int]:
     """Bytes of the model's weights at rest in `c.precision` (see the module docstring)."""
     model = build_model(c)
     rest = 4 if c.precision == "fp32" else 2
+    master = {"fp32": 4, "bf16-sr": 2, "bf16+remainder": 4}[c.master]
     quantized, seen, total = 0, set(), 0
     with torch.no_grad():
         for m in model.modules():
@@ -103,7 +131,7 @@ def weight_bytes(c: TrainConfig) -> dict[str, int]:
                 total += p.numel() * rest
     return {
         "weight_bytes": total,
-        "master_weight_bytes": 4 * params,
+        "master_weight_bytes": master * params,
         "params": params,
         "quantized_params": quantized,
     }
@@ -202,6 +230,8 @@ def compare(
     An `out` that holds an earlier comparison (its report or runs) is refused unless
     `overwrite`, which deletes that comparison first."""
     precisions = parse_precisions(precisions)
+    for p in precisions:  # every run's options checked before minutes of training
+        dataclasses.replace(base, **run_fields(p))
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise MinifloatError(f"--seeds must be a whole number ≥ 1, got {seeds!r}")
     if plots:  # checked before minutes of training, not after
@@ -223,11 +253,11 @@ def compare(
     for k, seed in enumerate(seed_list):
         runs = []
         for i, precision in enumerate(precisions):
-            c = dataclasses.replace(base, precision=precision, seed=seed)
+            c = dataclasses.replace(base, **run_fields(precision), seed=seed)
             run_dir = out / "runs" / precision / (f"seed{seed}" if seeds > 1 else "")
             of = f"[{k * len(precisions) + i + 1}/{seeds * len(precisions)}] {precision}"
             echo(f"{of}: {c.model} model, {c.steps} steps" + (f", seed {seed}" if seeds > 1 else ""))
-            runs.append(_run(c, run_dir, lambda line, p=precision: echo(f"  [{p}] {line}")))
+            runs.append(_run(c, run_dir, lambda line, p=precision: echo(f"  [{p}] {line}"), label=precision))
         _relative_to_first(runs)
         by_seed.append(runs)
     runs = by_seed[0] if seeds == 1 else [_over_seeds(list(per), seed_list) for per in zip(*by_seed, strict=True)]
@@ -241,8 +271,8 @@ def compare(
     return metrics
 
 
-def _run(c: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> dict:
-    """Train `c` in a child process in `run_dir`; its metrics (module docstring)."""
+def _run(c: TrainConfig, run_dir: Path, echo: Callable[[str], None], label: str) -> dict:
+    """Train `c` in a child process in `run_dir`; its metrics (module docstring), named `label`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
     with atomic_path(config_path) as tmp:
@@ -250,7 +280,7 @@ def _run(c: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> dict:
     t0 = time.perf_counter()
     code, rss, last = _run_child(config_path, run_dir, echo)
     records = read_log(run_dir / "log.jsonl")
-    m = {"precision": c.precision, **run_metrics(records, c), **weight_bytes(c), "peak_rss_bytes": rss,
+    m = {"precision": label, **run_metrics(records, c), **weight_bytes(c), "peak_rss_bytes": rss,
          "wall_time_s": time.perf_counter() - t0, "log": str(run_dir / "log.jsonl"),
          "recipe": recipe_description(c.precision)}  # fmt: skip
     if code != 0 or m["steps_completed"] < c.steps:

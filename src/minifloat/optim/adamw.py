@@ -46,6 +46,16 @@ from minifloat.optim.states import (
 )
 
 
+def bf16_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its floating-point parameters (not its buffers: amax histories stay float32)
+    in bfloat16, in place — the parameters a BF16 master (``"bf16-sr"``, ``"bf16+remainder"``)
+    updates. Tied parameters stay tied (each Parameter is converted once)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+    return model
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW with quantized moments; see the module docstring."""
 
@@ -142,6 +152,12 @@ class AdamW(torch.optim.Optimizer):
             for k, v in state_dict["state"].get(i, {}).items():
                 if isinstance(v, torch.Tensor):
                     self.state[p][k] = v.to(p.device, copy=True)
+
+    def master_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """`p`'s master weight in float32: exact with ``"bf16+remainder"`` (the BF16 parameter and
+        its remainder joined), else the parameter itself as float32."""
+        rem = self.state[p].get("remainder")
+        return join_remainder(p.detach(), rem) if rem is not None else p.detach().float()
 
     def state_nbytes(self) -> int:
         """Bytes the moments and step counters hold."""

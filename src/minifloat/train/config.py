@@ -11,7 +11,7 @@ from pathlib import Path
 
 from minifloat.errors import MinifloatError
 from minifloat.nn.rounded import HIGH_PRECISIONS
-from minifloat.optim.states import STATE_FORMATS
+from minifloat.optim.states import MASTERS, STATE_FORMATS
 from minifloat.recipes import RECIPES
 from minifloat.train.model import get_config
 
@@ -38,6 +38,7 @@ class TrainConfig:
     checkpoint_minutes: float = 5.0  # minutes between checkpoints, so a killed run loses at most this (0: off)
     keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are removed
     optimizer_states: str = "fp32"  # AdamW's moments: fp32 (torch's AdamW), bf16, fp8, fp8-dre (minifloat.optim)
+    master: str = "fp32"  # the master weights: fp32, bf16-sr, bf16+remainder (BF16 parameters; minifloat.optim)
     compile: bool = False
     activation_checkpointing: bool = False
     data: str | None = None  # None: the embedded stdlib corpus
@@ -82,9 +83,14 @@ class TrainConfig:
             raise MinifloatError(f"--keep-checkpoints must be ≥ 1 (the checkpoint a run resumes from), got {self.keep_checkpoints}")
         if self.optimizer_states not in STATE_FORMATS:
             raise MinifloatError(f"--optimizer-states {self.optimizer_states!r}: use one of {', '.join(STATE_FORMATS)}")
-        if self.fsdp and self.optimizer_states != "fp32":
-            raise MinifloatError(f"--optimizer-states {self.optimizer_states} does not run under --fsdp yet (sharded "
-                                 "quantized moments are not built); use --optimizer-states fp32 with --fsdp")  # fmt: skip
+        if self.master not in MASTERS:
+            raise MinifloatError(f"--master {self.master!r}: use one of {', '.join(MASTERS)}")
+        if self.master != "fp32" and self.precision in ("fp32", "fp16"):
+            raise MinifloatError(f"--master {self.master} keeps the weights in BF16, which --precision {self.precision} does not "
+                                 "compute in; use it with bf16 or a low-precision recipe (fp8, mxfp8, nvfp4, …)")  # fmt: skip
+        if self.fsdp and (self.optimizer_states != "fp32" or self.master != "fp32"):
+            raise MinifloatError(f"--optimizer-states {self.optimizer_states} / --master {self.master} do not run under --fsdp "
+                                 "yet (sharded quantized moments are not built); use the fp32 defaults with --fsdp")  # fmt: skip
         if self.seq_len > block_size:
             raise MinifloatError(f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {block_size}")
 

@@ -32,7 +32,7 @@ from minifloat.nn import rounded
 from minifloat.nn.convert import convert
 from minifloat.nn.loss_scaling import LossScaler
 from minifloat.nn.monitor import Monitor
-from minifloat.optim import AdamW
+from minifloat.optim import AdamW, bf16_parameters
 from minifloat.recipes import RECIPES
 from minifloat.train import checkpoint
 from minifloat.train.config import TrainConfig, lr_at
@@ -43,7 +43,8 @@ from minifloat.train.runlog import append_record, clear_previous, rewind_log
 
 
 def build_model(c: TrainConfig) -> GPT:
-    """The GPT for `c`, initialised from `c.seed`, converted to `c.precision`."""
+    """The GPT for `c`, initialised from `c.seed`, converted to `c.precision`; its parameters in
+    BF16 for a BF16 master (`c.master`)."""
     torch.manual_seed(c.seed)
     model = GPT(get_config(c.model))
     n_layer = get_config(c.model).n_layer
@@ -56,7 +57,7 @@ def build_model(c: TrainConfig) -> GPT:
         convert(model, c.precision, filter=keep)
     else:
         rounded.to_high_precision(model, c.precision, keep)
-    return model
+    return bf16_parameters(model) if c.master != "fp32" else model
 
 
 def load_data(c: TrainConfig) -> Corpus:
@@ -93,10 +94,12 @@ def _resume_state(c: TrainConfig, model: GPT, ckpt_root: Path) -> dict:
         raise MinifloatError(f"--resume: no checkpoint under {ckpt_root}")
     manifest, weights, state = checkpoint.load_checkpoint(path)
     theirs = manifest["config"]
-    for key in ("model", "batch_size", "seq_len", "grad_accum", "seed", "data", "max_bytes"):
-        if theirs.get(key) != getattr(c, key):
+    # the optimizer state's layout follows the state format and the master (absent from older checkpoints: the defaults)
+    defaults = {"optimizer_states": "fp32", "master": "fp32"}
+    for key in ("model", "batch_size", "seq_len", "grad_accum", "seed", "data", "max_bytes", "optimizer_states", "master"):
+        if theirs.get(key, defaults.get(key)) != getattr(c, key):
             raise MinifloatError(
-                f"{path}: checkpoint has {key}={theirs.get(key)!r}, this run {key}={getattr(c, key)!r}; "
+                f"{path}: checkpoint has {key}={theirs.get(key, defaults.get(key))!r}, this run {key}={getattr(c, key)!r}; "
                 f"resume with the same {key}"
             )
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -203,12 +206,13 @@ def train(
 
 def _optimizer(model: torch.nn.Module, c: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on the matrices only (not on norms and biases): torch's with FP32
-    moments, `minifloat.optim.AdamW` with the moments stored as `c.optimizer_states` says."""
+    moments and FP32 parameters, else `minifloat.optim.AdamW` with the moments stored as
+    `c.optimizer_states` and the master weights as `c.master` say."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if c.optimizer_states != "fp32":
-        return AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8, state_format=c.optimizer_states)
+    if c.optimizer_states != "fp32" or c.master != "fp32":
+        return AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8, state_format=c.optimizer_states, master=c.master, seed=c.seed)
     return torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
@@ -268,6 +272,8 @@ def _save(ckpt_root: Path, step: int, c: TrainConfig, model, opt, scaler: LossSc
 
     inner = _unwrap(model)
     weights = get_model_state_dict(inner, options=state_options(c))
+    if isinstance(opt, AdamW):  # the master weights (FP32 exactly with a remainder), not only the BF16 parameters
+        weights |= {n: opt.master_weight(p) for n, p in inner.named_parameters() if n in weights and opt.state.get(p)}
     state = {
         "optimizer": get_optimizer_state_dict(inner, opt, options=state_options(c)),
         "scaler": scaler.state_dict(), "data_rng": data_gen.get_state(),
