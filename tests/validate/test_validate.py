@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import minifloat
 from minifloat.cli import main
 from minifloat.planner.memory import measured_state, parse_params, plan
 from minifloat.train.model import GPT, get_config
@@ -115,6 +116,29 @@ def test_the_planner_matches_a_real_training_state(precision):
     assert m["activations"] == pytest.approx(p.rows["activations"], rel=0.1)
     if precision != "fp32":
         assert m["weight copies"] == pytest.approx(p.rows["weight copies"], rel=1e-3)
+
+
+@pytest.mark.parametrize("master", ["bf16-sr", "bf16+remainder"])
+def test_bf16_masters_in_the_plan_match_a_real_training_state(master):
+    """BF16 parameters and gradients (2 bytes each), the remainder (2 bytes) where it keeps the
+    FP32 master, FP8 (COAT) moments: fp8-dre with bf16-sr trains in ≤ 8 bytes a parameter."""
+    c = get_config("tiny")
+    m = measured_state("tiny", "fp8", batch=2, seq=64, optimizer_states="fp8-dre", master=master)
+    n = m["num_params"]
+    p = plan(params=n, precision="fp8", layout="minifloat", master=master, optimizer_states="fp8-dre", hidden=c.n_embd,
+             layers=c.n_layer, heads=c.n_head, vocab=c.vocab_size, batch=2, seq=64)  # fmt: skip
+    for k in ("parameters", "gradients", "master weights"):
+        assert m[k] == p.rows[k], k
+    # each parameter's moments padded to whole blocks of 128: a little above the plan's count
+    assert p.rows["optimizer states"] <= m["optimizer states"] <= 1.02 * p.rows["optimizer states"]
+    assert m["parameters"] == m["gradients"] == 2 * n and m["master weights"] == (2 * n if master == "bf16+remainder" else 0)
+    assert m["activations"] == pytest.approx(p.rows["activations"], rel=0.15)  # the small and base GPTs: within 1.1 %
+    state = sum(m[k] for k in ("parameters", "gradients", "master weights", "optimizer states")) / n
+    assert state <= (8 if master == "bf16-sr" else 8.25)
+    te = plan(params=7e9, precision="fp8", layout="te", master=master)
+    assert te.rows["master weights"] == (2 if master == "bf16-sr" else 4) * 7e9
+    with pytest.raises(minifloat.MinifloatError, match="--master bf16-sr keeps BF16 weights"):
+        plan(params=10, precision="fp32", master="bf16-sr")
 
 
 def test_memory_command(capsys):

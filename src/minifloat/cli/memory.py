@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", default=None, choices=("te", "minifloat"),
                    help="te: Transformer Engine / Megatron's; minifloat: this library's training (default: te for --params, "
                         "minifloat for --model)")  # fmt: skip
-    p.add_argument("--master", default="fp32", choices=("fp32", "none"), help="master weights beside the compute copy (te)")
+    p.add_argument("--master", default="fp32", choices=("fp32", "bf16-sr", "bf16+remainder", "none"),
+                   help="the master weights: FP32; BF16 updated with stochastic rounding; BF16 and an int16 remainder "
+                        "(FP32 exactly); none (te only) — train --master")  # fmt: skip
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="optimizer")
     p.add_argument("--optimizer-states", default="fp32", choices=("fp32", "bf16", "fp8", "fp8-dre"),
                    help="how AdamW stores its moments (minifloat.optim.AdamW; train --optimizer-states)")
@@ -68,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         if not args.model:
             raise MinifloatError("--measure builds a built-in GPT's training state: use it with --model")
-        m = measured_state(args.model, args.precision, batch=args.batch, seq=args.seq, optimizer_states=args.optimizer_states)
+        m = measured_state(args.model, args.precision, batch=args.batch, seq=args.seq, optimizer_states=args.optimizer_states,
+                           master=args.master)  # fmt: skip
         result["measured"] = {k: {"planned": p.rows.get(k, 0.0), "measured": v}
                               for k, v in m.items() if k != "num_params"}  # fmt: skip
     if args.json:

@@ -13,7 +13,10 @@ Two layouts:
   goes with the master weights, as ZeRO-Offload keeps the FP32 gradients on the CPU side.
 - ``minifloat`` (this library's training): FP32 parameters are the master and are quantized
   on the fly each forward; FP32 gradients; AdamW's two FP32 moments. The quantized copies are
-  saved for the backward, so they count as activations.
+  saved for the backward, so they count as activations. ``--master bf16-sr`` / ``bf16+remainder``
+  (`minifloat.optim.AdamW`): BF16 parameters and gradients (and BF16 activations around the
+  GEMMs), plus a 2-byte remainder for the exact FP32 master; ``--optimizer-states`` the moments'
+  format.
 
 Activations: Korthikanti et al. (2022), per transformer layer ``s·b·h·(34 + 5·a·s/h)`` bytes with
 16-bit activations and no recomputation; the inputs of the four Linears (14 of the 34) are saved
@@ -38,7 +41,7 @@ import re
 from dataclasses import dataclass, field
 
 from minifloat.errors import MinifloatError
-from minifloat.optim import STATE_FORMATS, AdamW, state_bytes
+from minifloat.optim import MASTERS, STATE_FORMATS, AdamW, bf16_parameters, state_bytes
 
 PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4")
 # bytes per value of one stored copy of a weight (codes and block scales)
@@ -81,12 +84,12 @@ class Plan:
         return out
 
 
-def activation_bytes_per_sbh(precision: str, layout: str) -> float:
+def activation_bytes_per_sbh(precision: str, layout: str, master: str = "fp32") -> float:
     """Saved bytes per layer and s·b·h: Korthikanti et al.'s 34 at 16 bits, of which the Linear
     inputs are 7 values (QKV, attention output, MLP in: h each; MLP out: 4h) saved in the compute
-    format, the other 20 bytes in the high precision (FP32 under minifloat's training and for
-    FP32, 16-bit otherwise)."""
-    wide = 2.0 if precision == "fp32" or layout == "minifloat" else 1.0
+    format, the other 20 bytes in the high precision (FP32 under minifloat's training with FP32
+    parameters and for FP32, 16-bit otherwise: BF16 masters make the model compute in BF16)."""
+    wide = 2.0 if precision == "fp32" or (layout == "minifloat" and master == "fp32") else 1.0
     linear = 4.0 if precision == "fp32" else 2.0 if precision == "bf16" else SAVED_INPUT_BYTES[precision]
     return 20 * wide + 7 * linear
 
@@ -125,8 +128,10 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
         raise MinifloatError(f"--precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if layout not in ("te", "minifloat"):
         raise MinifloatError(f"--layout {layout!r}: use te or minifloat")
-    if master not in ("fp32", "none"):
-        raise MinifloatError(f"--master {master!r}: use fp32 or none")
+    if master not in (*MASTERS, "none") or (master == "none" and layout == "minifloat"):
+        raise MinifloatError(f"--master {master!r}: use {', '.join(MASTERS)}" + (" or none (te layout)" if layout == "te" else ""))
+    if master in ("bf16-sr", "bf16+remainder") and precision == "fp32":
+        raise MinifloatError(f"--master {master} keeps BF16 weights, which --precision fp32 does not compute in")
     if optimizer not in ("adamw", "sgd"):
         raise MinifloatError(f"--optimizer {optimizer!r}: use adamw or sgd")
     if optimizer_states not in STATE_FORMATS or (optimizer == "sgd" and optimizer_states != "fp32"):
@@ -138,24 +143,30 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
     a = p.assumptions
     moments = {"adamw": 2, "sgd": 1}[optimizer]
     if layout == "minifloat":
-        p.rows["parameters"] = 4 * n
-        a["parameters"] = "FP32, also the master weights; quantized to the compute format on the fly each forward"
-        p.rows["master weights"] = 0.0
-        a["master weights"] = "none beside the FP32 parameters"
-        p.rows["gradients"] = 4 * n
-        a["gradients"] = "FP32 (the parameters' dtype)"
+        wide = 4 if master == "fp32" else 2
+        p.rows["parameters"] = wide * n
+        a["parameters"] = (f"{'FP32' if wide == 4 else 'BF16'}, also the master weights; quantized to the compute format on the "
+                           "fly each forward")  # fmt: skip
+        p.rows["master weights"] = 2 * n if master == "bf16+remainder" else 0.0
+        a["master weights"] = {"fp32": "none beside the FP32 parameters",
+                               "bf16-sr": "none: the BF16 parameters, updated with stochastic rounding",
+                               "bf16+remainder": "the int16 remainders: BF16 parameter + remainder = the FP32 master"}[master]  # fmt: skip
+        p.rows["gradients"] = wide * n
+        a["gradients"] = f"{'FP32' if wide == 4 else 'BF16'} (the parameters' dtype)"
         p.rows["gradient accumulator"] = 0.0
         a["gradient accumulator"] = "none: micro-batches sum into the FP32 gradients"
         p.offload_moves = {"optimizer": ("optimizer states",), "master": ()}
     else:
         high = precision in ("fp32", "bf16")
         copies = 1 if high else 2
-        keep_master = master == "fp32" and precision != "fp32"
         p.rows["parameters"] = copies * WEIGHT_BYTES[precision] * n
         a["parameters"] = (f"{precision}, {'one copy' if copies == 1 else 'row-wise and column-wise copies (forward and dgrad)'}"
                            + (", codes and block scales" if precision in ("mxfp8", "nvfp4") else ""))  # fmt: skip
-        p.rows["master weights"] = 4 * n if keep_master else 0.0
-        a["master weights"] = "FP32" if keep_master else "none: the parameters are FP32" if precision == "fp32" else "none (--master none)"
+        master_bytes = 0 if precision == "fp32" else {"fp32": 4, "none": 0, "bf16-sr": 2, "bf16+remainder": 4}[master]
+        p.rows["master weights"] = master_bytes * n
+        a["master weights"] = ("none: the parameters are FP32" if precision == "fp32" else
+                               {"fp32": "FP32", "none": "none (--master none)", "bf16-sr": "BF16, updated with stochastic rounding",
+                                "bf16+remainder": "BF16 and its int16 remainder (TE's store_param_remainders): the FP32 master exactly"}[master])  # fmt: skip
         grad = 4 if precision == "fp32" else 2
         p.rows["gradients"] = grad * n
         a["gradients"] = f"{'FP32' if grad == 4 else 'BF16'}: the weight-gradient GEMMs' output"
@@ -178,7 +189,7 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
             a[k] += f"; sharded {world_size} ways"
     if hidden and layers and heads:
         h, s, b = hidden, seq, batch
-        per_sbh = activation_bytes_per_sbh(precision, layout)
+        per_sbh = activation_bytes_per_sbh(precision, layout, master)
         attn = 0 if flash else 5 * heads * s / h * (2 if precision == "fp32" or layout == "minifloat" else 1)
         # the output layer: the FP32 logits and their log-softmax, which the loss keeps
         out_layer = 2 * 4 * s * b * vocab if vocab else 0
@@ -192,10 +203,11 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
     return p
 
 
-def measured_state(size: str, precision: str, *, batch: int, seq: int, optimizer_states: str = "fp32") -> dict[str, int]:
+def measured_state(size: str, precision: str, *, batch: int, seq: int, optimizer_states: str = "fp32",
+                   master: str = "fp32") -> dict[str, int]:  # fmt: skip
     """Bytes of a real training state of the built-in GPT `size` under minifloat's training: the
-    parameters, their gradients and AdamW's states after one step, and the tensors autograd saved
-    for the backward of one forward (each storage counted once)."""
+    parameters, their gradients, the masters' remainders and AdamW's states after one step, and
+    the tensors autograd saved for the backward of one forward (each storage counted once)."""
     import torch
     import torch.nn.functional as F
 
@@ -206,8 +218,10 @@ def measured_state(size: str, precision: str, *, batch: int, seq: int, optimizer
     model = GPT(get_config(size))
     if precision not in ("fp32", "bf16"):
         convert(model, precision, filter=lambda fqn, m: fqn != "lm_head")
-    opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer_states == "fp32"
-           else AdamW(model.parameters(), lr=1e-4, state_format=optimizer_states))  # fmt: skip
+    if master != "fp32":
+        bf16_parameters(model)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer_states == master == "fp32"
+           else AdamW(model.parameters(), lr=1e-4, state_format=optimizer_states, master=master))  # fmt: skip
     ids = torch.randint(0, model.config.vocab_size, (batch, seq + 1))
     saved: dict[int, int] = {}
 
@@ -239,6 +253,7 @@ def measured_state(size: str, precision: str, *, batch: int, seq: int, optimizer
     opt.step()
     return {"parameters": sum(p.nbytes for p in model.parameters()),
             "gradients": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
-            "optimizer states": sum(t.nbytes for s in opt.state.values() for t in s.values()
-                                    if isinstance(t, torch.Tensor) and t.dim() > 0),
+            "master weights": sum(s["remainder"].nbytes for s in opt.state.values() if "remainder" in s),
+            "optimizer states": sum(t.nbytes for s in opt.state.values() for k, t in s.items()
+                                    if isinstance(t, torch.Tensor) and t.dim() > 0 and k != "remainder"),
             "activations": activations, "weight copies": copies, "num_params": sum(p.numel() for p in model.parameters())}  # fmt: skip
