@@ -79,6 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "stochastically), bf16+remainder (BF16 parameters and an int16 remainder: the FP32 master exactly); "
                         "bf16-* keep the parameters and gradients in BF16, so the model computes in BF16 around its GEMMs")  # fmt: skip
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
+    p.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --fsdp and fp8-current or mxfp8: all-gather the quantized Linear weights as codes and scales "
+                        "(half the bytes of a BF16 all-gather)")  # fmt: skip
     p.add_argument("--config", default=None, metavar="JSON",
                    help="a TrainConfig as JSON (as `minifloat compare` writes); of the other flags only --out, --resume, --overwrite and --quiet apply")  # fmt: skip
     p.add_argument("--out", default="runs/train", help="output folder (log.jsonl, checkpoints/)")
@@ -98,7 +101,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
     )  # fmt: skip
-    for name in ("precision", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "optimizer_states", "master", "fsdp"):
+    for name in ("precision", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "optimizer_states", "master", "fsdp", "fp8_all_gather"):
         if hasattr(args, name):
             fields[name] = getattr(args, name)
     fields.update(override)

@@ -34,6 +34,7 @@ from minifloat.errors import DTypeError, MinifloatError
 from minifloat.gemm.api import scaled_mm
 from minifloat.gemm.emulated import autocast_dtype, without_autocast
 from minifloat.gemm.support import choose_backend
+from minifloat.nn.all_gather import GatheredWeight
 from minifloat.nn.autocast import current as _autocast_current
 from minifloat.quant.api import QUANTIZE_DTYPES, quantize
 from minifloat.quant.hadamard import rht
@@ -90,7 +91,8 @@ class _LinearFunction(torch.autograd.Function):
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)
         xq = plan.quantize("input", x2)
-        wq = plan.quantize("weight", weight)
+        # FSDP2 gathered it as codes and scales (`minifloat.nn.all_gather`): those are the packed weight
+        wq = weight.quantized() if isinstance(weight, GatheredWeight) else plan.quantize("weight", weight)
         out = scaled_mm(xq, wq, backend=plan.backend)
         if bias is not None:
             out += bias.float()

@@ -47,6 +47,7 @@ class TrainConfig:
     high_precision_first: int = 0  # keep the Linears of the first N blocks unquantized
     high_precision_last: int = 0  # keep the Linears of the last N blocks unquantized (NVFP4's advice)
     fsdp: bool = False
+    fp8_all_gather: bool = False  # FSDP2 gathers the quantized Linear weights as codes and scales (fp8-current, mxfp8)
     telemetry_every: int = 10  # steps between amax/scale/saturation records (0: off)
 
     def __post_init__(self) -> None:
@@ -91,6 +92,10 @@ class TrainConfig:
         if self.fsdp and (self.optimizer_states != "fp32" or self.master != "fp32"):
             raise MinifloatError(f"--optimizer-states {self.optimizer_states} / --master {self.master} do not run under --fsdp "
                                  "yet (sharded quantized moments are not built); use the fp32 defaults with --fsdp")  # fmt: skip
+        if self.fp8_all_gather and not (self.fsdp and self.precision in ("fp8-current", "mxfp8")):
+            raise MinifloatError(f"--fp8-all-gather gathers FSDP2 shards as codes and scales: it needs --fsdp and a precision whose "
+                                 f"weights a shard can quantize alone (fp8-current, mxfp8), got --precision {self.precision}"
+                                 + ("" if self.fsdp else " without --fsdp"))  # fmt: skip
         if self.seq_len > block_size:
             raise MinifloatError(f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {block_size}")
 

@@ -38,11 +38,17 @@ def init_distributed(c: TrainConfig) -> tuple[int, int, bool]:
     return rank, world, created
 
 
-def shard(model: GPT, world: int) -> None:
-    """FSDP2: shard each transformer block, then the rest (embeddings, tied head) at the root."""
+def shard(model: GPT, world: int, quantized_gather: bool = False) -> None:
+    """FSDP2: shard each transformer block, then the rest (embeddings, tied head) at the root;
+    `quantized_gather`: the quantized Linears' weights travel as codes and scales
+    (`minifloat.nn.all_gather`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from minifloat.nn.all_gather import gather_quantized
+
+    if quantized_gather:
+        gather_quantized(model)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)

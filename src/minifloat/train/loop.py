@@ -149,7 +149,7 @@ def train(
     model = build_model(c)
     state = _resume_state(c, model, ckpt_root) if resume else None
     if c.fsdp:
-        shard(model, world)
+        shard(model, world, quantized_gather=c.fp8_all_gather)
     opt = _optimizer(model, c)
     scaler = LossScaler(enabled=c.precision == "fp16")
     data_gen = torch.Generator().manual_seed(c.seed)
