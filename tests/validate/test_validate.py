@@ -141,6 +141,19 @@ def test_bf16_masters_in_the_plan_match_a_real_training_state(master):
         plan(params=10, precision="fp32", master="bf16-sr")
 
 
+def test_fp8_all_gather_halves_the_gathered_weights():
+    """A 7B (Llama shape, h = 4096) over 8 devices: one layer's 12·h² weights unsharded at a time,
+    BF16 (2 bytes) against FP8 codes (1) or MXFP8 codes and scales (1 + 1/32)."""
+    kw = dict(params=7e9, layout="te", world_size=8, hidden=4096, layers=32)
+    bf16 = plan(precision="fp8", **kw).rows["all-gather buffer"]
+    assert bf16 == 12 * 4096**2 * 2
+    assert plan(precision="fp8", fp8_all_gather=True, **kw).rows["all-gather buffer"] == bf16 / 2
+    assert plan(precision="mxfp8", fp8_all_gather=True, **kw).rows["all-gather buffer"] == bf16 / 2 * (1 + 1 / 32)
+    assert "all-gather buffer" not in plan(params=7e9, precision="fp8").rows  # one device gathers nothing
+    with pytest.raises(minifloat.MinifloatError, match="needs --world-size ≥ 2 and --precision fp8 or mxfp8, got 8 and nvfp4"):
+        plan(precision="nvfp4", fp8_all_gather=True, **kw)
+
+
 def test_memory_command(capsys):
     assert main(["memory", "--params", "7B", "--precision", "fp8", "--offload", "master,optimizer", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

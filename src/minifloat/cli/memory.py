@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="how AdamW stores its moments (minifloat.optim.AdamW; train --optimizer-states)")
     p.add_argument("--offload", default="", help="comma-separated: master, optimizer (moved to host memory)")
     p.add_argument("--world-size", type=int, default=1, help="devices the states are sharded over (FSDP2 / ZeRO-3)")
+    p.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --world-size ≥ 2 and fp8 / mxfp8: weights gathered as codes and scales (train --fp8-all-gather)")
     p.add_argument("--batch", type=int, default=1, help="sequences per device")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--hidden", type=int, help="hidden size (with --layers, --heads: activations for --params N)")
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     p = plan(params=n, precision=args.precision, layout=layout, master=args.master, optimizer=args.optimizer,
              optimizer_states=args.optimizer_states,
              world_size=args.world_size, batch=args.batch, seq=args.seq, hidden=hidden, layers=layers, heads=heads,
-             vocab=vocab, flash=not args.no_flash)  # fmt: skip
+             vocab=vocab, flash=not args.no_flash, fp8_all_gather=args.fp8_all_gather)  # fmt: skip
     rows = p.table(offload)
     result = {"params": n, "precision": args.precision, "layout": layout, "offload": list(offload), "rows": rows}
     if args.measure:

@@ -84,6 +84,10 @@ class Plan:
         return out
 
 
+# Bytes a weight value takes on the wire when FSDP gathers it quantized (`minifloat.nn.all_gather`).
+GATHERED_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32}
+
+
 def activation_bytes_per_sbh(precision: str, layout: str, master: str = "fp32") -> float:
     """Saved bytes per layer and s·b·h: Korthikanti et al.'s 34 at 16 bits, of which the Linear
     inputs are 7 values (QKV, attention output, MLP in: h each; MLP out: 4h) saved in the compute
@@ -122,7 +126,7 @@ def parse_params(text: str) -> tuple[int, str | None]:
 
 def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str = "fp32", optimizer: str = "adamw",
          optimizer_states: str = "fp32", world_size: int = 1, batch: int = 1, seq: int = 2048, hidden: int | None = None, layers: int | None = None,
-         heads: int | None = None, vocab: int | None = None, flash: bool = True) -> Plan:  # fmt: skip
+         heads: int | None = None, vocab: int | None = None, flash: bool = True, fp8_all_gather: bool = False) -> Plan:  # fmt: skip
     """The per-device bytes of training a `params`-parameter model (module docstring)."""
     if precision not in PRECISIONS:
         raise MinifloatError(f"--precision {precision!r}: use one of {', '.join(PRECISIONS)}")
@@ -136,6 +140,9 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
         raise MinifloatError(f"--optimizer {optimizer!r}: use adamw or sgd")
     if optimizer_states not in STATE_FORMATS or (optimizer == "sgd" and optimizer_states != "fp32"):
         raise MinifloatError(f"--optimizer-states {optimizer_states!r}: use one of {', '.join(STATE_FORMATS)} (with adamw; sgd keeps fp32)")
+    if fp8_all_gather and (world_size < 2 or precision not in GATHERED_BYTES):
+        raise MinifloatError(f"--fp8-all-gather gathers sharded weights as codes and scales: it needs --world-size ≥ 2 and "
+                             f"--precision {' or '.join(GATHERED_BYTES)}, got {world_size} and {precision}")  # fmt: skip
     if world_size < 1 or batch < 1 or seq < 1:
         raise MinifloatError(f"--world-size, --batch and --seq must be ≥ 1, got {world_size}, {batch}, {seq}")
     p = Plan(params, precision, layout, master, world_size)
@@ -187,6 +194,16 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
     if world_size > 1:
         for k in list(p.rows):
             a[k] += f"; sharded {world_size} ways"
+        wide = 2 if layout == "te" or master != "fp32" else 4  # what an unsharded weight is gathered as
+        per = GATHERED_BYTES[precision] if fp8_all_gather else wide
+        how = f"as codes and scales ({per:.3f} bytes a weight)" if fp8_all_gather else f"in {'BF16' if wide == 2 else 'FP32'}"
+        wire = 2 * params * per * (world_size - 1) / world_size  # a forward and a backward gather of every weight
+        if hidden and layers:
+            p.rows["all-gather buffer"] = 12 * hidden * hidden * per
+            a["all-gather buffer"] = (f"one layer's Linear weights (12·h²) unsharded at a time, gathered {how}; "
+                                      f"{wire / 1e9:.3g} GB on the wire a step per device (forward and backward)")  # fmt: skip
+        else:
+            a["all-gather buffer"] = f"not counted without the shape; gathered {how}, {wire / 1e9:.3g} GB on the wire a step per device"
     if hidden and layers and heads:
         h, s, b = hidden, seq, batch
         per_sbh = activation_bytes_per_sbh(precision, layout, master)
