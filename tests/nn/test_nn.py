@@ -13,7 +13,7 @@ from minifloat.gemm import choose_backend, native_support
 from minifloat.kernels import reference
 from minifloat.kernels.reference import rht as rht_reference
 from minifloat.quant.hadamard import hadamard_signs
-from minifloat.recipes import RECIPES, NVFP4BlockScaling, get_recipe
+from minifloat.recipes import RECIPES, MXScaling, NVFP4BlockScaling, get_recipe
 from tests.conftest import requires_cuda, sqnr_db
 
 # SQNR floors per recipe (output, grad_input, grad_weight) against a float64 nn.Linear.
@@ -63,8 +63,9 @@ def _q(x, scheme):
 
 @pytest.mark.parametrize(
     "recipe",
-    [get_recipe("mxfp8"), get_recipe("fp8-block"), get_recipe("mxfp4"), NVFP4BlockScaling(stochastic_rounding=False)],
-    ids=["mxfp8", "fp8-block", "mxfp4", "nvfp4-rht"],
+    [get_recipe("mxfp8"), get_recipe("fp8-block"), get_recipe("mxfp4"), NVFP4BlockScaling(stochastic_rounding=False),
+     MXScaling(element="e2m1", rht=True, rht_seed=3, grad_scale_rule="rceil")],
+    ids=["mxfp8", "fp8-block", "mxfp4", "nvfp4-rht", "mxfp4-rht-rceil"],
 )
 def test_each_gemm_quantizes_its_operands_along_its_reduction_dimension(recipe):
     """Rebuild the three GEMMs from the reference quantizer and float64 products."""

@@ -29,6 +29,11 @@ def test_block_and_mx_recipes_quantize_along_blocks_of_the_published_sizes():
         s = get_recipe(name).scheme("grad_output")
         assert (s.element, s.block, s.scale_format) == (element, (1, 32), "e8m0")
     assert MXScaling(element="e2m3", grad_element="e3m2").scheme("grad_output").element == "e3m2"
+    # MXFP4's fixes: gradients rounded stochastically on rounded-up scales; the forward's operands untouched
+    tseng = get_recipe("mxfp4-tseng")
+    g = tseng.scheme("grad_output")
+    assert (g.rounding, g.scale_rule, tseng.scheme("input").name, tseng.rht) == ("stochastic", "rceil", "mxfp4", True)
+    assert get_recipe("mxfp4-rtn") == MXScaling(element="e2m1")
     hybrid = get_recipe("mxfp6-hybrid")  # FP8's hybrid, in FP6: precision forward, range for gradients
     assert [hybrid.scheme(role).name for role in ("input", "weight", "grad_output")] == ["mxfp6_e2m3", "mxfp6_e2m3", "mxfp6_e3m2"]
 
@@ -37,7 +42,8 @@ def test_what_linear_and_convert_read_off_each_recipe():
     # weight_2d: square weight blocks serve W and Wᵀ; delayed: scales from an amax history kept in the module
     expect = {"fp8": (False, True), "fp8-current": (False, False), "fp8-block": (True, False),
               "mxfp8": (False, False), "mxfp6": (False, False), "mxfp6-e2m3": (False, False),
-              "mxfp6-e3m2": (False, False), "mxfp6-hybrid": (False, False), "mxfp4": (False, False), "nvfp4": (True, False), "nvfp4-4over6": (True, False)}  # fmt: skip
+              "mxfp6-e3m2": (False, False), "mxfp6-hybrid": (False, False), "mxfp4": (False, False), "nvfp4": (True, False), "nvfp4-4over6": (True, False),
+              "mxfp4-rtn": (False, False), "mxfp4-tseng": (False, False), "mxfp4-rht": (False, False), "mxfp4-sr": (False, False)}  # fmt: skip
     assert set(expect) == set(RECIPES)
     for name, want in expect.items():
         r = get_recipe(name)

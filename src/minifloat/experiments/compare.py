@@ -76,7 +76,9 @@ HALF_PRECISIONS = ("bf16", "fp16")
 
 
 # A precision's ``@key=value`` options → the TrainConfig fields they set (unnamed ones: the defaults).
-VARIANT_OPTIONS = {"states": "optimizer_states", "master": "master"}
+VARIANT_OPTIONS = {"states": "optimizer_states", "master": "master", "first": "high_precision_first",
+                   "last": "high_precision_last"}  # fmt: skip
+_INT_FIELDS = ("high_precision_first", "high_precision_last")
 
 
 def run_fields(label: str) -> dict:
@@ -93,7 +95,10 @@ def run_fields(label: str) -> dict:
         if not sep or key not in VARIANT_OPTIONS or not value:
             raise MinifloatError(f"{label!r}: options after @ are key=value with a key among {', '.join(VARIANT_OPTIONS)} "
                                  "(e.g. fp8@states=fp8-dre@master=bf16-sr)")  # fmt: skip
-        fields[VARIANT_OPTIONS[key]] = value
+        field = VARIANT_OPTIONS[key]
+        if field in _INT_FIELDS and not value.isdigit():
+            raise MinifloatError(f"{label!r}: {key}= takes a whole number of blocks, got {value!r}")
+        fields[field] = int(value) if field in _INT_FIELDS else value
     return fields
 
 

@@ -38,7 +38,7 @@ from minifloat.nn.all_gather import GatheredWeight
 from minifloat.nn.autocast import current as _autocast_current
 from minifloat.quant.api import QUANTIZE_DTYPES, quantize
 from minifloat.quant.hadamard import rht
-from minifloat.recipes import RECIPES, ROLES, NVFP4BlockScaling, Recipe, get_recipe
+from minifloat.recipes import RECIPES, ROLES, Recipe, get_recipe
 
 
 class _Plan:
@@ -60,8 +60,8 @@ class _Plan:
         return all(self.recipe.scheme(r).granularity == "tensor" for r in ROLES)
 
     @property
-    def rht(self) -> bool:
-        return isinstance(self.recipe, NVFP4BlockScaling) and self.recipe.rht
+    def rht(self) -> bool:  # NVFP4's, or MXFP4's when asked for
+        return bool(getattr(self.recipe, "rht", False))
 
     def quantize(self, role: str, x: torch.Tensor, *, record: bool = True):
         """Quantize `x` (2-D, along its last dim) as operand `role`."""

@@ -168,19 +168,37 @@ class MXScaling(Recipe):
     """OCP MX block scaling of every operand: 32 elements per E8M0 scale.
 
     `element` quantizes input and weight, `grad_element` (default: `element`) grad_output;
-    `scale_rule` is ``"floor"`` (OCP MX v1.0 §6.3) or ``"rceil"`` (NVIDIA)."""
+    `scale_rule` is ``"floor"`` (OCP MX v1.0 §6.3) or ``"rceil"`` (NVIDIA). The published fixes
+    of MXFP4 training, each a switch: `rht` a random Hadamard transform (16 wide, signs from
+    `rht_seed`) on both operands of the weight-gradient GEMM, as NVFP4's; `stochastic_rounding`
+    of grad_output; `grad_scale_rule` grad_output's E8M0 rule (``"rceil"``: the exponent rounded
+    up, so no value is clipped and stochastic rounding stays unbiased — Tseng et al.)."""
 
     kind: ClassVar[str] = "mx"
     element: str = "e4m3"
     grad_element: str | None = None
     scale_rule: str = "floor"
+    rht: bool = False
+    rht_seed: int = 0
+    stochastic_rounding: bool = False
+    grad_scale_rule: str | None = None  # None: scale_rule
 
     def __post_init__(self) -> None:
+        for name in ("rht", "stochastic_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise MinifloatError(f"MXScaling({name}=...) takes True or False, got {getattr(self, name)!r}")
         self.scheme("input"), self.scheme("grad_output")
 
     def _scheme(self, role: str) -> Scheme:
-        element = self.grad_element if (_role(role) == "grad_output" and self.grad_element) else self.element
-        return named(get_scheme("mxfp8").replace(element=element, scale_rule=self.scale_rule))
+        grad = _role(role) == "grad_output"
+        element = self.grad_element if (grad and self.grad_element) else self.element
+        rule = self.grad_scale_rule if (grad and self.grad_scale_rule) else self.scale_rule
+        scheme = named(get_scheme("mxfp8").replace(element=element, scale_rule=rule))
+        if scheme.name == "custom":
+            scheme = scheme.replace(name=f"mx_{element}_{rule}")
+        if grad and self.stochastic_rounding:
+            scheme = scheme.replace(name=f"{scheme.name}_sr", rounding="stochastic")
+        return scheme
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +254,12 @@ RECIPES: dict[str, Recipe] = {
     "mxfp6-e3m2": MXScaling(element="e3m2"),
     "mxfp6-hybrid": MXScaling(element="e2m3", grad_element="e3m2"),  # as FP8's hybrid: precision forward, range for gradients
     "mxfp4": MXScaling(element="e2m1"),
+    "mxfp4-rtn": MXScaling(element="e2m1"),  # round to nearest everywhere, floor scales: OCP MX as specified
+    # the published fixes (measured in the README): Tseng et al.'s whole recipe — a random Hadamard
+    # transform on the weight-gradient GEMM, stochastic rounding of gradients on rounded-up scales
+    "mxfp4-tseng": MXScaling(element="e2m1", rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
+    "mxfp4-rht": MXScaling(element="e2m1", rht=True),
+    "mxfp4-sr": MXScaling(element="e2m1", stochastic_rounding=True, grad_scale_rule="rceil"),
     "nvfp4": NVFP4BlockScaling(),
     "nvfp4-4over6": NVFP4BlockScaling(four_over_six=True),
 }
