@@ -314,9 +314,11 @@ def test_a_quantized_cache_holds_less_memory_than_an_fp32_one():
 @requires_cuda
 @pytest.mark.parametrize("config", ["fp8-static", "nvfp4-weight-only"])
 def test_a_model_on_a_gpu_runs_from_a_prompt_and_a_calibration_made_on_the_cpu(config):
-    """A calibration kept on the CPU serves a model on the GPU, whose logits are the CPU model's
-    (FP32 sums in another order can move an activation's FP8 code by one: 1 % of the largest
-    logit; a broken path is off by its whole size), and a prompt made on the CPU drives its decoding."""
+    """A calibration kept on the CPU serves a model on the GPU, whose logits are the CPU model's —
+    to FP32 summation order with the same weight codes (weight-only); with FP8 activations a
+    sum in another order can move an activation's code by one E4M3 step (an H200 measured
+    ~1 % of the largest logit), so there within 3 % of the logits' norm (a broken path is ~100 %) —
+    and a prompt made on the CPU drives its decoding."""
     model = gpt()
     cal = minifloat.infer.calibrate(model, [prompt(s, 64) for s in range(2)])
     cpu, gpu = copy.deepcopy(model), copy.deepcopy(model).cuda()
@@ -324,8 +326,13 @@ def test_a_model_on_a_gpu_runs_from_a_prompt_and_a_calibration_made_on_the_cpu(c
         minifloat.infer.quantize_model(m, config, calibration=cal)
     ids = prompt(3, 64)
     with torch.no_grad():
-        want = cpu(ids)
-        assert torch.allclose(gpu(ids.cuda()).cpu(), want, rtol=0, atol=1e-2 * want.abs().max().item())
+        want, got = cpu(ids), gpu(ids.cuda()).cpu()
+    if config == "fp8-static":
+        assert torch.linalg.norm(got - want) <= 0.03 * torch.linalg.norm(want)
+    else:
+        assert torch.allclose(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
     for kv in ("fp32", "fp8", "nvfp4"):
-        got = generate(gpu, prompt(7), 16, kv_cache=kv)
-        assert got.tokens.device.type == "cuda" and torch.equal(got.tokens.cpu(), generate(cpu, prompt(7), 16, kv_cache=kv).tokens)
+        g = generate(gpu, prompt(7), 16, kv_cache=kv)
+        assert g.tokens.device.type == "cuda" and g.tokens.shape == (1, 7 + 16)
+        if config != "fp8-static":  # the same codes: the same greedy tokens
+            assert torch.equal(g.tokens.cpu(), generate(cpu, prompt(7), 16, kv_cache=kv).tokens)
