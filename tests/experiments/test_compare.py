@@ -9,7 +9,14 @@ import pytest
 
 import minifloat
 from minifloat.cli import main
-from minifloat.experiments.compare import _diverged, compare, parse_precisions, run_metrics, weight_bytes
+from minifloat.experiments.compare import (
+    _diverged,
+    compare,
+    parse_precisions,
+    run_fields,
+    run_metrics,
+    weight_bytes,
+)
 from minifloat.train import TrainConfig
 from minifloat.train.model import GPT_SIZES
 from minifloat.train.runlog import read_log
@@ -44,6 +51,21 @@ def test_parse_precisions_checks_names():
     with pytest.raises(minifloat.MinifloatError, match="needs distinct names, got none"):
         parse_precisions(" , ")
     assert parse_precisions(("fp32", "mxfp4")) == ["fp32", "mxfp4"]  # a sequence, as compare() takes
+
+
+def test_a_precision_carries_training_options_and_the_rest_keep_their_defaults():
+    label = "mxfp4-tseng@states=fp8-dre@master=bf16-sr@last=1"
+    assert parse_precisions(f"fp8,{label}") == ["fp8", label]
+    assert run_fields(label) == {"precision": "mxfp4-tseng", "optimizer_states": "fp8-dre", "master": "bf16-sr",
+                                 "high_precision_first": 0, "high_precision_last": 1}  # fmt: skip
+    assert run_fields("fp8") == {"precision": "fp8", "optimizer_states": "fp32", "master": "fp32",
+                                 "high_precision_first": 0, "high_precision_last": 0}  # fmt: skip
+    with pytest.raises(minifloat.MinifloatError, match="options after @ are key=value with a key among states, master"):
+        parse_precisions("fp8@state=fp8")
+    with pytest.raises(minifloat.MinifloatError, match="last= takes a whole number of blocks, got 'x'"):
+        run_fields("fp8@last=x")
+    with pytest.raises(minifloat.MinifloatError, match="--master bf16-sr keeps the weights in BF16"):  # checked before any run
+        compare(["fp32", "fp32@master=bf16-sr"], TrainConfig(model="tiny", steps=1), "/nonexistent/never", plots=False)
 
 
 @pytest.mark.parametrize(
