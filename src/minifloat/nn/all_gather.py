@@ -24,7 +24,7 @@ rest of the model (embeddings, norms) is gathered as it is stored.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from minifloat.errors import MinifloatError
 from minifloat.quant.api import quantize
@@ -60,7 +60,7 @@ class QuantizedGatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        scheme = next(a._scheme for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        scheme = next(a._scheme for a in tree_leaves((args, kwargs)) if isinstance(a, cls))  # lists of tensors too
         out = func(*tree_map_only(cls, lambda t: t._data, args), **tree_map_only(cls, lambda t: t._data, kwargs or {}))
         if func is aten.copy_.default:
             return args[0]
