@@ -85,8 +85,8 @@ def run_fields(label: str) -> dict:
     """The TrainConfig fields of a precision as `parse_precisions` takes it.
 
     Example:
-        >>> run_fields("fp8@states=fp8-dre@master=bf16-sr")
-        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr'}
+        >>> run_fields("fp8@states=fp8-dre@master=bf16-sr@last=1")
+        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr', 'high_precision_first': 0, 'high_precision_last': 1}
     """
     name, *options = label.split("@")
     fields = {"precision": name, **{f: getattr(TrainConfig, f) for f in VARIANT_OPTIONS.values()}}
