@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 import minifloat
 from minifloat.nn.all_gather import GatheredWeight, gather_quantized
-from tests.train.fsdp_model import STEPS, batch, make_model
+from tests.train.fsdp_model import STEPS, make_model, sharded_step
 
 
 def main(out: str, recipe: str, mode: str) -> None:
@@ -42,16 +42,7 @@ def main(out: str, recipe: str, mode: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, exact = [], []
     for step in range(STEPS):
-        x, y = batch(step)
-        per = x.shape[0] // world
-        xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        loss = torch.nn.functional.mse_loss(model(xs), ys)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(sharded_step(model, opt, step, rank, world))
         counting_on[0] = False
         if mode == "quantized":  # after the update: gather the masters' values, then the codes as the forward gets them
             full = [layer.weight.full_tensor() for layer in linears]

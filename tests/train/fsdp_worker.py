@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from tests.train.fsdp_model import STEPS, batch, make_model
+from tests.train.fsdp_model import STEPS, make_model, sharded_step
 
 
 def main(out: str, recipe: str) -> None:
@@ -25,16 +25,7 @@ def main(out: str, recipe: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        x, y = batch(step)
-        per = x.shape[0] // world
-        xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        loss = torch.nn.functional.mse_loss(model(xs), ys)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(sharded_step(model, opt, step, rank, world))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(losses, f)
