@@ -1,5 +1,6 @@
 """`minifloat.optim.AdamW` against torch's AdamW, the storage formats against float64 and ml_dtypes."""
 
+import copy
 import io
 import math
 
@@ -242,6 +243,34 @@ def test_bf16_masters_resume_bit_for_bit(master):
                                    state_format="fp8", master=master, seed=5)  # fmt: skip
     with pytest.raises(minifloat.MinifloatError, match="keeps the weights in bfloat16 parameters"):
         AdamW(_params(), master=master)
+
+
+def test_bf16_parameters_store_in_bf16_and_compute_in_float32():
+    """The oracle: the same model in float32 holding the BF16-rounded values. Its logits are the
+    BF16-stored model's (every activation float32), and each BF16 gradient is its float32
+    gradient rounded to BF16, whether the Linear is minifloat's (it quantizes the BF16 weight)
+    or torch's."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.LayerNorm(32), minifloat.nn.Linear(32, 32, recipe="mxfp8"),
+                              torch.nn.GELU(), torch.nn.Linear(32, 50))  # fmt: skip
+    stored = minifloat.optim.bf16_parameters(net)
+    reference = copy.deepcopy(stored)
+    for module in reference.modules():  # a float32 model of the same values, without the casts
+        module._forward_pre_hooks.clear()
+        module._forward_hooks.clear()
+        for name, p in module.named_parameters(recurse=False):
+            setattr(module, name, torch.nn.Parameter(p.detach().float()))
+    idx = torch.randint(0, 50, (4, 9))
+    ours, theirs = stored(idx), reference(idx)
+    assert ours.dtype == torch.float32 and torch.equal(ours, theirs)
+    ours.square().mean().backward()
+    theirs.square().mean().backward()
+    for (name, p), q in zip(stored.named_parameters(), reference.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16, name
+        assert torch.equal(p.grad, q.grad.to(torch.bfloat16)), name
+    assert all(type(p) is torch.nn.Parameter for p in stored.parameters())  # restored after the forward
+    bf16_compute = minifloat.optim.bf16_parameters(copy.deepcopy(reference), compute_dtype=None)
+    assert bf16_compute(idx).dtype == torch.bfloat16
 
 
 @requires_cuda

@@ -32,9 +32,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.nn import Linear as QuantizedLinear
 from minifloat.optim.states import (
     MASTERS,
     STATE_FORMATS,
@@ -46,14 +49,40 @@ from minifloat.optim.states import (
 )
 
 
-def bf16_parameters(model: torch.nn.Module) -> torch.nn.Module:
+def bf16_parameters(model: torch.nn.Module, compute_dtype: torch.dtype | None = torch.float32) -> torch.nn.Module:
     """`model` with its floating-point parameters (not its buffers: amax histories stay float32)
     in bfloat16, in place — the parameters a BF16 master (``"bf16-sr"``, ``"bf16+remainder"``)
-    updates. Tied parameters stay tied (each Parameter is converted once)."""
+    updates. Tied parameters stay tied (each Parameter is converted once).
+
+    The parameters are *stored* in BF16; with `compute_dtype` (float32 by default) the model still
+    *computes* in it: each module holding BF16 parameters sees them cast to `compute_dtype` during
+    its forward (a cast inside autograd, so gradients reach the BF16 parameter), except minifloat's
+    quantized Linears, which quantize the BF16 weight directly and return their input's dtype. So
+    the activations, norms and the high-precision head stay float32, as with an FP32 master, and
+    only the weights' storage changes. ``compute_dtype=None``: the model computes in BF16."""
     for p in model.parameters():
         if p.is_floating_point():
             p.data = p.data.to(torch.bfloat16)
+    if compute_dtype is not None:
+        for module in model.modules():
+            held = [n for n, p in module.named_parameters(recurse=False) if p.dtype == torch.bfloat16]
+            if held and not isinstance(module, QuantizedLinear):
+                module.register_forward_pre_hook(functools.partial(_cast_parameters, held, compute_dtype))
+                module.register_forward_hook(_restore_parameters, always_call=True)
     return model
+
+
+def _cast_parameters(names: list[str], dtype: torch.dtype, module: torch.nn.Module, args) -> None:
+    # Invariant: between forwards module._parameters holds the BF16 Parameters; during one, their casts.
+    module._minifloat_stored = {n: module._parameters[n] for n in names}
+    for n, p in module._minifloat_stored.items():
+        module._parameters[n] = p.to(dtype)
+
+
+def _restore_parameters(module: torch.nn.Module, args, output) -> None:
+    stored = module.__dict__.pop("_minifloat_stored", None)
+    if stored:
+        module._parameters.update(stored)
 
 
 class AdamW(torch.optim.Optimizer):
