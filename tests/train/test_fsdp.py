@@ -74,6 +74,54 @@ def test_minifloat_train_fsdp_two_processes_matches_one_and_resumes_unsharded(tm
     assert [r["step"] for r in log("fsdp")] == [1, 2, 3, 4, 5]
 
 
+def test_sharded_fp8_states_and_bf16_masters_resume_bit_for_bit_and_refuse_another_world(tmp_path):
+    """`train --fsdp --optimizer-states fp8-dre --master bf16-sr` on 2 ranks: each rank keeps the
+    states of its own shard only (half the codes of a single process's), the losses follow a
+    single process's (they differ only in the stochastic rounding's bits), a 3-step run resumed to
+    6 steps equals a 6-step run bit for bit (losses and the saved FP32 masters), and resuming
+    with another number of processes is refused by name."""
+    from minifloat.train import checkpoint
+
+    def args(steps):
+        return ["--model", "tiny", "--precision", "fp8", "--steps", str(steps), "--batch-size", "4", "--seq-len", "32",
+                "--eval-every", "0", "--warmup", "2", "--quiet", "--optimizer-states", "fp8-dre", "--master-weights", "bf16-sr"]  # fmt: skip
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+
+    def run(name, steps, *extra, fsdp=True):
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if fsdp else []
+        cmd = [sys.executable, *launch, "-m", "minifloat", "train", *(["--fsdp"] if fsdp else []),
+               "--out", str(tmp_path / name), *args(steps), *extra]  # fmt: skip
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    def log(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+
+    def saved(name):
+        return checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / name / "checkpoints"))
+
+    for proc in (run("full", 6), run("split", 3), run("one", 6, fsdp=False)):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    _, _, state = saved("split")
+    shards, whole = state["optimizer_shards"], saved("one")[2]["optimizer"]["state"]
+    assert len(shards) == 2 and "optimizer" not in state
+    codes = whole["blocks.0.mlp.fc.weight"]["exp_avg.codes"]  # (256, 64): 128 blocks of 128, 64 a rank
+    index = next(i for i, (k, v) in enumerate(shards[0]["state"].items()) if v["exp_avg.codes"].numel() == codes.numel() // 2)
+    assert all(shard["state"][index]["exp_avg.codes"].shape == (codes.shape[0] // 2, 128) for shard in shards)
+    assert log("full") == pytest.approx(log("one"), rel=1e-2)
+
+    resumed = run("split", 6, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert log("split") == log("full")
+    (_, a, _), (_, b, _) = saved("split"), saved("full")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["blocks.0.mlp.fc.weight"].dtype == torch.float32
+
+    alone = run("split", 8, "--resume", fsdp=False)
+    assert alone.returncode != 0 and "sharded over FSDP ranks; resume it with --fsdp" in alone.stderr, alone.stderr[-2000:]
+    assert "Traceback" not in alone.stderr
+
+
 def _torchrun(module: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'src'}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module, *args]

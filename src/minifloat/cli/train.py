@@ -74,10 +74,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer-states", default=DEFAULTS["optimizer_states"], choices=list(STATE_FORMATS),
                    help="how AdamW stores its moments: fp32 (torch's AdamW), bf16, fp8 (E4M3, a scale per 128), "
                         "fp8-dre (COAT's dynamic range expansion first); minifloat.optim.AdamW")  # fmt: skip
-    p.add_argument("--master", default=DEFAULTS["master"], choices=list(MASTERS),
+    # --master-weights: the same option under torchrun, whose own parser takes "--master" for an
+    # abbreviation of its --master-addr / --master-port and stops there.
+    p.add_argument("--master", "--master-weights", dest="master", default=DEFAULTS["master"], choices=list(MASTERS),
                    help="the master weights: fp32 (FP32 parameters), bf16-sr (BF16 parameters, updates rounded "
                         "stochastically), bf16+remainder (BF16 parameters and an int16 remainder: the FP32 master exactly); "
-                        "bf16-* keep the parameters and gradients in BF16, so the model computes in BF16 around its GEMMs")  # fmt: skip
+                        "bf16-* store the parameters and gradients in BF16; the model still computes in FP32 (casts on use). "
+                        "Under torchrun spell it --master-weights (torchrun takes --master for its own options)")  # fmt: skip
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun; gloo on CPU)")
     p.add_argument("--fp8-all-gather", action="store_true",
                    help="with --fsdp and fp8-current or mxfp8: all-gather the quantized Linear weights as codes and scales "

@@ -13,13 +13,19 @@ the decoded moments; the new moments are encoded again after the step. ``state_f
 
 ``master``: what the parameters are. ``"fp32"``: as they come (float32: the FP32 master). With
 BF16 parameters: ``"bf16-sr"`` rounds each updated weight to BF16 stochastically (unbiased; the
-random bits a function of `seed`, the step and the parameter's index, so a resumed run draws the
-same); ``"bf16+remainder"`` keeps the low 16 bits of the FP32 weight as an int16 state beside the
+random bits a function of `seed`, the step, the parameter's index and its shard, so a resumed run
+draws the same); ``"bf16+remainder"`` keeps the low 16 bits of the FP32 weight as an int16 state beside the
 BF16 parameter (its nearest BF16), so the FP32 master is exact at 2 + 2 bytes a parameter.
 
 Every state entry is a plain tensor, so ``state_dict()`` / ``load_state_dict()`` round-trip
 through `torch.save` (``weights_only=True``) and minifloat's checkpoints, and a resumed run
 continues bit for bit.
+
+Under FSDP2 the parameters and gradients are DTensors sharded by rows: each process updates its
+own shard and keeps that shard's states only (blocks of `block` values cut from the shard), so
+the states are sharded as the parameters are; ``state_dict()`` is then this process's part, and
+a resume loads each process's part into the same number of processes (`minifloat.train` saves
+every rank's part in its checkpoint and refuses another world size).
 
 Example:
     >>> p = torch.nn.Parameter(torch.randn(300))
@@ -85,6 +91,19 @@ def _restore_parameters(module: torch.nn.Module, args, output) -> None:
         module._parameters.update(stored)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of `t`: the local shard of a DTensor (FSDP2's sharded parameters and
+    their gradients), else `t` itself. The update and the states work on it alone."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _shard_index(p: torch.Tensor) -> int:
+    """Which shard of `p` this process holds (0 for a whole tensor): part of the SR stream."""
+    mesh = getattr(p, "device_mesh", None)
+    return 0 if mesh is None else int(mesh.get_coordinate()[0])
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW with quantized moments; see the module docstring."""
 
@@ -116,9 +135,10 @@ class AdamW(torch.optim.Optimizer):
         return decode_state(stored, fmt, like.shape)
 
     def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`p`'s first and second moments as the state holds them, decoded to float32 (zeros before its first step)."""
+        """`p`'s first and second moments as the state holds them, decoded to float32 (zeros before
+        its first step); of a sharded `p`, those of this process's shard."""
         fmt = next(g["state_format"] for g in self.param_groups if any(q is p for q in g["params"]))
-        m, v = (self._moment(self.state[p], name, fmt, p) for name in ("exp_avg", "exp_avg_sq"))
+        m, v = (self._moment(self.state[p], name, fmt, _local(p)) for name in ("exp_avg", "exp_avg_sq"))
         return m, v * v if fmt.startswith("fp8") else v  # fp8: stored as √v
 
     def _store(self, state: dict, name: str, x: torch.Tensor, fmt: str, block: int) -> None:
@@ -145,9 +165,10 @@ class AdamW(torch.optim.Optimizer):
                     raise MinifloatError("minifloat.optim.AdamW does not take sparse gradients")
                 state = self.state[p]
                 step = int(state.get("step", torch.tensor(0.0)).item()) + 1
-                g = p.grad.float()
-                m = self._moment(state, "exp_avg", fmt, p)
-                v = self._moment(state, "exp_avg_sq", fmt, p)
+                local, shard = _local(p), _shard_index(p)
+                g = _local(p.grad).float()
+                m = self._moment(state, "exp_avg", fmt, local)
+                v = self._moment(state, "exp_avg_sq", fmt, local)
                 if fmt.startswith("fp8"):
                     v = v * v  # stored as √v (`moments`)
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
@@ -155,17 +176,17 @@ class AdamW(torch.optim.Optimizer):
                 bc1, bc2 = 1 - beta1**step, 1 - beta2**step
                 denom = (v.sqrt() / bc2**0.5).add_(eps)
                 update = (m / bc1) / denom
-                w = join_remainder(p, state["remainder"]) if "remainder" in state else p.float()
+                w = join_remainder(local, state["remainder"]) if "remainder" in state else local.float()
                 if wd:
                     w.mul_(1 - lr * wd)
                 w.add_(update, alpha=-lr)
-                if self.master == "bf16-sr":
-                    p.copy_(bf16_stochastic(w, (self.seed * 1_000_003 + step) * 65_537 + index))
+                if self.master == "bf16-sr":  # each shard of a sharded parameter draws its own bits
+                    local.copy_(bf16_stochastic(w, ((self.seed * 1_000_003 + step) * 65_537 + index) * 4099 + shard))
                 elif self.master == "bf16+remainder":
                     high, state["remainder"] = split_remainder(w)
-                    p.copy_(high)
+                    local.copy_(high)
                 else:
-                    p.copy_(w)
+                    local.copy_(w)
                 self._store(state, "exp_avg", m, fmt, block)
                 self._store(state, "exp_avg_sq", v.sqrt() if fmt.startswith("fp8") else v, fmt, block)
                 state["step"] = torch.tensor(float(step))
@@ -184,9 +205,14 @@ class AdamW(torch.optim.Optimizer):
 
     def master_weight(self, p: torch.Tensor) -> torch.Tensor:
         """`p`'s master weight in float32: exact with ``"bf16+remainder"`` (the BF16 parameter and
-        its remainder joined), else the parameter itself as float32."""
+        its remainder joined), else the parameter itself as float32. A sharded `p` (an FSDP2
+        DTensor) gives a DTensor of the same placements (``.full_tensor()`` gathers it)."""
         rem = self.state[p].get("remainder")
-        return join_remainder(p.detach(), rem) if rem is not None else p.detach().float()
+        local = _local(p).detach()
+        w = join_remainder(local, rem) if rem is not None else local.float()
+        if local is p or not hasattr(p, "device_mesh"):
+            return w
+        return type(p).from_local(w, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
     def state_nbytes(self) -> int:
         """Bytes the moments and step counters hold."""

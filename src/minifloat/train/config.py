@@ -89,9 +89,6 @@ class TrainConfig:
         if self.master != "fp32" and self.precision in ("fp32", "fp16"):
             raise MinifloatError(f"--master {self.master} keeps the weights in BF16, which --precision {self.precision} does not "
                                  "compute in; use it with bf16 or a low-precision recipe (fp8, mxfp8, nvfp4, …)")  # fmt: skip
-        if self.fsdp and (self.optimizer_states != "fp32" or self.master != "fp32"):
-            raise MinifloatError(f"--optimizer-states {self.optimizer_states} / --master {self.master} do not run under --fsdp "
-                                 "yet (sharded quantized moments are not built); use the fp32 defaults with --fsdp")  # fmt: skip
         if self.fp8_all_gather and not (self.fsdp and self.precision in ("fp8-current", "mxfp8")):
             raise MinifloatError(f"--fp8-all-gather gathers FSDP2 shards as codes and scales: it needs --fsdp and a precision whose "
                                  f"weights a shard can quantize alone (fp8-current, mxfp8), got --precision {self.precision}"

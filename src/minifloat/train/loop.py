@@ -247,8 +247,19 @@ def _restore(state: dict, c: TrainConfig, model, opt, scaler: LossScaler, data_g
     """Load a checkpoint's optimizer, scaler and RNG states; returns the step it was saved at."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    shards = state.get("optimizer_shards")
+    if (shards is not None) != (isinstance(opt, AdamW) and c.fsdp):
+        saved = "sharded over FSDP ranks" if shards is not None else "whole"
+        raise MinifloatError(f"{state['path']}: its optimizer states are {saved}; resume it "
+                             + ("with --fsdp" if shards is not None else "without --fsdp"))  # fmt: skip
+    if shards is not None and len(shards) != world:
+        raise MinifloatError(f"{state['path']}: its {c.optimizer_states} optimizer states are sharded over {len(shards)} FSDP "
+                             f"ranks, this run has {world}; resume with torchrun --nproc_per_node {len(shards)}")  # fmt: skip
     try:
-        set_optimizer_state_dict(model, opt, state["optimizer"], options=state_options(c))
+        if shards is not None:
+            opt.load_state_dict(shards[rank])
+        else:
+            set_optimizer_state_dict(model, opt, state["optimizer"], options=state_options(c))
     except (KeyError, ValueError, RuntimeError) as err:
         raise MinifloatError(f"{state['path']}: the optimizer state does not fit this model ({err})") from None
     scaler.load_state_dict(state["scaler"])
@@ -272,13 +283,15 @@ def _save(ckpt_root: Path, step: int, c: TrainConfig, model, opt, scaler: LossSc
 
     inner = _unwrap(model)
     weights = get_model_state_dict(inner, options=state_options(c))
-    if isinstance(opt, AdamW):  # the master weights (FP32 exactly with a remainder), not only the BF16 parameters
-        weights |= {n: opt.master_weight(p) for n, p in inner.named_parameters() if n in weights and opt.state.get(p)}
-    state = {
-        "optimizer": get_optimizer_state_dict(inner, opt, options=state_options(c)),
-        "scaler": scaler.state_dict(), "data_rng": data_gen.get_state(),
-        "torch_rng": torch.get_rng_state(), "step": step,
-    }  # fmt: skip
+    state = {"scaler": scaler.state_dict(), "data_rng": data_gen.get_state(), "torch_rng": torch.get_rng_state(), "step": step}
+    if isinstance(opt, AdamW):
+        weights |= _master_weights(inner, opt, weights)
+    if isinstance(opt, AdamW) and c.fsdp:  # each rank's own shard of the states, gathered on rank 0
+        shards = [None] * world if main else None
+        torch.distributed.gather_object(opt.state_dict(), shards, dst=0)
+        state["optimizer_shards"] = shards
+    else:
+        state["optimizer"] = get_optimizer_state_dict(inner, opt, options=state_options(c))
     if world > 1:
         rngs = [None] * world
         torch.distributed.all_gather_object(rngs, torch.get_rng_state())
@@ -287,6 +300,19 @@ def _save(ckpt_root: Path, step: int, c: TrainConfig, model, opt, scaler: LossSc
         checkpoint.save_checkpoint(ckpt_root, step, _weights(weights), state, c.to_dict(), keep=c.keep_checkpoints)
     if world > 1:
         torch.distributed.barrier()
+
+
+def _master_weights(inner: torch.nn.Module, opt: AdamW, weights: dict) -> dict[str, torch.Tensor]:
+    """The float32 master weights (exact with a remainder), to save instead of the BF16 parameters.
+    Collective under FSDP: every rank gathers each sharded master (rank 0 alone holds `weights`)."""
+    masters = {}
+    for name, p in inner.named_parameters():
+        if opt.state.get(p):
+            w = opt.master_weight(p)
+            w = w.full_tensor() if hasattr(w, "full_tensor") else w
+            if name in weights:
+                masters[name] = w.cpu()
+    return masters
 
 
 def _time_is_up(since: float, minutes: float, world: int) -> bool:
