@@ -320,6 +320,26 @@ def test_convert_filter_decides_and_repr_names_the_recipe():
     assert model["body"].recipe == get_recipe("fp8-current")
 
 
+def test_a_recipe_keeps_its_first_and_last_blocks_in_high_precision(caplog):
+    """MXScaling(high_precision_first=1, high_precision_last=2): of the model's list of 5 blocks,
+    blocks 0, 3 and 4 keep torch's Linears, each named in the log; the layers outside the list
+    (the head) follow the usual rule; a model without a list of blocks is a clear error."""
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32))
+                                 for _ in range(5))  # fmt: skip
+    norms = torch.nn.ModuleList(torch.nn.LayerNorm(32) for _ in range(7))  # longer, but holds no Linear
+    model = torch.nn.ModuleDict({"norms": norms, "blocks": blocks, "head": torch.nn.Linear(32, 32)})
+    recipe = MXScaling(element="e2m1", high_precision_first=1, high_precision_last=2)
+    with caplog.at_level("INFO", logger="minifloat"):
+        minifloat.convert(model, recipe)
+    quantized = {n for n, m in model.named_modules() if isinstance(m, minifloat.nn.Linear)}
+    assert quantized == {"blocks.1.0", "blocks.1.2", "blocks.2.0", "blocks.2.2", "head"}
+    assert "keeping blocks.4.2 (32, 32) in high precision (the recipe keeps blocks blocks.0, blocks.3, blocks.4)" in caplog.text
+    with pytest.raises(minifloat.MinifloatError, match="has no nn.ModuleList of blocks; set high_precision_first=0"):
+        minifloat.convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe)
+    with pytest.raises(minifloat.MinifloatError, match="high_precision_last=...\\) takes a whole number of blocks ≥ 0, got -1"):
+        MXScaling(element="e2m1", high_precision_last=-1)
+
+
 def test_autocast_disables_or_overrides_the_recipe():
     _, layer = _pair("mxfp4", 64, 64)
     x = torch.randn(8, 64)

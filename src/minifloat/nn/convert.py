@@ -97,6 +97,7 @@ def convert(
             convert(model, r, filter=lambda f, m, group=group: f in group, backend=backend)
         return model
     recipe = policy
+    kept = kept_blocks(model, recipe)
     targets = []
     # nn.MultiheadAttention passes out_proj's Parameters to F.multi_head_attention_forward and
     # never calls its forward: converting it would quantize nothing while saying it does
@@ -108,7 +109,9 @@ def convert(
         if fqn in unused:
             log.info("minifloat.convert: keeping %s in high precision (nn.MultiheadAttention never calls its forward)", fqn)
             continue
-        if filter is not None:
+        if fqn.startswith(kept):
+            keep_high, reason = True, f"the recipe keeps blocks {', '.join(k.rstrip('.') for k in kept)}"
+        elif filter is not None:
             keep_high = not filter(fqn, module)
             reason = "filter"
         else:
@@ -122,6 +125,24 @@ def convert(
         raise MinifloatError("convert() replaces Linear layers inside a model; wrap a bare Linear with Linear.from_linear")
     swap_modules(model, targets, lambda old: Linear.from_linear(old, recipe, backend=backend))
     return model
+
+
+def kept_blocks(model: torch.nn.Module, recipe: Recipe) -> tuple[str, ...]:
+    """The name prefixes (``"blocks.0."``) of the blocks `recipe` keeps in high precision (its
+    ``high_precision_first`` / ``high_precision_last``): entries of the model's longest
+    ``nn.ModuleList`` of modules holding Linears — a transformer's layers."""
+    first, last = getattr(recipe, "high_precision_first", 0), getattr(recipe, "high_precision_last", 0)
+    if not first and not last:
+        return ()
+    lists = [(fqn, m) for fqn, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and any(isinstance(x, torch.nn.Linear) for x in m.modules())]  # fmt: skip
+    if not lists:
+        raise MinifloatError(f"the recipe keeps its first {first} / last {last} blocks in high precision, but this "
+                             f"{type(model).__name__} has no nn.ModuleList of blocks; set high_precision_first=0 and "
+                             "high_precision_last=0, and choose the layers with convert(filter=...)")  # fmt: skip
+    fqn, blocks = max(lists, key=lambda item: len(item[1]))
+    n = len(blocks)
+    return tuple(f"{fqn}.{i}." if fqn else f"{i}." for i in range(n) if i < first or i >= n - last)
 
 
 def swap_modules(model: torch.nn.Module, fqns: list[str], make: Callable[[torch.nn.Module], torch.nn.Module]) -> None:

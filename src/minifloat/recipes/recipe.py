@@ -172,7 +172,9 @@ class MXScaling(Recipe):
     of MXFP4 training, each a switch: `rht` a random Hadamard transform (16 wide, signs from
     `rht_seed`) on both operands of the weight-gradient GEMM, as NVFP4's; `stochastic_rounding`
     of grad_output; `grad_scale_rule` grad_output's E8M0 rule (``"rceil"``: the exponent rounded
-    up, so no value is clipped and stochastic rounding stays unbiased — Tseng et al.)."""
+    up, so no value is clipped and stochastic rounding stays unbiased — Tseng et al.);
+    `high_precision_first` / `high_precision_last` the model's first / last blocks left in high
+    precision (`minifloat.convert` finds the blocks: the model's longest ``nn.ModuleList``)."""
 
     kind: ClassVar[str] = "mx"
     element: str = "e4m3"
@@ -182,11 +184,17 @@ class MXScaling(Recipe):
     rht_seed: int = 0
     stochastic_rounding: bool = False
     grad_scale_rule: str | None = None  # None: scale_rule
+    high_precision_first: int = 0
+    high_precision_last: int = 0
 
     def __post_init__(self) -> None:
         for name in ("rht", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise MinifloatError(f"MXScaling({name}=...) takes True or False, got {getattr(self, name)!r}")
+        for name in ("high_precision_first", "high_precision_last"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise MinifloatError(f"MXScaling({name}=...) takes a whole number of blocks ≥ 0, got {n!r}")
         self.scheme("input"), self.scheme("grad_output")
 
     def _scheme(self, role: str) -> Scheme:
