@@ -65,8 +65,9 @@ def _q(x, scheme):
 @pytest.mark.parametrize(
     "recipe",
     [get_recipe("mxfp8"), get_recipe("fp8-block"), get_recipe("mxfp4"), NVFP4BlockScaling(stochastic_rounding=False),
-     MXScaling(element="e2m1", rht=True, rht_seed=3, grad_scale_rule="rceil")],
-    ids=["mxfp8", "fp8-block", "mxfp4", "nvfp4-rht", "mxfp4-rht-rceil"],
+     MXScaling(element="e2m1", rht=True, rht_seed=3, grad_scale_rule="rceil"),
+     MXScaling(element="e2m1", rht=True, rht_size=32)],
+    ids=["mxfp8", "fp8-block", "mxfp4", "nvfp4-rht", "mxfp4-rht-rceil", "mxfp4-rht32"],
 )
 def test_each_gemm_quantizes_its_operands_along_its_reduction_dimension(recipe):
     """Rebuild the three GEMMs from the reference quantizer and float64 products."""
@@ -81,8 +82,10 @@ def test_each_gemm_quantizes_its_operands_along_its_reduction_dimension(recipe):
     want_gx = _q(g2, s_g) @ w_t.T
     xt, gt = x2.t(), g2.t()
     if getattr(recipe, "rht", False):
-        signs = hadamard_signs(16, recipe.rht_seed)  # the transform's own oracle: tests/test_hadamard.py
-        xt, gt = rht_reference(xt.contiguous(), signs), rht_reference(gt.contiguous(), signs)
+        n = getattr(recipe, "rht_size", 16)
+        signs = hadamard_signs(n, recipe.rht_seed)  # the transform's own oracle: tests/test_hadamard.py
+        pad = -xt.shape[1] % n  # 144 tokens: whole groups of 16, and zero-padded to 160 for 32
+        xt, gt = (rht_reference(torch.nn.functional.pad(t, (0, pad)).contiguous(), signs) for t in (xt, gt))
     want_gw = _q(gt, s_g) @ _q(xt, s_in).T
     for got, want in ((y.reshape(-1, 128), want_y), (gx.reshape(-1, 256), want_gx), (gw, want_gw)):
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
@@ -338,6 +341,8 @@ def test_a_recipe_keeps_its_first_and_last_blocks_in_high_precision(caplog):
         minifloat.convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe)
     with pytest.raises(minifloat.MinifloatError, match="high_precision_last=...\\) takes a whole number of blocks ≥ 0, got -1"):
         MXScaling(element="e2m1", high_precision_last=-1)
+    with pytest.raises(minifloat.MinifloatError, match="rht_size=...\\) takes 16 or 32 .* got 8"):
+        MXScaling(element="e2m1", rht=True, rht_size=8)
 
 
 def test_autocast_disables_or_overrides_the_recipe():

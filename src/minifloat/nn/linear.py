@@ -63,6 +63,10 @@ class _Plan:
     def rht(self) -> bool:  # NVFP4's, or MXFP4's when asked for
         return bool(getattr(self.recipe, "rht", False))
 
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        """The random Hadamard transform of a weight-gradient GEMM operand (`rht`)."""
+        return rht(x, self.recipe.rht_seed, getattr(self.recipe, "rht_size", 16))
+
     def quantize(self, role: str, x: torch.Tensor, *, record: bool = True):
         """Quantize `x` (2-D, along its last dim) as operand `role`."""
         scheme = self.recipe.scheme(role)
@@ -111,7 +115,7 @@ class _LinearFunction(torch.autograd.Function):
         else:
             xt = kernels.contiguous(x2.t())
             if plan.rht:
-                xt = rht(xt, plan.recipe.rht_seed)
+                xt = plan.transform(xt)
             ctx.xt = plan.quantize("input", xt, record=False)
         # The input-gradient GEMM needs the weight along out_features: reuse it when the
         # quantization does not depend on the orientation, else requantize in backward.
@@ -149,7 +153,7 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 gt = kernels.contiguous(g2.t())
                 if plan.rht:
-                    gt = rht(gt, plan.recipe.rht_seed)
+                    gt = plan.transform(gt)
                 gtq = plan.quantize("grad_output", gt, record=False)
                 grad_w = scaled_mm(gtq, ctx.xt, backend=plan.backend)
             grad_w = grad_w.to(weight.dtype)

@@ -171,7 +171,8 @@ class MXScaling(Recipe):
     `scale_rule` is ``"floor"`` (OCP MX v1.0 §6.3) or ``"rceil"`` (NVIDIA). The published fixes
     of MXFP4 training, each a switch: `rht` a random Hadamard transform (16 wide, signs from
     `rht_seed`) on both operands of the weight-gradient GEMM, as NVFP4's; `stochastic_rounding`
-    of grad_output; `grad_scale_rule` grad_output's E8M0 rule (``"rceil"``: the exponent rounded
+    of grad_output; `rht_size` the transform's width (16 as NVFP4's, or 32: one MX block);
+    `grad_scale_rule` grad_output's E8M0 rule (``"rceil"``: the exponent rounded
     up, so no value is clipped and stochastic rounding stays unbiased — Tseng et al.);
     `high_precision_first` / `high_precision_last` the model's first / last blocks left in high
     precision (`minifloat.convert` finds the blocks: the model's longest ``nn.ModuleList``)."""
@@ -182,6 +183,7 @@ class MXScaling(Recipe):
     scale_rule: str = "floor"
     rht: bool = False
     rht_seed: int = 0
+    rht_size: int = 16
     stochastic_rounding: bool = False
     grad_scale_rule: str | None = None  # None: scale_rule
     high_precision_first: int = 0
@@ -191,6 +193,8 @@ class MXScaling(Recipe):
         for name in ("rht", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise MinifloatError(f"MXScaling({name}=...) takes True or False, got {getattr(self, name)!r}")
+        if self.rht_size not in (16, 32):
+            raise MinifloatError(f"MXScaling(rht_size=...) takes 16 or 32 (the Hadamard transform's width), got {self.rht_size!r}")
         for name in ("high_precision_first", "high_precision_last"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
