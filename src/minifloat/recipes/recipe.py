@@ -270,6 +270,7 @@ RECIPES: dict[str, Recipe] = {
     # the published fixes (measured in the README): Tseng et al.'s whole recipe — a random Hadamard
     # transform on the weight-gradient GEMM, stochastic rounding of gradients on rounded-up scales
     "mxfp4-tseng": MXScaling(element="e2m1", rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
+    "mxfp4-tseng-rht32": MXScaling(element="e2m1", rht=True, rht_size=32, stochastic_rounding=True, grad_scale_rule="rceil"),
     "mxfp4-rht": MXScaling(element="e2m1", rht=True),
     "mxfp4-sr": MXScaling(element="e2m1", stochastic_rounding=True, grad_scale_rule="rceil"),
     "nvfp4": NVFP4BlockScaling(),
