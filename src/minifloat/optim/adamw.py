@@ -210,7 +210,7 @@ class AdamW(torch.optim.Optimizer):
         rem = self.state[p].get("remainder")
         local = _local(p).detach()
         w = join_remainder(local, rem) if rem is not None else local.float()
-        if local is p or not hasattr(p, "device_mesh"):
+        if not hasattr(p, "device_mesh"):  # a whole tensor
             return w
         return type(p).from_local(w, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
