@@ -332,6 +332,9 @@ def test_write_report_text(tmp_path):
     assert text.startswith("# minifloat compare\n\nThe `tiny` GPT trained for 3 steps of 4×32 tokens (×2 accumulation)")
     assert "Data: the Python standard library sources on this machine." in text
     assert "Δ val and × step time are relative to `bf16`." in text and "master copy (2.00 MiB)" in text
+    bf16_master = {**runs[0], "precision": "bf16@master=bf16-sr", "master_weight_bytes": 2**20}
+    mixed = write_report({**metrics, "runs": [runs[0], bf16_master]}, tmp_path / "mixed", plots=False).read_text()
+    assert "master copy (`bf16` 2.00 MiB, `bf16@master=bf16-sr` 1.00 MiB)" in mixed
     section = text.split("## Runs that did not finish cleanly\n\n")[1].split("\n\n")[0].splitlines()
     assert section == [
         "- **fp8: failed** — RuntimeError: out of memory",

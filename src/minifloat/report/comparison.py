@@ -197,6 +197,14 @@ def plot_speed_memory(metrics: dict, path: Path) -> None:
     save_figure(fig, path, plt)
 
 
+def _masters_text(runs: list[dict]) -> str:
+    """The master copies' sizes: one figure when every run keeps the same (FP32, say)."""
+    sizes = {m["precision"]: mib(m["master_weight_bytes"]) for m in runs if m.get("master_weight_bytes") is not None}
+    if len(set(sizes.values())) == 1:
+        return f"{next(iter(sizes.values()))} MiB"
+    return ", ".join(f"`{p}` {size} MiB" for p, size in sizes.items())
+
+
 def _seeds_text(config: dict) -> str:
     seeds = config.get("seeds")
     if not seeds:
@@ -242,8 +250,8 @@ def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
         "",
         f"Δ val and × step time are relative to `{ref}`. Final train loss: mean of the last 10 % of steps. "
         "Step time: median after the first 10 % of steps. Weights: quantized Linear weights packed with "
-        "their scales, the rest in BF16 (FP32 for fp32); every run also keeps an FP32 master copy "
-        f"({mib(metrics['runs'][0].get('master_weight_bytes'))} MiB). Peak RSS: the whole training process.",
+        "their scales, the rest in BF16 (FP32 for fp32); every run also keeps a master copy "
+        f"({_masters_text(metrics['runs'])}). Peak RSS: the whole training process.",
         "",
     ]
     bad = [m for m in metrics["runs"] if m["status"] != "ok"]
