@@ -132,7 +132,7 @@ def test_bf16_masters_in_the_plan_match_a_real_training_state(master):
     # each parameter's moments padded to whole blocks of 128: a little above the plan's count
     assert p.rows["optimizer states"] <= m["optimizer states"] <= 1.02 * p.rows["optimizer states"]
     assert m["parameters"] == m["gradients"] == 2 * n and m["master weights"] == (2 * n if master == "bf16+remainder" else 0)
-    assert m["activations"] == pytest.approx(p.rows["activations"], rel=0.15)  # the small and base GPTs: within 1.1 %
+    assert m["activations"] == pytest.approx(p.rows["activations"], rel=0.06)  # FP32 activations: the casts keep them FP32
     state = sum(m[k] for k in ("parameters", "gradients", "master weights", "optimizer states")) / n
     assert state <= (8 if master == "bf16-sr" else 8.25)
     te = plan(params=7e9, precision="fp8", layout="te", master=master)

@@ -14,9 +14,9 @@ Two layouts:
 - ``minifloat`` (this library's training): FP32 parameters are the master and are quantized
   on the fly each forward; FP32 gradients; AdamW's two FP32 moments. The quantized copies are
   saved for the backward, so they count as activations. ``--master bf16-sr`` / ``bf16+remainder``
-  (`minifloat.optim.AdamW`): BF16 parameters and gradients (and BF16 activations around the
-  GEMMs), plus a 2-byte remainder for the exact FP32 master; ``--optimizer-states`` the moments'
-  format.
+  (`minifloat.optim.AdamW`): BF16 parameters and gradients (the activations stay FP32: the
+  parameters are cast on use), plus a 2-byte remainder for the exact FP32 master;
+  ``--optimizer-states`` the moments' format.
 
 Activations: Korthikanti et al. (2022), per transformer layer ``s·b·h·(34 + 5·a·s/h)`` bytes with
 16-bit activations and no recomputation; the inputs of the four Linears (14 of the 34) are saved
@@ -88,12 +88,12 @@ class Plan:
 GATHERED_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32}
 
 
-def activation_bytes_per_sbh(precision: str, layout: str, master: str = "fp32") -> float:
+def activation_bytes_per_sbh(precision: str, layout: str) -> float:
     """Saved bytes per layer and s·b·h: Korthikanti et al.'s 34 at 16 bits, of which the Linear
     inputs are 7 values (QKV, attention output, MLP in: h each; MLP out: 4h) saved in the compute
-    format, the other 20 bytes in the high precision (FP32 under minifloat's training with FP32
-    parameters and for FP32, 16-bit otherwise: BF16 masters make the model compute in BF16)."""
-    wide = 2.0 if precision == "fp32" or (layout == "minifloat" and master == "fp32") else 1.0
+    format, the other 20 bytes in the high precision (FP32 under minifloat's training, whatever
+    the masters: BF16 parameters are cast to FP32 on use; and for FP32; 16-bit otherwise)."""
+    wide = 2.0 if precision == "fp32" or layout == "minifloat" else 1.0
     linear = 4.0 if precision == "fp32" else 2.0 if precision == "bf16" else SAVED_INPUT_BYTES[precision]
     return 20 * wide + 7 * linear
 
@@ -206,15 +206,18 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
             a["all-gather buffer"] = f"not counted without the shape; gathered {how}, {wire / 1e9:.3g} GB on the wire a step per device"
     if hidden and layers and heads:
         h, s, b = hidden, seq, batch
-        per_sbh = activation_bytes_per_sbh(precision, layout, master)
+        per_sbh = activation_bytes_per_sbh(precision, layout)
         attn = 0 if flash else 5 * heads * s / h * (2 if precision == "fp32" or layout == "minifloat" else 1)
         # the output layer: the FP32 logits and their log-softmax, which the loss keeps
         out_layer = 2 * 4 * s * b * vocab if vocab else 0
-        p.rows["activations"] = s * b * h * (per_sbh + attn) * layers + out_layer
+        # BF16 masters: the head's weight cast to FP32 on use, which its matmul keeps for the backward
+        cast_head = 4 * vocab * h if vocab and layout == "minifloat" and master != "fp32" else 0
+        p.rows["activations"] = s * b * h * (per_sbh + attn) * layers + out_layer + cast_head
         a["activations"] = (f"Korthikanti et al. 2022: {per_sbh:.2f}·s·b·h{'' if flash else ' + 5as²b'} bytes a layer "
                             f"(the 4 Linear inputs in {precision}); h={h}, layers={layers}, heads={heads}, batch={b}, seq={s}"
                             + (", flash attention" if flash else "")
-                            + (f"; the loss' FP32 logits and log-softmax, vocabulary {vocab}" if vocab else ""))  # fmt: skip
+                            + (f"; the loss' FP32 logits and log-softmax, vocabulary {vocab}" if vocab else "")
+                            + ("; the head's weight cast to FP32 for its matmul (BF16 masters)" if cast_head else ""))  # fmt: skip
     else:
         a["activations"] = "not counted: give the shape (--hidden, --layers, --heads) or a named size (7B, 13B, 70B)"
     return p
