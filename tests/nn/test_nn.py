@@ -64,10 +64,10 @@ def _q(x, scheme):
 
 @pytest.mark.parametrize(
     "recipe",
-    [get_recipe("mxfp8"), get_recipe("fp8-block"), get_recipe("mxfp4"), NVFP4BlockScaling(stochastic_rounding=False),
+    [get_recipe("mxfp8"), get_recipe("fp8-block"), get_recipe("mxfp4-rtn"), NVFP4BlockScaling(stochastic_rounding=False),
      MXScaling(element="e2m1", rht=True, rht_seed=3, grad_scale_rule="rceil"),
      MXScaling(element="e2m1", rht=True, rht_size=32)],
-    ids=["mxfp8", "fp8-block", "mxfp4", "nvfp4-rht", "mxfp4-rht-rceil", "mxfp4-rht32"],
+    ids=["mxfp8", "fp8-block", "mxfp4-rtn", "nvfp4-rht", "mxfp4-rht-rceil", "mxfp4-rht32"],
 )
 def test_each_gemm_quantizes_its_operands_along_its_reduction_dimension(recipe):
     """Rebuild the three GEMMs from the reference quantizer and float64 products."""
