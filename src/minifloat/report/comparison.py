@@ -200,8 +200,8 @@ def plot_speed_memory(metrics: dict, path: Path) -> None:
 def _masters_text(runs: list[dict]) -> str:
     """The master copies' sizes: one figure when every run keeps the same (FP32, say)."""
     sizes = {m["precision"]: mib(m["master_weight_bytes"]) for m in runs if m.get("master_weight_bytes") is not None}
-    if len(set(sizes.values())) == 1:
-        return f"{next(iter(sizes.values()))} MiB"
+    if len(set(sizes.values())) <= 1:
+        return f"{next(iter(sizes.values()), '—')} MiB"
     return ", ".join(f"`{p}` {size} MiB" for p, size in sizes.items())
 
 
