@@ -106,8 +106,8 @@ def test_sharded_fp8_states_and_bf16_masters_resume_bit_for_bit_and_refuse_anoth
     shards, whole = state["optimizer_shards"], saved("one")[2]["optimizer"]["state"]
     assert len(shards) == 2 and "optimizer" not in state
     codes = whole["blocks.0.mlp.fc.weight"]["exp_avg.codes"]  # (256, 64): 128 blocks of 128, 64 a rank
-    index = next(i for i, (k, v) in enumerate(shards[0]["state"].items()) if v["exp_avg.codes"].numel() == codes.numel() // 2)
-    assert all(shard["state"][index]["exp_avg.codes"].shape == (codes.shape[0] // 2, 128) for shard in shards)
+    key = next(k for k, v in shards[0]["state"].items() if v["exp_avg.codes"].numel() == codes.numel() // 2)
+    assert all(shard["state"][key]["exp_avg.codes"].shape == (codes.shape[0] // 2, 128) for shard in shards)
     assert log("full") == pytest.approx(log("one"), rel=1e-2)
 
     resumed = run("split", 6, "--resume")
