@@ -72,7 +72,8 @@ def bf16_parameters(model: torch.nn.Module, compute_dtype: torch.dtype | None = 
     if compute_dtype is not None:
         for module in model.modules():
             held = [n for n, p in module.named_parameters(recurse=False) if p.dtype == torch.bfloat16]
-            if held and not isinstance(module, QuantizedLinear):
+            if held and not isinstance(module, QuantizedLinear) and not getattr(module, "_minifloat_casts", False):
+                module._minifloat_casts = True  # a second call adds no second pair of hooks
                 module.register_forward_pre_hook(functools.partial(_cast_parameters, held, compute_dtype))
                 module.register_forward_hook(_restore_parameters, always_call=True)
     return model
