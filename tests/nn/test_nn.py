@@ -18,7 +18,7 @@ from tests.conftest import requires_cuda, sqnr_db
 
 # SQNR floors per recipe (output, grad_input, grad_weight) against a float64 nn.Linear.
 FLOORS = {"fp8": 20, "fp8-current": 20, "fp8-block": 20, "mxfp8": 20, "mxfp6": 14, "mxfp6-e2m3": 14, "mxfp6-e3m2": 14, "mxfp6-hybrid": 14, "mxfp4": 8, "nvfp4": 8, "nvfp4-4over6": 8,
-          "mxfp4-rtn": 8, "mxfp4-rht": 8, "mxfp4-sr": 8, "mxfp4-tseng": 8, "mxfp4-tseng-rht32": 8}
+          "mxfp4-rtn": 8, "mxfp4-rht": 8, "mxfp4-sr": 8, "mxfp4-tseng": 8, "mxfp4-tseng-rht32": 8, "mxfp4-tseng-fwd": 8}
 CEILING = 60  # above this a layer is not quantizing
 
 
@@ -66,8 +66,8 @@ def _q(x, scheme):
     "recipe",
     [get_recipe("mxfp8"), get_recipe("fp8-block"), get_recipe("mxfp4-rtn"), NVFP4BlockScaling(stochastic_rounding=False),
      MXScaling(element="e2m1", rht=True, rht_seed=3, grad_scale_rule="rceil"),
-     MXScaling(element="e2m1", rht=True, rht_size=32)],
-    ids=["mxfp8", "fp8-block", "mxfp4-rtn", "nvfp4-rht", "mxfp4-rht-rceil", "mxfp4-rht32"],
+     MXScaling(element="e2m1", rht=True, rht_size=32), MXScaling(element="e2m1", rht=True, forward_rht=True, rht_seed=5)],
+    ids=["mxfp8", "fp8-block", "mxfp4-rtn", "nvfp4-rht", "mxfp4-rht-rceil", "mxfp4-rht32", "mxfp4-forward-rht"],
 )
 def test_each_gemm_quantizes_its_operands_along_its_reduction_dimension(recipe):
     """Rebuild the three GEMMs from the reference quantizer and float64 products."""
@@ -77,7 +77,11 @@ def test_each_gemm_quantizes_its_operands_along_its_reduction_dimension(recipe):
     w = layer.weight.detach()
     s_in, s_w, s_g = (recipe.scheme(r) for r in ("input", "weight", "grad_output"))
     x2, g2 = x.reshape(-1, 256), g.reshape(-1, 128)
-    want_y = _q(x2, s_in) @ _q(w, s_w).T + layer.bias.double()
+    xf, wf = x2, w
+    if getattr(recipe, "forward_rht", False):  # the forward operands rotated along in_features
+        signs = hadamard_signs(recipe.rht_size, recipe.rht_seed)
+        xf, wf = (rht_reference(t.contiguous(), signs) for t in (x2, w))
+    want_y = _q(xf, s_in) @ _q(wf, s_w).T + layer.bias.double()
     w_t = _q(w, s_w).T if recipe.weight_2d else _q(w.t(), s_w)
     want_gx = _q(g2, s_g) @ w_t.T
     xt, gt = x2.t(), g2.t()

@@ -145,6 +145,9 @@ def gather_quantized(model: torch.nn.Module) -> int:
     for m in model.modules():
         quantized = isinstance(m, torch.nn.Linear) and getattr(m, "recipe", None) is not None  # a minifloat Linear (not imported: it imports this)
         if quantized and counts[id(m.weight)] == 1 and m.recipe.scheme("weight").name in GATHERED_SCHEMES:
+            if getattr(m.recipe, "forward_rht", False):
+                raise MinifloatError(f"{m}: the forward GEMM of a forward_rht recipe quantizes the rotated weight, which the "
+                                     "gathered codes are not; train it without --fp8-all-gather, or with forward_rht=False")  # fmt: skip
             if m.in_features % 32:
                 raise MinifloatError(f"an all-gathered quantized weight needs in_features a multiple of 32 (whole MX blocks); "
                                      f"{m} has {m.in_features}")  # fmt: skip

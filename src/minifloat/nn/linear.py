@@ -63,8 +63,12 @@ class _Plan:
     def rht(self) -> bool:  # NVFP4's, or MXFP4's when asked for
         return bool(getattr(self.recipe, "rht", False))
 
+    @property
+    def forward_rht(self) -> bool:  # MX's `forward_rht`: the forward GEMM's operands along K too
+        return bool(getattr(self.recipe, "forward_rht", False))
+
     def transform(self, x: torch.Tensor) -> torch.Tensor:
-        """The random Hadamard transform of a weight-gradient GEMM operand (`rht`)."""
+        """The random Hadamard transform of a GEMM operand along its last dim (`rht`, `forward_rht`)."""
         return rht(x, self.recipe.rht_seed, getattr(self.recipe, "rht_size", 16))
 
     def quantize(self, role: str, x: torch.Tensor, *, record: bool = True):
@@ -94,9 +98,13 @@ class _LinearFunction(torch.autograd.Function):
     def _forward(ctx, x, weight, bias, plan: _Plan, out_dtype: torch.dtype):
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)
-        xq = plan.quantize("input", x2)
-        # FSDP2 gathered it as codes and scales (`minifloat.nn.all_gather`): those are the packed weight
-        wq = weight.quantized() if isinstance(weight, GatheredWeight) else plan.quantize("weight", weight)
+        if plan.forward_rht:  # both along K by the same orthogonal T: (x T)(W T)ᵀ = x Wᵀ
+            xq = plan.quantize("input", plan.transform(x2))
+            wq = plan.quantize("weight", plan.transform(weight))
+        else:
+            xq = plan.quantize("input", x2)
+            # FSDP2 gathered it as codes and scales (`minifloat.nn.all_gather`): those are the packed weight
+            wq = weight.quantized() if isinstance(weight, GatheredWeight) else plan.quantize("weight", weight)
         out = scaled_mm(xq, wq, backend=plan.backend)
         if bias is not None:
             out += bias.float()
@@ -119,7 +127,7 @@ class _LinearFunction(torch.autograd.Function):
             ctx.xt = plan.quantize("input", xt, record=False)
         # The input-gradient GEMM needs the weight along out_features: reuse it when the
         # quantization does not depend on the orientation, else requantize in backward.
-        ctx.wq = wq if (plan.per_tensor or plan.recipe.weight_2d) else None
+        ctx.wq = wq if (plan.per_tensor or plan.recipe.weight_2d) and not plan.forward_rht else None
         ctx.save_for_backward(weight)
         return out
 

@@ -175,6 +175,9 @@ class MXScaling(Recipe):
     of grad_output; `rht_size` the transform's width (16 as NVFP4's, or 32: one MX block);
     `grad_scale_rule` grad_output's E8M0 rule (``"rceil"``: the exponent rounded
     up, so no value is clipped and stochastic rounding stays unbiased — Tseng et al.);
+    `forward_rht` the same transform on both operands of the forward GEMM along in_features, as
+    Quartet does (Castro et al., arXiv 2505.14669): outliers of the input are spread over their
+    group before the round to nearest (the product is unchanged in exact arithmetic);
     `high_precision_first` / `high_precision_last` the model's first / last blocks left in high
     precision (`minifloat.convert` finds the blocks: the model's longest ``nn.ModuleList``)."""
 
@@ -185,13 +188,14 @@ class MXScaling(Recipe):
     rht: bool = False
     rht_seed: int = 0
     rht_size: int = 16
+    forward_rht: bool = False
     stochastic_rounding: bool = False
     grad_scale_rule: str | None = None  # None: scale_rule
     high_precision_first: int = 0
     high_precision_last: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("rht", "stochastic_rounding"):
+        for name in ("rht", "forward_rht", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise MinifloatError(f"MXScaling({name}=...) takes True or False, got {getattr(self, name)!r}")
         if self.rht_size not in (16, 32):
@@ -275,6 +279,7 @@ RECIPES: dict[str, Recipe] = {
     "mxfp4-tseng-rht32": MXScaling(element="e2m1", rht=True, rht_size=32, stochastic_rounding=True, grad_scale_rule="rceil"),
     "mxfp4-rht": MXScaling(element="e2m1", rht=True),
     "mxfp4-sr": MXScaling(element="e2m1", stochastic_rounding=True, grad_scale_rule="rceil"),
+    "mxfp4-tseng-fwd": MXScaling(element="e2m1", rht=True, forward_rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
     "nvfp4": NVFP4BlockScaling(),
     "nvfp4-4over6": NVFP4BlockScaling(four_over_six=True),
 }
