@@ -646,15 +646,15 @@ static float block_scale(const job_t *J, float amax, int64_t t) {
             return NAN;
         }
         /* floor(log2 v) and ceil(log2 v) from the float32 bits; frexpf only for subnormal v. */
-        const float v = J->rule == 0 ? amax : amax * J->inv_max;
+        const float v = J->rule != 1 ? amax : amax * J->inv_max;
         const uint32_t vb = f2u(v), ef = vb >> 23, mant = vb & 0x7fffffu;
         int E;
         if (ef != 0) {
-            E = (int)ef - 127 + (J->rule == 0 ? -J->p.emax : (mant != 0));
+            E = (int)ef - 127 + (J->rule != 1 ? -J->p.emax : (mant != 0));
         } else {
             int e = 0;
             const float m = frexpf(v, &e);
-            E = J->rule == 0 ? e - 1 - J->p.emax : (e - 1) + (m != 0.5f);
+            E = J->rule != 1 ? e - 1 - J->p.emax : (e - 1) + (m != 0.5f);
         }
         E = E < -127 ? -127 : (E > 127 ? 127 : E);
         if (amax == 0.0f) E = 0;
@@ -685,10 +685,10 @@ static inline int block_scales8(const job_t *J, v8f amax, int64_t t, float *enc)
         memcpy((float *)J->scale_out + t, &d, 32);
         e = s;
     } else { /* SC_E8M0 */
-        const v8f v = J->rule == 0 ? amax : amax * J->inv_max;
+        const v8f v = J->rule != 1 ? amax : amax * J->inv_max;
         const v8i vb = (v8i)v, ef = (vb >> 23) & 0xff, zero = amax == 0.0f;
         if (vany((ef == 0) & ~zero)) return 0; /* subnormal: frexpf in block_scale */
-        v8i E = ef - 127 + (J->rule == 0 ? (v8i){0} - J->p.emax : -((vb & 0x7fffff) != 0));
+        v8i E = ef - 127 + (J->rule != 1 ? (v8i){0} - J->p.emax : -((vb & 0x7fffff) != 0));
         E = vmax(vmin(E, (v8i){0} + 127), (v8i){0} - 127);
         E = vsel(zero, (v8i){0}, E);
         const v8i code = vsel(isnan_, (v8i){0} + 0xff, E + 127);
@@ -772,6 +772,45 @@ static void four_over_six(const job_t *J, int64_t g, int64_t c0, int64_t nb, con
             }
         if (err[1] < err[0]) {
             stored[b] = (uint8_t)code[1];
+            enc[b] = en[1];
+        }
+    }
+}
+
+/* The value of element code c (sign, exponent, mantissa from the format's parameters): what
+ * reference's decode gives for a finite code. */
+static inline float elem_value(uint32_t c, const elem_t *p) {
+    const uint32_t mag = c & ((uint32_t)p->sign_mask - 1u), e = mag >> p->man_bits, m = mag & ((1u << p->man_bits) - 1u);
+    const float v = e == 0 ? ldexpf((float)m, p->emin - p->man_bits)
+                           : ldexpf((float)(m | (1u << p->man_bits)), (int)e + p->emin - 1 - p->man_bits);
+    return (c & (uint32_t)p->sign_mask) ? -v : v;
+}
+
+/* The "mse" E8M0 rule (rule 2; block_scale stored the floor exponent E): per block whose amax
+ * the floor clips (amax * 2^-E > max, E < 127), the exponent E + 1 replaces E where the block's
+ * round-to-nearest codes under it have the smaller sum of squared errors; a tie keeps E. Each
+ * error is value(code) * 2^E - x in double, summed over the rows, then the columns, in order:
+ * reference._best_exponent's sum, bit for bit. A NaN block keeps its NaN code. */
+static void best_exponents(const job_t *J, int64_t g, int64_t c0, int64_t nb, const float *amax, int64_t t0,
+                           float *enc) {
+    const int64_t br = J->br, bc = J->bc, K = J->K, r0 = g * br, r1 = r0 + br < J->R ? r0 + br : J->R;
+    uint8_t *stored = (uint8_t *)J->scale_out + t0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int E = (int)stored[b] - 127;
+        if (stored[b] == 0xFF || E >= 127 || !(amax[b] * enc[b] > J->fmt_max)) continue;
+        const float en[2] = {enc[b], enc[b] * 0.5f}, dec[2] = {ldexpf(1.0f, E), ldexpf(1.0f, E + 1)};
+        double err[2] = {0.0, 0.0};
+        const int64_t cb = c0 + b * bc, len = cb >= K ? 0 : (cb + bc < K ? bc : K - cb);
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t j = 0; j < len; j++) {
+                const float x = load(J->x, J->dt, r * K + cb + j);
+                for (int k = 0; k < 2; k++) {
+                    const double d = (double)elem_value(enc_rne(x * en[k], &J->p), &J->p) * (double)dec[k] - (double)x;
+                    err[k] = err[k] + d * d;
+                }
+            }
+        if (err[1] < err[0]) {
+            stored[b] = (uint8_t)(E + 1 + 127);
             enc[b] = en[1];
         }
     }
@@ -899,6 +938,7 @@ static inline __attribute__((always_inline)) void quantize_chunk(const job_t *J,
                     for (int q = 0; q < 8; q++) enc[b + q] = block_scale(J, amax[b + q], t0 + b + q);
             }
             for (; b < nb; b++) enc[b] = block_scale(J, amax[b], t0 + b);
+            if (J->rule == 2) best_exponents(J, g, c0, nb, amax, t0, enc);
         }
     }
 

@@ -21,6 +21,7 @@ from minifloat.scaling.layout import layout_for
 SOURCES = ("_cpu.c", "_gemv.c")  # as setup.py lists them: its build hashes them in this order
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"fp32": 0, "fp32_given": 1, "e8m0": 2, "e4m3": 3}
+_RULES = {"floor": 0, "rceil": 1, "4over6": 1, "mse": 2}  # the kernel's rule: 1 rounds E8M0 up, or Four Over Six (NVFP4 mode); 2 MX's "mse"
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _I32 = ctypes.c_int32
 
@@ -182,7 +183,7 @@ def _scheme_args(scheme) -> tuple:
     fmt = scheme.element_format
     lut = value_table(E4M3, torch.float32)
     return (
-        (ctypes.pointer(elem_params(fmt)), fmt.bits, _MODES[scheme.scale_format], int(scheme.scale_rule != "floor"),
+        (ctypes.pointer(elem_params(fmt)), fmt.bits, _MODES[scheme.scale_format], _RULES[scheme.scale_rule],
          fmt.max, math.ldexp(1.0, -scheme.margin), rules.as_float32(1.0 / fmt.max)),
         (ctypes.pointer(elem_params(E4M3)), lut.data_ptr()),
         lut,

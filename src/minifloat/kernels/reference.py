@@ -69,7 +69,10 @@ def block_scales(
             stored = torch.where(torch.isnan(tiles).any(dim=(1, 3)), torch.nan, stored)
         stored = torch.where(torch.isnan(stored), torch.nan, stored)  # one NaN (0x7FC00000), as the CPU kernel stores; CUDA's is 0x7FFFFFFF
     elif scheme.scale_format == "e8m0":
-        exp = rules.e8m0_exponent(rules.finite_amax(tiles, dim=(1, 3)), fmt, scheme.scale_rule)
+        block_amax = rules.finite_amax(tiles, dim=(1, 3))
+        exp = rules.e8m0_exponent(block_amax, fmt, "floor" if scheme.scale_rule == "mse" else scheme.scale_rule)
+        if scheme.scale_rule == "mse":
+            exp = _best_exponent(tiles, exp, block_amax, fmt)
         enc = torch.where(torch.isnan(exp), torch.nan, pow2(-exp.nan_to_num().long()).float())
         stored = torch.where(torch.isnan(exp), E8M0.nan_code, exp.nan_to_num() + E8M0.bias).to(torch.uint8)
     else:  # NVFP4: E4M3 block scales under an FP32 tensor scale
@@ -108,24 +111,38 @@ def quantize_on_scales(
     return data, stored, tensor_scale
 
 
+def _block_sq_errors(tiles: torch.Tensor, enc: torch.Tensor, dec: torch.Tensor, fmt) -> torch.Tensor:
+    """Per block, the sum of squared errors of its round-to-nearest codes under the encode scale
+    `enc` (decoded as ``decode(code) · dec``), in float64, summed over the block's rows, then
+    its columns, one by one in that order (the CPU kernel's order, so that both choose alike
+    on near-ties). `enc` and `dec` are (grid rows, grid cols)."""
+    codes = encode_with_bits(tiles * enc[:, None, :, None], fmt, saturate=True, canonical_nan=True)
+    sq = (decode(codes, fmt).double() * dec.double()[:, None, :, None] - tiles.double()).square()
+    sq = sq.permute(0, 2, 1, 3).flatten(2)  # (grid rows, grid cols, block elements in row-major order)
+    total = torch.zeros(sq.shape[:2], dtype=torch.float64, device=sq.device)
+    for i in range(sq.shape[2]):
+        total = total + sq[:, :, i]
+    return total
+
+
 def _four_over_six(tiles: torch.Tensor, six: torch.Tensor, four: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
     """Per block, the E4M3 scale code of the candidate (amax to 6, or to 4) whose round-to-
-    nearest quantization has the smaller sum of squared errors; a tie keeps 6. Each error is
-    ``decode(code) · dec - x`` in float64, summed over the block's rows, then its columns, one
-    by one in that order (the CPU kernel's order, so that both choose alike on near-ties)."""
-    fmt = get_format("e2m1")
+    nearest quantization has the smaller sum of squared errors (`_block_sq_errors`); a tie keeps 6."""
     errors = []
     for stored in (six, four):
-        dec = (decode(stored, E4M3) * tensor_scale)[:, None, :, None]  # as rules.nvfp4_encode_scales inverts it
-        enc = torch.where(dec == 0, 0.0, 1.0 / dec)
-        codes = encode_with_bits(tiles * enc, fmt, saturate=True, canonical_nan=True)
-        sq = (decode(codes, fmt).double() * dec - tiles.double()).square()
-        sq = sq.permute(0, 2, 1, 3).flatten(2)  # (grid rows, grid cols, block elements in row-major order)
-        total = torch.zeros(sq.shape[:2], dtype=torch.float64, device=sq.device)
-        for i in range(sq.shape[2]):
-            total = total + sq[:, :, i]
-        errors.append(total)
+        dec = decode(stored, E4M3) * tensor_scale  # as rules.nvfp4_encode_scales inverts it
+        errors.append(_block_sq_errors(tiles, torch.where(dec == 0, 0.0, 1.0 / dec), dec, get_format("e2m1")))
     return torch.where(errors[1] < errors[0], four, six)
+
+
+def _best_exponent(tiles: torch.Tensor, exp: torch.Tensor, amax: torch.Tensor, fmt) -> torch.Tensor:
+    """The ``"mse"`` E8M0 rule: per block, the floor exponent `exp`, or ``exp + 1`` where the
+    floor clips the amax (``amax · 2^-exp > max``, exp < 127), whichever quantizes the block with
+    the smaller sum of squared errors (`_block_sq_errors`); a tie keeps the floor."""
+    e = exp.nan_to_num()
+    clips = (amax * pow2(-e.long()).float() > fmt.max) & (e < 127)
+    errors = [_block_sq_errors(tiles, pow2(-k.long()).float(), pow2(k.long()).float(), fmt) for k in (e, e + 1)]
+    return torch.where(clips & (errors[1] < errors[0]), exp + 1, exp)
 
 
 def dequantize(

@@ -169,7 +169,8 @@ class MXScaling(Recipe):
     """OCP MX block scaling of every operand: 32 elements per E8M0 scale.
 
     `element` quantizes input and weight, `grad_element` (default: `element`) grad_output;
-    `scale_rule` is ``"floor"`` (OCP MX v1.0 §6.3) or ``"rceil"`` (NVIDIA). The published fixes
+    `scale_rule` is ``"floor"`` (OCP MX v1.0 §6.3), ``"rceil"`` (NVIDIA) or ``"mse"`` (per block
+    the floor exponent or the one above, whichever errs less: `Scheme`). The published fixes
     of MXFP4 training, each a switch: `rht` a random Hadamard transform (16 wide, signs from
     `rht_seed`) on both operands of the weight-gradient GEMM, as NVFP4's; `stochastic_rounding`
     of grad_output; `rht_size` the transform's width (16 as NVFP4's, or 32: one MX block);
@@ -280,6 +281,7 @@ RECIPES: dict[str, Recipe] = {
     "mxfp4-rht": MXScaling(element="e2m1", rht=True),
     "mxfp4-sr": MXScaling(element="e2m1", stochastic_rounding=True, grad_scale_rule="rceil"),
     "mxfp4-tseng-fwd": MXScaling(element="e2m1", rht=True, forward_rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
+    "mxfp4-tseng-mse": MXScaling(element="e2m1", scale_rule="mse", rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
     "nvfp4": NVFP4BlockScaling(),
     "nvfp4-4over6": NVFP4BlockScaling(four_over_six=True),
 }
