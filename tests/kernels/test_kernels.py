@@ -195,6 +195,23 @@ def test_four_over_six_fast_equals_reference(base, shape, dtype, rounding):
     assert_same(fast(finite, scheme, amax=torch.tensor(7.0)), ref(finite, scheme, amax=torch.tensor(7.0)))
 
 
+@pytest.mark.parametrize("base", ["mxfp4", "mxfp6_e3m2", "mxfp8"])
+@pytest.mark.parametrize("shape", [(7, 300), (130, 129), (33, 4500)])
+@pytest.mark.parametrize(("dtype", "rounding"), [(torch.float32, "nearest"), (torch.bfloat16, "nearest"),
+                                                 (torch.float32, "stochastic")])  # fmt: skip
+def test_mse_exponent_fast_equals_reference(base, shape, dtype, rounding):
+    """The "mse" E8M0 rule's per-block choice in the kernel (zero, NaN, inf and subnormal blocks,
+    padding, bf16, stochastic rounding after a round-to-nearest choice) equals the reference's."""
+    scheme = get_scheme(base).replace(scale_rule="mse")
+    x = special_input(shape, dtype, seed=sum(shape))
+    a = fast(x, scheme, rounding=rounding, generator=torch.Generator().manual_seed(2))
+    b = ref(x, scheme, rounding=rounding, generator=torch.Generator().manual_seed(2))
+    assert_same(a, b)
+    finite = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert_same(fast(finite, scheme), ref(finite, scheme))
+    assert not torch.equal(fast(finite, scheme)[1], fast(finite, scheme.replace(scale_rule="floor"))[1])
+
+
 def test_stochastic_rounding_does_not_depend_on_the_thread_count():
     """The random bits are a function of (seed, element index), not of the thread schedule."""
     x = torch.randn(512, 640)
