@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import minifloat
+from minifloat.infer.config import QuantConfig
 from minifloat.recipes import MXScaling
 
 ELEMENTS = {"e2m1": (ml_dtypes.float4_e2m1fn, 6.0, 2), "e2m3": (ml_dtypes.float6_e2m3fn, 7.5, 2),
@@ -55,3 +56,11 @@ def test_the_rule_is_mx_only_and_a_recipe_field():
     assert r.scheme("input").scale_rule == r.scheme("weight").scale_rule == "mse"
     assert r.scheme("grad_output").scale_rule == "rceil"  # stochastic rounding keeps its rounded-up scales
     assert minifloat.get_recipe(r.to_dict()) == r and isinstance(r, MXScaling)
+
+
+def test_a_ptq_config_takes_the_rule_for_its_mx_schemes():
+    c = QuantConfig(name="mxfp4-mse", weight="mxfp4", activation="mxfp4", scale_rule="mse")
+    assert c.weight_scheme.scale_rule == c.activation_scheme.scale_rule == "mse"
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
+    err = {r: (minifloat.quantize(w, c.weight_scheme.replace(scale_rule=r)).dequantize() - w).square().sum() for r in ("rceil", "mse")}
+    assert err["mse"] < err["rceil"]

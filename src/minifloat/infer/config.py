@@ -67,7 +67,7 @@ class QuantConfig:
     weight: str
     activation: str | None = None
     static: bool = False
-    scale_rule: str | None = None  # MX: "floor" (OCP) or "rceil"; NVFP4: "4over6"; None: the schemes' own
+    scale_rule: str | None = None  # MX: "floor" (OCP), "rceil" or "mse"; NVFP4: "4over6"; None: the schemes' own
     # NVFP4 weights: a power-of-two global scale, which every reader decodes bit for bit
     # (compressed-tensors divides by it and rounds to bf16); off by default, as it costs accuracy
     # (README, Performance)
@@ -111,7 +111,7 @@ class QuantConfig:
 
     def _scheme(self, name: str) -> Scheme:
         s = get_scheme(name)
-        applies = s.is_mx if self.scale_rule in ("floor", "rceil") else s.is_nvfp4  # "4over6": NVFP4's block scales
+        applies = s.is_mx if self.scale_rule in ("floor", "rceil", "mse") else s.is_nvfp4  # "4over6": NVFP4's block scales
         if self.scale_rule is None or not applies or s.scale_rule == self.scale_rule:
             return s
         return s.replace(name=f"{s.name}_{self.scale_rule}", scale_rule=self.scale_rule)
