@@ -330,7 +330,7 @@ def test_convert_filter_decides_and_repr_names_the_recipe():
 def test_a_recipe_keeps_its_first_and_last_blocks_in_high_precision(caplog):
     """MXScaling(high_precision_first=1, high_precision_last=2): of the model's list of 5 blocks,
     blocks 0, 3 and 4 keep torch's Linears, each named in the log; the layers outside the list
-    (the head) follow the usual rule; a model without a list of blocks is a clear error."""
+    (the head) follow the usual rule; a model without a list of blocks is quantized whole, with a warning."""
     blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32))
                                  for _ in range(5))  # fmt: skip
     norms = torch.nn.ModuleList(torch.nn.LayerNorm(32) for _ in range(7))  # longer, but holds no Linear
@@ -341,8 +341,12 @@ def test_a_recipe_keeps_its_first_and_last_blocks_in_high_precision(caplog):
     quantized = {n for n, m in model.named_modules() if isinstance(m, minifloat.nn.Linear)}
     assert quantized == {"blocks.1.0", "blocks.1.2", "blocks.2.0", "blocks.2.2", "head"}
     assert "keeping blocks.4.2 (32, 32) in high precision (the recipe keeps blocks blocks.0, blocks.3, blocks.4)" in caplog.text
-    with pytest.raises(minifloat.MinifloatError, match="has no nn.ModuleList of blocks; set high_precision_first=0"):
-        minifloat.convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe)
+    caplog.clear()
+    plain = minifloat.convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe)  # no blocks to keep: said, and all quantized
+    assert isinstance(plain[0], minifloat.nn.Linear) and "has no nn.ModuleList of blocks: every Linear is quantized" in caplog.text
+    two = torch.nn.ModuleDict({"blocks": torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))})
+    minifloat.convert(two, recipe)  # 1 + 2 blocks asked of 2: all kept, and said
+    assert not any(isinstance(m, minifloat.nn.Linear) for m in two.modules()) and "all 2 blocks of blocks" in caplog.text
     with pytest.raises(minifloat.MinifloatError, match="high_precision_last=...\\) takes a whole number of blocks ≥ 0, got -1"):
         MXScaling(element="e2m1", high_precision_last=-1)
     with pytest.raises(minifloat.MinifloatError, match="rht_size=...\\) takes 16 or 32 .* got 8"):

@@ -34,7 +34,8 @@ def test_block_and_mx_recipes_quantize_along_blocks_of_the_published_sizes():
     g = tseng.scheme("grad_output")
     assert (g.rounding, g.scale_rule, tseng.scheme("input").name, tseng.rht) == ("stochastic", "rceil", "mxfp4", True)
     assert get_recipe("mxfp4-rtn") == MXScaling(element="e2m1")
-    assert get_recipe("mxfp4") == tseng  # the fixes measured best are the default; the old behaviour is mxfp4-rtn
+    # the fixes measured best are the default: Tseng et al.'s and the first block kept; the old behaviour is mxfp4-rtn
+    assert get_recipe("mxfp4") == dataclasses.replace(tseng, high_precision_first=1) and tseng.high_precision_first == 0
     hybrid = get_recipe("mxfp6-hybrid")  # FP8's hybrid, in FP6: precision forward, range for gradients
     assert [hybrid.scheme(role).name for role in ("input", "weight", "grad_output")] == ["mxfp6_e2m3", "mxfp6_e2m3", "mxfp6_e3m2"]
 

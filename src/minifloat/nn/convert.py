@@ -109,7 +109,7 @@ def convert(
         if fqn in unused:
             log.info("minifloat.convert: keeping %s in high precision (nn.MultiheadAttention never calls its forward)", fqn)
             continue
-        if fqn.startswith(kept):
+        if f"{fqn}.".startswith(kept):  # inside a kept block, or the block itself (a list of Linears)
             keep_high, reason = True, f"the recipe keeps blocks {', '.join(k.rstrip('.') for k in kept)}"
         elif filter is not None:
             keep_high = not filter(fqn, module)
@@ -136,12 +136,16 @@ def kept_blocks(model: torch.nn.Module, recipe: Recipe) -> tuple[str, ...]:
         return ()
     lists = [(fqn, m) for fqn, m in model.named_modules()
              if isinstance(m, torch.nn.ModuleList) and any(isinstance(x, torch.nn.Linear) for x in m.modules())]  # fmt: skip
-    if not lists:
-        raise MinifloatError(f"the recipe keeps its first {first} / last {last} blocks in high precision, but this "
-                             f"{type(model).__name__} has no nn.ModuleList of blocks; set high_precision_first=0 and "
-                             "high_precision_last=0, and choose the layers with convert(filter=...)")  # fmt: skip
+    if not lists:  # a warning, not an error: `mxfp4` keeps its first block by default, and a plain model has none
+        log.warning("minifloat.convert: the recipe keeps its first %d / last %d blocks in high precision, but this %s has "
+                    "no nn.ModuleList of blocks: every Linear is quantized (choose the layers with convert(filter=...))",
+                    first, last, type(model).__name__)  # fmt: skip
+        return ()
     fqn, blocks = max(lists, key=lambda item: len(item[1]))
     n = len(blocks)
+    if first + last >= n:
+        log.warning("minifloat.convert: the recipe keeps its first %d / last %d blocks in high precision: all %d blocks of %s",
+                    first, last, n, fqn or "the model")  # fmt: skip
     return tuple(f"{fqn}.{i}." if fqn else f"{i}." for i in range(n) if i < first or i >= n - last)
 
 

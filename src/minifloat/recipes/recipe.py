@@ -273,8 +273,8 @@ RECIPES: dict[str, Recipe] = {
     "mxfp6-hybrid": MXScaling(element="e2m3", grad_element="e3m2"),  # as FP8's hybrid: precision forward, range for gradients
     # MXFP4 with the published fixes that measured best (README: 3 seeds, 600 steps, small GPT):
     # Tseng et al.'s — a random Hadamard transform on the weight-gradient GEMM, stochastic rounding
-    # of gradients on rounded-up scales
-    "mxfp4": MXScaling(element="e2m1", rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
+    # of gradients on rounded-up scales — and the first block left in high precision
+    "mxfp4": MXScaling(element="e2m1", rht=True, stochastic_rounding=True, grad_scale_rule="rceil", high_precision_first=1),
     "mxfp4-rtn": MXScaling(element="e2m1"),  # round to nearest everywhere, floor scales: OCP MX as specified
     "mxfp4-tseng": MXScaling(element="e2m1", rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
     "mxfp4-tseng-rht32": MXScaling(element="e2m1", rht=True, rht_size=32, stochastic_rounding=True, grad_scale_rule="rceil"),
