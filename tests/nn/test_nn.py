@@ -341,6 +341,9 @@ def test_a_recipe_keeps_its_first_and_last_blocks_in_high_precision(caplog):
     quantized = {n for n, m in model.named_modules() if isinstance(m, minifloat.nn.Linear)}
     assert quantized == {"blocks.1.0", "blocks.1.2", "blocks.2.0", "blocks.2.2", "head"}
     assert "keeping blocks.4.2 (32, 32) in high precision (the recipe keeps blocks blocks.0, blocks.3, blocks.4)" in caplog.text
+    policy = torch.nn.ModuleDict({"blocks": copy.deepcopy(blocks)})
+    minifloat.convert(policy, {"*": recipe})  # a policy names its layers: the recipe's kept blocks do not override it
+    assert all(isinstance(m, minifloat.nn.Linear) for m in policy.modules() if isinstance(m, torch.nn.Linear))
     caplog.clear()
     plain = minifloat.convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe)  # no blocks to keep: said, and all quantized
     assert isinstance(plain[0], minifloat.nn.Linear) and "has no nn.ModuleList of blocks: every Linear is quantized" in caplog.text

@@ -432,6 +432,10 @@ def test_high_precision_last_blocks_and_head_stay_unquantized():
     assert isinstance(first.blocks[1].mlp.fc, minifloat.nn.Linear) and not isinstance(first.blocks[0].mlp.fc, minifloat.nn.Linear)
     with pytest.raises(minifloat.MinifloatError, match="--high-precision-first 3: the tiny model has 2 blocks"):
         _cfg(high_precision_first=3)
+    # mxfp4 keeps its first block by its recipe, as --high-precision-first 1 does for mxfp4-tseng: the same model
+    by_recipe, by_flag = build_model(_cfg(precision="mxfp4")), build_model(_cfg(precision="mxfp4-tseng", high_precision_first=1))
+    kinds = [{f: type(m) for f, m in model.named_modules() if isinstance(m, torch.nn.Linear)} for model in (by_recipe, by_flag)]
+    assert kinds[0] == kinds[1] and kinds[0]["blocks.0.attn.qkv"] is torch.nn.Linear and kinds[0]["blocks.1.attn.qkv"] is minifloat.nn.Linear
 
 
 @pytest.mark.parametrize(

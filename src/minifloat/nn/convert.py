@@ -77,7 +77,9 @@ def convert(
 
     `recipe` may be a policy: a mapping of module-name globs to recipes (None: high precision),
     first match wins, e.g. ``{"*.attn.*": "fp8", "*.mlp.*": "nvfp4", "lm_head": None}``; a layer
-    no rule matches stays in high precision. Each layer's rule is logged."""
+    no rule matches stays in high precision. Each layer's rule is logged. A recipe's own
+    ``high_precision_first`` / ``high_precision_last`` blocks (`kept_blocks`) stay in high
+    precision, except under a policy, which names its layers itself."""
     if not isinstance(model, torch.nn.Module):
         raise MinifloatError(f"convert() takes a torch.nn.Module, got {type(model).__name__}")
     policy = _policy(recipe)
@@ -94,10 +96,16 @@ def convert(
                     chosen[fqn] = r
         for r in {id(r): r for r in chosen.values()}.values():
             group = {f for f, x in chosen.items() if x is r}
-            convert(model, r, filter=lambda f, m, group=group: f in group, backend=backend)
+            # the policy names its layers: a recipe's kept blocks (mxfp4's first) do not override it
+            _convert_layers(model, r, (), lambda f, m, group=group: f in group, backend)
         return model
-    recipe = policy
-    kept = kept_blocks(model, recipe)
+    return _convert_layers(model, policy, kept_blocks(model, policy), filter, backend)
+
+
+def _convert_layers(model: torch.nn.Module, recipe: Recipe, kept: tuple[str, ...],
+                    filter: Callable[[str, torch.nn.Module], bool] | None, backend: str) -> torch.nn.Module:  # fmt: skip
+    """`convert` with one recipe: its Linears but those under the `kept` block prefixes and those
+    `filter` refuses (or, with no filter, those the recipe cannot quantize)."""
     targets = []
     # nn.MultiheadAttention passes out_proj's Parameters to F.multi_head_attention_forward and
     # never calls its forward: converting it would quantize nothing while saying it does
