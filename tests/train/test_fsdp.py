@@ -182,3 +182,6 @@ def test_a_wrapped_weight_is_its_value_under_every_op():
         QuantizedGatherWeight(t, minifloat.get_scheme("nvfp4"))
     with pytest.raises(minifloat.MinifloatError, match="in_features a multiple of 32"):
         gather_quantized(minifloat.convert(torch.nn.Sequential(torch.nn.Linear(48, 32)), "mxfp8"))
+    rotated = minifloat.recipes.MXScaling(element="e4m3", forward_rht=True)  # its forward quantizes the rotated weight
+    with pytest.raises(minifloat.MinifloatError, match="forward_rht recipe quantizes the rotated weight"):
+        gather_quantized(minifloat.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)), rotated))
