@@ -619,7 +619,7 @@ typedef struct {
     int64_t R, K, Kp, br, bc, ngc, row_bytes, cw;
     elem_t p, e4m3;
     vconst_t k, k4m3;
-    int bits, mode, rule, sr, no_nan; /* no_nan: the caller knows x holds no NaN */
+    int bits, mode, rule, sr, no_nan; /* rule: E8M0 0 floor, 1 rceil, 2 mse; NVFP4 1 Four Over Six. no_nan: the caller knows x holds no NaN */
     float fmt_max, margin_mul, inv_max, s_enc, s_dec;
     const float *given, *e4m3_lut, *tile_amax; /* tile_amax: block maxima from mf_block_amax, or NULL */
     int64_t gs_r, gs_c;
@@ -777,16 +777,6 @@ static void four_over_six(const job_t *J, int64_t g, int64_t c0, int64_t nb, con
     }
 }
 
-/* The value of element code c (sign, exponent, mantissa from the format's parameters): what
- * reference's decode gives for a finite code. */
-static inline float elem_value(uint32_t c, const elem_t *p) {
-    const uint32_t mag = c & ((uint32_t)p->sign_mask - 1u), e = mag >> p->man_bits, m = mag & ((1u << p->man_bits) - 1u);
-    /* the significand times 2^k, k = exponent - man_bits: a normal float32 for every element format */
-    const int k = e == 0 ? p->emin - p->man_bits : (int)e + p->emin - 1 - p->man_bits;
-    const float v = (float)(e == 0 ? m : m | (1u << p->man_bits)) * u2f((uint32_t)(k + 127) << 23);
-    return (c & (uint32_t)p->sign_mask) ? -v : v;
-}
-
 /* The "mse" E8M0 rule (rule 2; block_scale stored the floor exponent E): per block whose amax
  * the floor clips (amax * 2^-E > max, E < 127), the exponent E + 1 replaces E where the block's
  * round-to-nearest codes under it have the smaller sum of squared errors; a tie keeps E. Each
@@ -797,42 +787,38 @@ static void best_exponents(const job_t *J, int64_t g, int64_t c0, int64_t nb, co
                            float *enc) {
     const int64_t br = J->br, bc = J->bc, K = J->K, r0 = g * br, r1 = r0 + br < J->R ? r0 + br : J->R;
     uint8_t *stored = (uint8_t *)J->scale_out + t0;
-    const elem_t p = J->p; /* locals: the stores through stored (uint8_t) could alias J's fields */
-    const void *x0 = J->x;
+    const void *x0 = J->x; /* locals: the stores through stored (uint8_t) could alias J's fields */
     const int dt = J->dt;
     const float fmt_max = J->fmt_max;
-    const dconst_t dc = dconst(&p, J->bits);
+    const dconst_t dc = dconst(&J->p, J->bits);
     for (int64_t b = 0; b < nb; b++) {
         const int E = (int)stored[b] - 127;
         if (stored[b] == 0xFF || E >= 127 || !(amax[b] * enc[b] > fmt_max)) continue;
         const float en[2] = {enc[b], enc[b] * 0.5f}, dec[2] = {ldexpf(1.0f, E), ldexpf(1.0f, E + 1)};
         double err[2] = {0.0, 0.0};
         const int64_t cb = c0 + b * bc, len = cb >= K ? 0 : (cb + bc < K ? bc : K - cb);
-        for (int64_t r = r0; r < r1; r++) {
-            int64_t j = 0;
-            for (; j + 8 <= len; j += 8) { /* 8 codes encoded and decoded at once; the sums stay in order */
-                const v8f xv = ld8_any(x0, dt, r * K + cb + j);
-                float xs[8], q[2][8];
-                memcpy(xs, &xv, 32);
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t j = 0; j < len; j += 8) { /* 8 codes encoded and decoded at once; the sums stay in order */
+                const int n = len - j < 8 ? (int)(len - j) : 8; /* a partial block's last lanes: zeros, not summed */
+                float xs[8] = {0}, q[2][8];
+                if (n == 8) {
+                    const v8f v = ld8_any(x0, dt, r * K + cb + j);
+                    memcpy(xs, &v, 32);
+                } else
+                    for (int l = 0; l < n; l++) xs[l] = load(x0, dt, r * K + cb + j + l);
+                v8f xv;
+                memcpy(&xv, xs, 32);
                 for (int k = 0; k < 2; k++) {
                     v8i top = {0}, special = {0};
                     const v8f qv = dec8(enc8(xv * en[k], &J->k, &top), &dc, &special);
                     memcpy(q[k], &qv, 32);
                 }
-                for (int l = 0; l < 8; l++)
+                for (int l = 0; l < n; l++)
                     for (int k = 0; k < 2; k++) {
                         const double d = (double)q[k][l] * (double)dec[k] - (double)xs[l];
                         err[k] = err[k] + d * d;
                     }
             }
-            for (; j < len; j++) {
-                const float x = load(x0, dt, r * K + cb + j);
-                for (int k = 0; k < 2; k++) {
-                    const double d = (double)elem_value(enc_rne(x * en[k], &p), &p) * (double)dec[k] - (double)x;
-                    err[k] = err[k] + d * d;
-                }
-            }
-        }
         if (err[1] < err[0]) {
             stored[b] = (uint8_t)(E + 1 + 127);
             enc[b] = en[1];

@@ -21,7 +21,8 @@ A recipe is a frozen value, built by name (`get_recipe("mxfp8")`) or by hand, JS
 - `MXScaling` (``"mxfp8"``, ``"mxfp6"`` (E2M3, what measured best), ``"mxfp6-e2m3"``, ``"mxfp6-e3m2"``, ``"mxfp6-hybrid"``
   (E2M3 input and weight, E3M2 grad_output), ``"mxfp4"``): OCP MX, 32-element
   blocks along the reduction dimension with E8M0 scales, for every operand; ``"mxfp4"`` with
-  Tseng et al.'s fixes (``"mxfp4-rtn"``: as OCP MX specifies, round to nearest everywhere).
+  Tseng et al.'s fixes and its first block kept in high precision (``"mxfp4-tseng"``: the fixes
+  alone; ``"mxfp4-rtn"``: as OCP MX specifies, round to nearest everywhere).
 - `NVFP4BlockScaling` (``"nvfp4"``): NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149):
   1×16 blocks with E4M3 scales and an FP32 tensor scale, 16×16 weight blocks, a 16-point
   random Hadamard transform on the weight-gradient GEMM's operands and stochastic rounding of
