@@ -103,7 +103,7 @@ def test_bench_train_times_recipes_against_baselines(capsys):
 
 
 def test_bench_train_skips_an_emulated_bf16_baseline_unless_asked(capsys, monkeypatch):
-    import minifloat.experiments.bench as bench
+    import minifloat.measure.bench as bench
 
     assert bench.train_baselines(None, slowdown=lambda: 1.5) == (("bf16", "fp32", "torchao"), None)
     assert bench.train_baselines(True, slowdown=lambda: 100.0) == (("bf16", "fp32", "torchao"), None)
@@ -172,7 +172,7 @@ def test_train_and_compare_defaults_are_the_libraries():
 
     from minifloat.cli import build_parser
     from minifloat.cli.train import config_from_args
-    from minifloat.experiments.compare import DEFAULT_PRECISIONS
+    from minifloat.measure.compare import DEFAULT_PRECISIONS
     from minifloat.train import TrainConfig
 
     assert config_from_args(build_parser().parse_args(["train"])) == TrainConfig()

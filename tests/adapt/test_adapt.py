@@ -20,7 +20,7 @@ from minifloat.adapt import (
 )
 from minifloat.adapt.auto import uniform_bits
 from minifloat.infer import evaluate, quantize_model
-from minifloat.train.model import GPT, GPTConfig
+from minifloat.models.gpt import GPT, GPTConfig
 
 
 def brute(options, budget):

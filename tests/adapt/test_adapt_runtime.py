@@ -21,11 +21,11 @@ from minifloat.adapt.memory import MemoryPolicy, moves
 from minifloat.adapt.sensitivity import sensitivity
 from minifloat.adapt.token import TokenPolicy, TokenPrecisionLinear, activation_bits, token_precision
 from minifloat.infer import QuantizedLinear, quantize_model
-from minifloat.infer.accounting import kv_bytes
-from minifloat.infer.config import get_quant_config
-from minifloat.infer.kvcache import KVCache
-from minifloat.infer.ptq import model_bytes
-from minifloat.train.model import GPT, GPTConfig
+from minifloat.infer.generation.cache import kv_bytes
+from minifloat.infer.generation.kvcache import KVCache
+from minifloat.infer.ptq.config import get_quant_config
+from minifloat.infer.quantize import model_bytes
+from minifloat.models.gpt import GPT, GPTConfig
 from tests.reachable import reachable_storage_bytes
 
 

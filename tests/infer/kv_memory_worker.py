@@ -7,7 +7,7 @@ import sys
 import torch
 import transformers
 
-from minifloat.infer.hf_cache import quantized_cache
+from minifloat.infer.generation.hf_cache import quantized_cache
 
 
 def _status(field: str) -> int:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minifloat.infer import QuantizedLinear, bits_per_weight, layer_bytes, quantize_model
-from minifloat.infer.accounting import linear_weight_bytes, weight_layers
+from minifloat.infer.modules.accounting import linear_weight_bytes, weight_layers
 
 
 def _llama(tied: bool):

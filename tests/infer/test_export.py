@@ -266,7 +266,7 @@ def test_calibrated_kv_scales_are_exported_as_vllm_reads_them(tmp_path):
     from safetensors.torch import load_file
 
     from minifloat.infer import calibrate_kv
-    from minifloat.infer.hf_cache import quantized_cache
+    from minifloat.infer.generation.hf_cache import quantized_cache
 
     model = tiny_llama(hidden=128, inter=256)
     scales = calibrate_kv(model, [IDS])

@@ -10,9 +10,9 @@ import torch
 
 import minifloat
 from minifloat.infer import KV_FORMATS, KVCache, generate
-from minifloat.infer.decoding import probabilities
+from minifloat.infer.generation.decoding import probabilities
 from minifloat.kernels import reference
-from minifloat.train.model import GPT, GPTConfig
+from minifloat.models.gpt import GPT, GPTConfig
 from tests.conftest import requires_cuda
 from tests.reachable import reachable_storage_bytes
 
@@ -212,7 +212,7 @@ def tiny_llama(seed=0):
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp8", "nvfp4"])
 def test_a_transformers_llama_decodes_with_the_quantized_cache(fmt):
-    from minifloat.infer.hf_cache import quantized_cache
+    from minifloat.infer.generation.hf_cache import quantized_cache
 
     model = tiny_llama()
     seq = prompt(4, 30)

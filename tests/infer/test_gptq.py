@@ -9,11 +9,11 @@ import torch
 
 import minifloat
 from minifloat.infer import QuantizedLinear, get_quant_config, quantize_model
-from minifloat.infer.gptq import GPTQConfig, gptq
-from minifloat.infer.method import PTQMethod, resolve_method
-from minifloat.infer.rotation import HadamardRotation
-from minifloat.infer.scales import observe_scales
-from minifloat.infer.smoothing import Smoothing, fold_into_norm, smoothing_factors
+from minifloat.infer.ptq.gptq import GPTQConfig, gptq
+from minifloat.infer.ptq.method import PTQMethod, resolve_method
+from minifloat.infer.ptq.rotation import HadamardRotation
+from minifloat.infer.ptq.scales import observe_scales
+from minifloat.infer.ptq.smoothing import Smoothing, fold_into_norm, smoothing_factors
 from minifloat.quant import block_scales, quantize, quantize_with_scales
 from minifloat.scaling.schemes import get_scheme
 from tests.conftest import ML_DTYPES

@@ -10,7 +10,7 @@ import torch
 
 import minifloat
 from minifloat.infer import QUANT_CONFIGS, QuantizedLinear, calibrate, get_quant_config, quantize_model
-from minifloat.train.model import GPT, GPTConfig
+from minifloat.models.gpt import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
 

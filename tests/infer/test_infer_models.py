@@ -19,9 +19,9 @@ from minifloat.infer import (
     quantize_model,
     token_batches,
 )
+from minifloat.models.gpt import GPT, GPTConfig
 from minifloat.train.config import TrainConfig
 from minifloat.train.loop import train
-from minifloat.train.model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -51,7 +51,7 @@ def test_a_trained_gpt_is_exported_and_read_by_transformers(trained, tmp_path):
     assert isinstance(gpt, GPT) and not gpt.training
     opt = gpt_to_transformers(gpt)
     quantize_model(opt, "mxfp8")
-    out = minifloat.infer.export(opt, tmp_path / "ckpt")
+    out = minifloat.infer.checkpoints.export(opt, tmp_path / "ckpt")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         out, quantization_config=transformers.utils.quantization_config.CompressedTensorsConfig(dequantize=True))  # fmt: skip
     sd = hf.state_dict()
@@ -232,8 +232,8 @@ def test_adapt_strategies_write_their_tradeoff(trained, tmp_path, capsys, strate
 
 
 def test_a_registered_loader_and_the_adapters(tmp_path):
-    from minifloat.infer import models
-    from minifloat.infer.adapter import adapter_for
+    from minifloat.models import loading as models
+    from minifloat.models.adapter import adapter_for
 
     transformers = pytest.importorskip("transformers")
     (tmp_path / "m.tiny").write_text("tiny")

@@ -8,8 +8,9 @@ import torch
 
 import minifloat
 from minifloat.infer import KVCache
-from minifloat.infer.adapter import adapter_for
-from minifloat.infer.kvcache import parse_kv_spec
+from minifloat.infer.generation.cache import new_cache
+from minifloat.infer.generation.kvcache import parse_kv_spec
+from minifloat.models.adapter import adapter_for
 from minifloat.quant import hadamard_matrix, quantize
 from tests.reachable import reachable_storage_bytes
 
@@ -26,7 +27,7 @@ def llama():
 @torch.no_grad()
 def decode_logits(model, ids, fmt, **kw):
     adapter = adapter_for(model)
-    cache = adapter.new_cache(fmt, **kw)
+    cache = new_cache(adapter, fmt, **kw)
     rows = [adapter.forward(ids[:, :8], cache)[0]]
     for t in range(8, ids.shape[1]):
         rows.append(adapter.forward(ids[:, t : t + 1], cache)[0])
@@ -115,7 +116,7 @@ def test_bad_options_are_clear_errors():
 
 
 def test_bench_decode_measures_each_option():
-    from minifloat.experiments.bench_decode import kv_quality
+    from minifloat.measure.bench_decode import kv_quality
 
     model = llama()
     text = torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(4))

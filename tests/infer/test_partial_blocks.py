@@ -18,7 +18,7 @@ from minifloat.infer import (
     load_quantized,
     quantize_model,
 )
-from minifloat.infer.kvcache import KVCache, kv_format
+from minifloat.infer.generation.kvcache import KVCache, kv_format
 from minifloat.recipes import RECIPES, get_recipe
 from tests.quant.test_quantize import oracle
 

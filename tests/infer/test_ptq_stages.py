@@ -7,8 +7,8 @@ import torch
 
 import minifloat
 from minifloat.infer import QuantizedLinear, get_quant_config, quantize_model
-from minifloat.infer.observers import observe
-from minifloat.infer.rtn import round_to_nearest
+from minifloat.infer.ptq.observers import observe
+from minifloat.infer.ptq.rtn import round_to_nearest
 from minifloat.kernels import reference
 
 
@@ -91,4 +91,4 @@ def test_a_rotation_transform_keeps_the_product_and_is_not_exported(tmp_path):
 
     quantize_model(llama, "fp8-weight-only", transform=any_rotation)
     with pytest.raises(minifloat.MinifloatError, match="transforms its input before the GEMM"):
-        minifloat.infer.export(llama, tmp_path / "out")
+        minifloat.infer.checkpoints.export(llama, tmp_path / "out")

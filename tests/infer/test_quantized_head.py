@@ -18,8 +18,8 @@ from minifloat.infer import (
     model_bytes,
     quantize_model,
 )
-from minifloat.infer.config import weight_only
-from minifloat.infer.embedding import QuantizedEmbedding
+from minifloat.infer.modules.embedding import QuantizedEmbedding
+from minifloat.infer.ptq.config import weight_only
 from minifloat.quant import dequantize_rows, quantize
 from tests.reachable import reachable_storage_bytes
 

@@ -134,7 +134,7 @@ def test_what_the_kernels_do_not_take_goes_to_the_reference(monkeypatch):
 
 
 def test_weight_only_layers_and_w4a4_decode_steps_run_on_the_kernels(monkeypatch):
-    from minifloat.infer.linear import QuantizedLinear
+    from minifloat.infer.modules.linear import QuantizedLinear
 
     calls = []
     real = gemv._library()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import minifloat
-from minifloat.infer.config import QuantConfig
+from minifloat.infer.ptq.config import QuantConfig
 from minifloat.recipes import MXScaling
 
 ELEMENTS = {"e2m1": (ml_dtypes.float4_e2m1fn, 6.0, 2), "e2m3": (ml_dtypes.float6_e2m3fn, 7.5, 2),

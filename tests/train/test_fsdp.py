@@ -80,7 +80,7 @@ def test_sharded_fp8_states_and_bf16_masters_resume_bit_for_bit_and_refuse_anoth
     single process's (they differ only in the stochastic rounding's bits), a 3-step run resumed to
     6 steps equals a 6-step run bit for bit (losses and the saved FP32 masters), and resuming
     with another number of processes is refused by name."""
-    from minifloat.train import checkpoint
+    from minifloat import checkpoint
 
     def args(steps):
         return ["--model", "tiny", "--precision", "fp8", "--steps", str(steps), "--batch-size", "4", "--seq-len", "32",

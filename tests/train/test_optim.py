@@ -161,7 +161,7 @@ def test_state_bytes_per_parameter_and_bad_arguments():
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-dre"])
 def test_training_with_quantized_states_resumes_bit_for_bit(tmp_path, fmt):
-    from minifloat.train import checkpoint
+    from minifloat import checkpoint
     from minifloat.train.config import TrainConfig
     from minifloat.train.loop import train
 
@@ -180,7 +180,7 @@ def test_training_with_quantized_states_resumes_bit_for_bit(tmp_path, fmt):
 def test_a_bf16_remainder_run_checkpoints_its_fp32_masters_and_refuses_another_master(tmp_path):
     """The checkpoint's weights are the FP32 masters (BF16 parameter + remainder, exactly), so it
     serves any precision; resuming with another master or state format is refused by name."""
-    from minifloat.train import checkpoint
+    from minifloat import checkpoint
     from minifloat.train.config import TrainConfig
     from minifloat.train.loop import train
 

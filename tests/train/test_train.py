@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import minifloat
+from minifloat import checkpoint
+from minifloat.data.corpus import get_batch, load_corpus, stdlib_corpus
 from minifloat.gemm import support
+from minifloat.models.gpt import GPT, GPT_SIZES
 from minifloat.nn.rounded import RoundedLinear
-from minifloat.train import checkpoint
 from minifloat.train.config import TrainConfig, lr_at
-from minifloat.train.corpus import get_batch, load_corpus, stdlib_corpus
 from minifloat.train.loop import build_model, evaluate, load_data, train
-from minifloat.train.model import GPT, GPT_SIZES
 from minifloat.train.runlog import read_log
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -352,7 +352,7 @@ def test_a_state_pt_that_needs_full_unpickling_is_refused_even_with_valid_checks
 _KILL_SCRIPT = """
 import os, signal, sys
 import torch
-from minifloat.train import checkpoint
+from minifloat import checkpoint
 from minifloat.train import TrainConfig, train
 real = torch.save
 def save_then_die(obj, path, *a, **k):
@@ -515,7 +515,7 @@ def test_progress_without_tqdm_prints_every_tenth_step_and_the_last(tmp_path, mo
 def test_gpt_is_causal_and_initialised_as_gpt2():
     """A token's logits depend on it and the tokens before it only; weights start at
     N(0, 0.02) with the residual projections at 0.02 / sqrt(2 · n_layer), biases at zero."""
-    from minifloat.train.model import GPTConfig
+    from minifloat.models.gpt import GPTConfig
 
     torch.manual_seed(0)
     c = GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=32)
@@ -627,7 +627,7 @@ def _window_losses(model, split, c, gen, n):
 def test_bf16_uses_torch_autocast_where_the_cpu_has_bf16_units(tmp_path, monkeypatch):
     """Without BF16 units the GEMMs are emulated (RoundedLinear); with them, torch's CPU
     autocast runs plain Linears in BF16. Both compute a BF16 GEMM, so the losses agree closely."""
-    from minifloat.experiments.compare import recipe_description
+    from minifloat.measure.compare import recipe_description
 
     # both halves here, whatever this CPU has: the flags come from a cpuinfo file
     (tmp_path / "avx512").write_text("flags\t\t: fpu sse2 avx2 fma avx512f\n")

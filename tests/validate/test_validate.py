@@ -7,8 +7,8 @@ import pytest
 
 import minifloat
 from minifloat.cli import main
+from minifloat.models.gpt import GPT, get_config
 from minifloat.planner.memory import measured_state, parse_params, plan
-from minifloat.train.model import GPT, get_config
 from minifloat.validate import runner
 
 

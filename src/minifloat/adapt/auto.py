@@ -11,7 +11,7 @@ the embedding, the head or both ends in 8 bits until the same budget is spent â€
 AutoRound's AutoScheme reports at equal average bits ("tail" and "head layers 8-bit").
 
 Example:
-    >>> from minifloat.train.model import GPT, GPTConfig
+    >>> from minifloat.models.gpt import GPT, GPTConfig
     >>> torch.manual_seed(0) and None
     >>> gpt = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)).eval()
     >>> data = [torch.randint(0, 256, (2, 17))]
@@ -33,9 +33,10 @@ import torch
 from minifloat.adapt.knapsack import Solution, solve_bounded
 from minifloat.adapt.sensitivity import DEFAULT_CANDIDATES, Sensitivity, refine, sensitivity
 from minifloat.errors import MinifloatError
-from minifloat.infer.accounting import bits_per_weight, kv_bytes, layer_bytes, model_bytes
-from minifloat.infer.metrics import evaluate
-from minifloat.infer.ptq import calibrate, quantize_model
+from minifloat.infer.evaluation.metrics import evaluate
+from minifloat.infer.generation.cache import kv_bytes
+from minifloat.infer.modules.accounting import bits_per_weight, layer_bytes, model_bytes
+from minifloat.infer.quantize import calibrate, quantize_model
 
 BIT_STEPS = 64  # costs in 1/64 bit per weight
 
@@ -63,8 +64,8 @@ def uniform_bits(model: torch.nn.Module, layers: Sequence[str], candidate: str) 
     """Average bits per weight (codes and scales) of `candidate` on every layer of `layers`, from
     the quantized weights alone â€” no data: a calibrated input scale's value does not change the
     bytes. Lets a command refuse a budget no assignment can meet before it measures anything."""
-    from minifloat.infer.config import get_quant_config
-    from minifloat.infer.linear import QuantizedLinear
+    from minifloat.infer.modules.linear import QuantizedLinear
+    from minifloat.infer.ptq.config import get_quant_config
 
     cfg = get_quant_config(candidate)
     bits = params = 0

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.models import logits_of
+from minifloat.models.loading import logits_of
 
 MEASURES = ("top_prob", "entropy")
 

@@ -23,7 +23,7 @@ lets the old one go, so for that moment one layer's copy more is held (a server 
 much aside).
 
 Example:
-    >>> from minifloat.train.model import GPT, GPTConfig
+    >>> from minifloat.models.gpt import GPT, GPTConfig
     >>> torch.manual_seed(0) and None
     >>> gpt = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)).eval()
     >>> p = MemoryPolicy(gpt, budget_bytes=200_000, low="mxfp4", headroom_tokens=8)
@@ -43,12 +43,13 @@ from collections.abc import Sequence
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.accounting import layer_bytes, model_bytes
-from minifloat.infer.adapter import adapter_for
-from minifloat.infer.config import get_quant_config
-from minifloat.infer.kvcache import KVCache
-from minifloat.infer.linear import QuantizedLinear
-from minifloat.infer.ptq import calibrate
+from minifloat.infer.generation.cache import kv_of, new_cache
+from minifloat.infer.generation.kvcache import KVCache
+from minifloat.infer.modules.accounting import layer_bytes, model_bytes
+from minifloat.infer.modules.linear import QuantizedLinear
+from minifloat.infer.ptq.config import get_quant_config
+from minifloat.infer.quantize import calibrate
+from minifloat.models.adapter import adapter_for
 from minifloat.nn.convert import swap_modules
 
 
@@ -125,8 +126,8 @@ class MemoryPolicy:
 
     def new_sequence(self) -> None:
         """Clear the KV cache (a new request): memory frees, layers may move back up."""
-        self.cache = self.adapter.new_cache(budget_bytes=self.budget_bytes, **self.kv_args)
-        self.kv: KVCache = self.adapter.kv_of(self.cache)  # what the cache holds, every layer
+        self.cache = new_cache(self.adapter, budget_bytes=self.budget_bytes, **self.kv_args)
+        self.kv: KVCache = kv_of(self.cache)  # what the cache holds, every layer
 
     def _move(self, name: str, config, tokens: int) -> None:
         before = self.usage()

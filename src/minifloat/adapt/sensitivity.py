@@ -9,7 +9,7 @@ approximation of that KL. How well the estimate ranks the measurements is the Sp
 correlation over all (layer, candidate) pairs.
 
 Example:
-    >>> from minifloat.train.model import GPT, GPTConfig
+    >>> from minifloat.models.gpt import GPT, GPTConfig
     >>> torch.manual_seed(0) and None
     >>> gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=64)).eval()
     >>> data = [torch.randint(0, 256, (2, 17))]
@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.accounting import layer_bytes
-from minifloat.infer.config import get_quant_config
-from minifloat.infer.linear import QuantizedLinear
-from minifloat.infer.metrics import Quality
-from minifloat.infer.models import logits_of
-from minifloat.infer.ptq import calibrate, matches, why_not
+from minifloat.infer.evaluation.metrics import Quality
+from minifloat.infer.modules.accounting import layer_bytes
+from minifloat.infer.modules.linear import QuantizedLinear
+from minifloat.infer.ptq.config import get_quant_config
+from minifloat.infer.quantize import calibrate, matches, why_not
+from minifloat.models.loading import logits_of
 
 DEFAULT_CANDIDATES = ("fp8-dynamic", "mxfp6", "mxfp4", "nvfp4", "nvfp4-4over6")  # the last: the heuristic's FP4
 

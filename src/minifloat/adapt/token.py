@@ -21,7 +21,7 @@ The cost is the average activation bits per element over every row the layers mu
 (codes and their block or row scales).
 
 Example:
-    >>> from minifloat.train.model import GPT, GPTConfig
+    >>> from minifloat.models.gpt import GPT, GPTConfig
     >>> torch.manual_seed(0) and None
     >>> gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=64)).eval()
     >>> tp = token_precision(gpt, TokenPolicy(sink_tokens=4), high="fp8-dynamic", low="mxfp4")
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.config import QuantConfig, get_quant_config
-from minifloat.infer.linear import QuantizedLinear
-from minifloat.infer.ptq import calibrate, matches, why_not
+from minifloat.infer.modules.linear import QuantizedLinear
+from minifloat.infer.ptq.config import QuantConfig, get_quant_config
+from minifloat.infer.quantize import calibrate, matches, why_not
 from minifloat.nn.convert import swap_modules
 from minifloat.quant import quantize
 

@@ -1,5 +1,5 @@
 """`minifloat adapt --strategy auto` (and `minifloat sensitivity`): per-layer precision of a
-trained model under a bit budget (the work is in `minifloat.experiments.adapt`)."""
+trained model under a bit budget (the work is in `minifloat.measure.adapt`)."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minifloat.experiments.adapt import run_adapt
-    from minifloat.infer.pipeline import TextSource
+    from minifloat.data.text import TextSource
+    from minifloat.measure.adapt import run_adapt
     from minifloat.report.adapt import adapt_table
 
     for name in ("batch_size", "seq_len", "calib_batches", "eval_batches"):
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
     echo = (lambda s: None) if args.json else print
     if getattr(args, "strategy", "auto") != "auto":
-        from minifloat.experiments.adapt import run_strategy
+        from minifloat.measure.adapt import run_strategy
         from minifloat.report.adapt import strategy_table
 
         metrics = run_strategy(args.model, args.out, args.strategy, high=args.high, low=args.low, source=source,

@@ -7,8 +7,8 @@ import sys
 
 from minifloat.cli.defaults import keyword_defaults
 from minifloat.errors import MinifloatError
-from minifloat.experiments import bench
 from minifloat.io import jsonio
+from minifloat.measure import bench
 from minifloat.report.table import cell
 
 QUANTIZE, GEMM, TRAIN = (keyword_defaults(f) for f in (bench.bench_quantize, bench.bench_gemm, bench.bench_train))
@@ -196,13 +196,12 @@ def _gemm(args: argparse.Namespace, reps: int) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
-    from minifloat.experiments import bench_decode as decode
+    from minifloat.data.corpus import load_corpus, stdlib_corpus
+    from minifloat.data.text import token_ids, tokenizer_for
     from minifloat.infer import load_model
-    from minifloat.infer.adapter import adapter_for
-    from minifloat.infer.config import get_quant_config
-    from minifloat.infer.metrics import token_ids
-    from minifloat.infer.pipeline import tokenizer_for
-    from minifloat.train.corpus import load_corpus, stdlib_corpus
+    from minifloat.infer.ptq.config import get_quant_config
+    from minifloat.measure import bench_decode as decode
+    from minifloat.models.adapter import adapter_for
 
     if args.model is None:
         raise MinifloatError("bench decode needs a model: minifloat bench decode MODEL (a run folder, a transformers folder, a .gguf)")
@@ -219,7 +218,7 @@ def _decode(args: argparse.Namespace) -> int:
     model = load_model(args.model).to(device)
     context = adapter_for(model).context_length
     formats = decode.DEFAULT_FORMATS if args.kv_formats is None else tuple(f.strip() for f in args.kv_formats.split(",") if f.strip())
-    from minifloat.infer.kvcache import parse_kv_spec
+    from minifloat.infer.generation.kvcache import parse_kv_spec
 
     for f in formats:  # a bad name fails before the model runs
         parse_kv_spec(f)
@@ -253,7 +252,7 @@ def _decode(args: argparse.Namespace) -> int:
         echo(f"speculative greedy decoding, {len(prompts)} prompts × {new} tokens, each right after plain greedy decoding of the same prompt:")
         calibration = None
         if any(d.endswith("-gptq") for d in drafts):
-            from minifloat.infer.pipeline import TextSource, batches_for
+            from minifloat.data.text import TextSource, batches_for
 
             source = TextSource(data=args.data, batch_size=4, calib_batches=args.draft_calib_batches)
             calibration = batches_for(model, source, "train", tokenizer_for(args.model))

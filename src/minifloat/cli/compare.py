@@ -6,7 +6,7 @@ import argparse
 
 from minifloat.cli.defaults import print_result
 from minifloat.cli.train import add_training_arguments, config_from_args
-from minifloat.experiments.compare import DEFAULT_PRECISIONS
+from minifloat.measure.compare import DEFAULT_PRECISIONS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minifloat.experiments.compare import compare, parse_precisions, run_fields
+    from minifloat.measure.compare import compare, parse_precisions, run_fields
     from minifloat.report.comparison import summary_table
 
     precisions = parse_precisions(args.precisions)

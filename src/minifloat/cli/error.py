@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _load_input(spec: str, size: str, seed: int):
     import torch
 
-    from minifloat.experiments.error_analysis import synthetic
+    from minifloat.measure.error_analysis import synthetic
 
     if spec.split(":")[0].endswith(".safetensors"):
         from safetensors import safe_open
@@ -85,7 +85,7 @@ def _minifloat_entry(path: str, name: str):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from minifloat.experiments.error_analysis import error_report
+    from minifloat.measure.error_analysis import error_report
     from minifloat.scaling.schemes import SCHEMES, get_scheme
 
     label, x = _load_input(args.input, args.size, args.seed)

@@ -10,8 +10,8 @@ from minifloat.io import jsonio
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from minifloat.infer.decoding import DRAFTS
-    from minifloat.infer.kvcache import KV_FORMATS
+    from minifloat.infer.generation.decoding import DRAFTS
+    from minifloat.infer.generation.kvcache import KV_FORMATS
 
     p = sub.add_parser("generate", help="generate text with a KV cache (FP8 / FP4 caches, FP4 self-speculative drafts)")
     p.add_argument("model", help="a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
@@ -59,9 +59,10 @@ def _bytes(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from minifloat.data.text import tokenizer_for
     from minifloat.errors import MinifloatError
     from minifloat.infer import generate, load_model
-    from minifloat.infer.pipeline import quantize_in_memory, tokenizer_for
+    from minifloat.infer.evaluation.pipeline import quantize_in_memory
 
     if not args.prompt:
         raise MinifloatError("--prompt is empty; give some text to continue")

@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minifloat.experiments.devices import describe
+    from minifloat.measure.devices import describe
 
     out = describe()
     if args.json:

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         if o not in OFFLOADABLE:
             raise MinifloatError(f"--offload {o!r}: use {' and/or '.join(OFFLOADABLE)}")
     if args.model:
-        from minifloat.train.model import GPT, get_config
+        from minifloat.models.gpt import GPT, get_config
 
         c = get_config(args.model)
         n = GPT(c).num_params()

@@ -1,5 +1,5 @@
 """`minifloat quantize`, `minifloat eval` and `minifloat ptq-compare`: post-training quantization
-from the command line (the work is in `minifloat.infer` and `minifloat.experiments.ptq_compare`)."""
+from the command line (the work is in `minifloat.infer` and `minifloat.measure.ptq_compare`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 
 from minifloat.cli.defaults import print_result
 from minifloat.errors import MinifloatError
-from minifloat.infer.config import QUANT_CONFIGS
-from minifloat.infer.export import FORMATS
+from minifloat.infer.checkpoints.export import FORMATS
+from minifloat.infer.ptq.config import QUANT_CONFIGS
 from minifloat.io import jsonio
 
 
@@ -21,7 +21,7 @@ def _text_arguments(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _source(args: argparse.Namespace):
-    from minifloat.infer.pipeline import TextSource
+    from minifloat.data.text import TextSource
 
     for name in ("batch_size", "seq_len", "eval_batches", "calib_batches"):
         if getattr(args, name) < 1:
@@ -48,7 +48,7 @@ def _method_arguments(p: argparse.ArgumentParser, methods: bool = False) -> None
 def _method(args: argparse.Namespace, method: str, scheme: str | None, export: bool = False):
     """The `PTQMethod` of `method` for `scheme` with the command line's overrides (`export`: the
     recommended pipeline a checkpoint can hold)."""
-    from minifloat.infer.method import resolve_method
+    from minifloat.infer.ptq.method import resolve_method
 
     return resolve_method(method, scheme or "fp8-dynamic", export=export, observer=args.observer, rotation=args.rotate,
                           smooth=args.smooth, damp=args.damp)  # fmt: skip
@@ -107,7 +107,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from minifloat.infer.pipeline import quantize_checkpoint
+    from minifloat.infer.evaluation.pipeline import quantize_checkpoint
 
     summary = quantize_checkpoint(args.model, args.scheme, args.out, format=args.format, source=_source(args),
                                   overwrite=args.overwrite, quantize_head=args.quantize_head,
@@ -117,7 +117,7 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from minifloat.infer.pipeline import evaluate_paths
+    from minifloat.infer.evaluation.pipeline import evaluate_paths
 
     if args.quantize_head and not args.scheme:
         raise MinifloatError("--quantize-head goes with --scheme (it quantizes the head with that config)")
@@ -139,7 +139,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_ptq_compare(args: argparse.Namespace) -> int:
-    from minifloat.experiments.ptq_compare import ptq_compare
+    from minifloat.measure.ptq_compare import ptq_compare
     from minifloat.report.ptq import ptq_table
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]

@@ -7,9 +7,9 @@ import os
 
 from minifloat.cli.defaults import keyword_defaults
 from minifloat.io import jsonio
+from minifloat.models.gpt import GPT_SIZES
 from minifloat.optim.states import MASTERS, STATE_FORMATS
 from minifloat.train.config import PRECISIONS, TrainConfig
-from minifloat.train.model import GPT_SIZES
 
 DEFAULTS = keyword_defaults(TrainConfig)  # the flags' defaults are TrainConfig's
 

@@ -1,39 +1,44 @@
-"""Inference: post-training quantization of trained models, and the checkpoints serving tools read.
+"""Inference: post-training quantization of trained models, the checkpoints serving tools read,
+generation with packed KV caches, and the figures that say what a format costs. Rooms, bottom up:
 
-- `config`: `QuantConfig` and the named configs (``fp8-dynamic``, ``fp8-block``, ``nvfp4`` …).
-- `linear`: `QuantizedLinear`, a Linear whose weight is a packed `QuantizedTensor`.
-- `ptq`: `calibrate` and `quantize_model`, with its per-layer `QuantizeSummary`.
-- `export` / `load`: compressed-tensors and hf-fp8 checkpoints (`export`, `load_quantized`).
-- `models`: the built-in GPT and transformers models (`load_model`, `gpt_to_transformers`).
-- `kvcache` / `decoding`: packed KV caches, decoding, speculative decoding with an FP4 draft.
-- `metrics`: `evaluate` and `Quality`: perplexity, KL and top-1 against the reference, tokens/s.
-- `accounting`: bytes of models, layers and KV caches; bits per weight over an explicit scope.
-- `adapter`: what each kind of model (built-in GPT, transformers) is to inference.
-- `observers` / `rtn`: the PTQ stages: calibration statistics, round-to-nearest.
+- `ptq/`: the algorithms, each a function from a layer's weight and statistics to quantized
+  parts: `QuantConfig` and its named configs (`config`), observers, scale searches (`scales`),
+  round to nearest (`rtn`), GPTQ, rotations, smoothing, the sequential calibrator, `method`.
+- `modules/`: `QuantizedLinear`, `QuantizedEmbedding`, and the bytes they hold (`accounting`).
+- `checkpoints/`: compressed-tensors and hf-fp8 (`export`, `load_quantized`), `load_model`.
+- `quantize`: `calibrate` and `quantize_model`, the driver that walks a model and swaps layers.
+- `generation/`: `KVCache`, decoding and speculative decoding, the transformers cache bridge.
+- `evaluation/`: `evaluate` and `Quality` (perplexity, KL, top-1); the quantize / eval jobs.
+
+The models themselves (the built-in GPT, the adapters, their loaders) live in `minifloat.models`,
+the text in `minifloat.data`.
 """
 
-from minifloat.infer.accounting import (
+from minifloat.data.text import token_batches
+from minifloat.infer.checkpoints.export import export
+from minifloat.infer.checkpoints.load import load_quantized
+from minifloat.infer.checkpoints.loaders import load_model
+from minifloat.infer.evaluation.metrics import Quality, evaluate
+from minifloat.infer.generation.cache import kv_bytes
+from minifloat.infer.generation.decoding import Generation, calibrate_kv, generate
+from minifloat.infer.generation.kvcache import KV_FORMATS, KVCache
+from minifloat.infer.modules.accounting import (
     bits_per_weight,
-    kv_bytes,
     layer_bytes,
     linear_weight_bytes,
     model_bytes,
 )
-from minifloat.infer.config import QUANT_CONFIGS, QuantConfig, get_quant_config
-from minifloat.infer.decoding import Generation, calibrate_kv, generate
-from minifloat.infer.export import export
-from minifloat.infer.kvcache import KV_FORMATS, KVCache
-from minifloat.infer.linear import QuantizedLinear
-from minifloat.infer.load import load_quantized
-from minifloat.infer.metrics import Quality, evaluate, token_batches
-from minifloat.infer.models import gpt_to_transformers, load_gpt, load_model
-from minifloat.infer.ptq import (
+from minifloat.infer.modules.linear import QuantizedLinear
+from minifloat.infer.ptq.config import QUANT_CONFIGS, QuantConfig, get_quant_config
+from minifloat.infer.quantize import (
     Calibration,
     LayerSummary,
     QuantizeSummary,
     calibrate,
     quantize_model,
 )
+from minifloat.models.loading import load_gpt
+from minifloat.models.opt import gpt_to_transformers
 
 __all__ = [
     "QUANT_CONFIGS",

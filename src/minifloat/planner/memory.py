@@ -231,8 +231,8 @@ def measured_state(size: str, precision: str, *, batch: int, seq: int, optimizer
     import torch
     import torch.nn.functional as F
 
+    from minifloat.models.gpt import GPT, get_config
     from minifloat.nn.convert import convert
-    from minifloat.train.model import GPT, get_config
 
     torch.manual_seed(0)
     model = GPT(get_config(size))

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minifloat.errors import MinifloatError
+from minifloat.models.gpt import get_config
 from minifloat.nn.rounded import HIGH_PRECISIONS
 from minifloat.optim.states import MASTERS, STATE_FORMATS
 from minifloat.recipes import RECIPES
-from minifloat.train.model import get_config
 
 PRECISIONS = HIGH_PRECISIONS + tuple(RECIPES)
 

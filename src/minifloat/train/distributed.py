@@ -8,8 +8,8 @@ import os
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.models.gpt import GPT
 from minifloat.train.config import TrainConfig
-from minifloat.train.model import GPT
 
 
 def mean_over_ranks(value: float, world: int) -> float:

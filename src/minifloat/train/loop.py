@@ -27,18 +27,18 @@ from pathlib import Path
 
 import torch
 
+from minifloat import checkpoint
+from minifloat.data.corpus import Corpus, get_batch, load_corpus, stdlib_corpus
 from minifloat.errors import MinifloatError
+from minifloat.models.gpt import GPT, get_config
 from minifloat.nn import rounded
 from minifloat.nn.convert import convert
 from minifloat.nn.loss_scaling import LossScaler
 from minifloat.nn.monitor import Monitor
 from minifloat.optim import AdamW, bf16_parameters
 from minifloat.recipes import RECIPES
-from minifloat.train import checkpoint
 from minifloat.train.config import TrainConfig, lr_at
-from minifloat.train.corpus import Corpus, get_batch, load_corpus, stdlib_corpus
 from minifloat.train.distributed import init_distributed, mean_over_ranks, shard, state_options
-from minifloat.train.model import GPT, get_config
 from minifloat.train.runlog import append_record, clear_previous, rewind_log
 
 

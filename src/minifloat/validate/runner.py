@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.experiments.bench import interleaved_medians
+from minifloat.measure.bench import interleaved_medians
 
 EXAMPLES = ("formats", "quantize", "gemm", "fp4_inference", "transformer_layer", "compile", "training", "serving")
 SIZES = ("tiny", "default", "full")
@@ -184,10 +184,10 @@ def run_examples(names, ctx: Context, *, trace_dir: Path | None = None, progress
 def validate(names, out: str | Path, ctx: Context, *, profile: bool = False, plots: bool = True, progress: bool = True) -> dict:
     """Run `names`, write ``metrics.json``, ``report.md``, ``plots/`` and (with `profile`)
     ``profiler_output/<example>.json`` under `out`; return the metrics."""
-    from minifloat.experiments.compare import environment
     from minifloat.gemm.support import native_bf16_cpu
     from minifloat.io import jsonio
     from minifloat.io.atomic import atomic_path
+    from minifloat.measure.compare import environment
     from minifloat.report.validate import write_validate_report
 
     if ctx.size not in SIZES:

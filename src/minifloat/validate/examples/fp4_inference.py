@@ -14,9 +14,9 @@ import copy
 
 import torch
 
-from minifloat.experiments.error_analysis import sqnr_db
-from minifloat.infer.linear import QuantizedLinear
-from minifloat.infer.ptq import model_bytes
+from minifloat.infer.modules.linear import QuantizedLinear
+from minifloat.infer.quantize import model_bytes
+from minifloat.measure.error_analysis import sqnr_db
 from minifloat.quant.api import quantize
 from minifloat.scaling.schemes import get_scheme
 from minifloat.validate.runner import Check, Context, Outcome, phased, rel_error

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from minifloat.experiments.error_analysis import sqnr_db
+from minifloat.measure.error_analysis import sqnr_db
 from minifloat.quant.api import dequantize, quantize
 from minifloat.scaling.schemes import SCHEMES
 from minifloat.validate.runner import Check, Context, Outcome, phased

@@ -16,11 +16,11 @@ import copy
 
 import torch
 
-from minifloat.infer.accounting import linear_weight_bytes
-from minifloat.infer.config import QUANT_CONFIGS
-from minifloat.infer.decoding import generate
-from minifloat.infer.ptq import calibrate, quantize_model
-from minifloat.train.model import GPT, GPT_SIZES
+from minifloat.infer.generation.decoding import generate
+from minifloat.infer.modules.accounting import linear_weight_bytes
+from minifloat.infer.ptq.config import QUANT_CONFIGS
+from minifloat.infer.quantize import calibrate, quantize_model
+from minifloat.models.gpt import GPT, GPT_SIZES
 from minifloat.validate.runner import Check, Context, Outcome, phase, rel_error
 
 NAME, TITLE = "serving", "Quantized forward, KV-cache decoding, speculative decoding"

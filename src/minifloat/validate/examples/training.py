@@ -14,9 +14,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from minifloat.models.gpt import GPT, GPT_SIZES
 from minifloat.nn.convert import convert
 from minifloat.recipes import RECIPES
-from minifloat.train.model import GPT, GPT_SIZES
 from minifloat.validate.runner import Check, Context, Outcome, phase, rel_error
 
 NAME, TITLE = "training", "A training step per recipe"

@@ -13,8 +13,8 @@ import copy
 
 import torch
 
+from minifloat.models.gpt import Block, GPTConfig
 from minifloat.nn.convert import convert
-from minifloat.train.model import Block, GPTConfig
 from minifloat.validate.runner import Check, Context, Outcome, phase, rel_error
 
 NAME, TITLE = "transformer_layer", "Transformer layer forward + backward per precision"

@@ -1,0 +1,192 @@
+"""`QuantizedLinear`: a Linear for inference whose weight is held packed, as a `QuantizedTensor`.
+
+Its parts are buffers (``weight_data``, ``weight_scale``, ``weight_tensor_scale`` for NVFP4,
+``input_amax`` for a calibrated input), so ``module.to(device)`` and ``state_dict()`` carry them;
+the high-precision weight is gone. The forward quantizes the input as its config says (or not:
+weight-only), multiplies with `minifloat.gemm.scaled_mm` — on a CPU the exact emulation (the
+dequantized operands, FP32 accumulation), on a GPU that has the format the native
+``torch._scaled_mm`` — adds the bias in FP32 and returns the input's dtype. The same result on
+every backend up to summation order. Weight-only calls go through `minifloat.gemm.weight_only_mm`,
+the dispatch decode kernels register with; the weight the GEMMs read is the compute layout that
+`prepare` makes once from the buffers (the checkpoint layout, which `export` reads).
+
+Example:
+    >>> layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 32), "fp8-dynamic")
+    >>> layer(torch.randn(2, 64)).shape, layer.weight.scheme.name
+    (torch.Size([2, 32]), 'fp8_rowwise')
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.gemm import bound_decode, bound_is_current, scaled_mm, weight_only_mm
+from minifloat.infer.ptq.config import QuantConfig, get_quant_config
+from minifloat.infer.ptq.rtn import Transform, WeightQuantizer, round_to_nearest
+from minifloat.kernels.gemv import MAX_ROWS as DECODE_ROWS
+from minifloat.quant import QuantizedTensor, quantize
+from minifloat.scaling.layout import layout_for
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # inputs the decode kernels take
+
+
+def apply_keeping_dtype(module: torch.nn.Module, fn, recurse: bool, names: tuple[str, ...]) -> None:
+    """``torch.nn.Module._apply(fn)`` on `module`, its buffers `names` moved but kept in their dtype."""
+    kept = {k: module._buffers[k] for k in names if module._buffers.get(k) is not None}
+    torch.nn.Module._apply(module, fn, recurse)
+    for k, old in kept.items():
+        if module._buffers[k].dtype != old.dtype:
+            module._buffers[k] = old.to(module._buffers[k].device)
+
+
+class QuantizedLinear(torch.nn.Module):
+    """``y = x · Wᵀ + b`` with W packed in `config.weight`'s scheme; see the module docstring."""
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, config: QuantConfig, *,
+                 input_amax: torch.Tensor | None = None, backend: str = "auto",
+                 input_transform: torch.nn.Module | None = None) -> None:  # fmt: skip
+        super().__init__()
+        # applied to the input before it is quantized (a rotation or smoothing folded into W)
+        self.input_transform = input_transform
+        config = get_quant_config(config)
+        if not isinstance(weight, QuantizedTensor) or weight.dim() != 2:
+            raise MinifloatError(
+                "QuantizedLinear takes a 2-D QuantizedTensor weight (out_features, in_features)"
+            )
+        if weight.scheme != config.weight_scheme:
+            raise MinifloatError(
+                f"the weight is {weight.scheme.name}, config {config.name!r} says {config.weight}"
+            )
+        self.config = config
+        self.out_features, self.in_features = weight.shape
+        self.backend = backend
+        self._weight_meta = (weight.shape, weight.scheme, weight.orig_dtype)
+        # the codes of the N × K real values only: blocks pad N and K up to whole blocks, which the
+        # formats do not store (the padding is rebuilt, as zero codes, where the weight is read)
+        width = -(-self.in_features * weight.scheme.element_format.bits // 8)
+        self.register_buffer("weight_data", weight.data[: self.out_features, :width].clone())
+        self.register_buffer("weight_scale", weight.scale)
+        self.register_buffer("weight_tensor_scale", weight.tensor_scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        if config.static and input_amax is None:
+            raise MinifloatError(
+                f"config {config.name!r} quantizes the input with a calibrated scale: pass input_amax "
+                f"(minifloat.infer.calibrate measures it)"
+            )
+        amax = None
+        if config.static:
+            # beside the weight: a calibration kept on the CPU serves a model on a GPU
+            amax = torch.as_tensor(input_amax, dtype=torch.float32).detach().clone().reshape(()).to(weight.data.device)
+            if not (torch.isfinite(amax) and amax > 0):
+                raise MinifloatError(f"input_amax must be a finite number > 0, got {float(amax)}")
+        self.register_buffer("input_amax", amax)
+        self._compute: QuantizedTensor | None = None  # the compute layout, made once (`prepare`)
+        self.prepare()
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, config: str | QuantConfig, *,
+                    input_amax: torch.Tensor | float | None = None, backend: str = "auto",
+                    weight_quantizer: WeightQuantizer = round_to_nearest, stats: dict | None = None,
+                    transform: Transform | None = None) -> QuantizedLinear:  # fmt: skip
+        """Quantize `linear`'s weight with `weight_quantizer` (round to nearest by default; it
+        reads the layer's calibration `stats`) and keep its bias in its dtype. `transform`, if
+        given, first turns the weight into the one to quantize and gives the input transform
+        that keeps the product (e.g. a rotation: W·R with x → x·R)."""
+        config = get_quant_config(config)
+        stats = stats or {}
+        with torch.no_grad():
+            w, input_transform = linear.weight.detach(), None
+            if transform is not None:
+                w, input_transform = transform(w, stats)
+            weight = weight_quantizer(w, config, stats)
+        return cls(weight, linear.bias, config, input_amax=input_amax, backend=backend, input_transform=input_transform)
+
+    _EXACT = ("weight_scale", "weight_tensor_scale", "input_amax")  # float32 by the formats' definition
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves every part; ``.half()`` / ``.to(bf16)`` converts only the bias:
+        rounding a float32 scale would change the values the codes stand for."""
+        apply_keeping_dtype(self, fn, recurse, self._EXACT)
+        self.prepare()  # the compute layout again, from the moved parts
+        return self
+
+    def _packed(self, data: torch.Tensor) -> QuantizedTensor:
+        """The weight with codes `data`: the buffers' N × K codes and the zero codes that the
+        blocks pad N and K up to, which the checkpoint does not store."""
+        shape, scheme, dtype = self._weight_meta
+        lay = layout_for(shape, scheme)
+        size = (lay.rows_pad, lay.cols_pad * scheme.element_format.bits // 8)
+        if tuple(data.shape) != size:
+            padded = data.new_zeros(size)
+            padded[: data.shape[0], : data.shape[1]] = data
+            data = padded
+        return QuantizedTensor(data, self.weight_scale, self.weight_tensor_scale, shape, scheme, dtype)
+
+    def checkpoint_weight(self) -> QuantizedTensor:
+        """The weight as the buffers hold it, whatever the compute layout is (what `export` writes)."""
+        return self._packed(self.weight_data)
+
+    def prepare(self, backend: str | None = None) -> QuantizedLinear:
+        """Make the compute layout once: the weight as the GEMMs read it — today the packed weight
+        with the block padding in place: the codes' buffer is then a view of the first N rows and
+        K columns of the padded codes, so the padding is all the layout adds. The checkpoint layout (the
+        buffers, what `state_dict` and `export` read) keeps its shape; moving the module makes the
+        layout again. `backend` also sets the GEMM backend (``"auto"``, ``"emulated"``,
+        ``"native"`` or a weight-only kernel's name)."""
+        if backend is not None:
+            self.backend = backend
+        n, width = self.weight_data.shape
+        self._compute = self._packed(self.weight_data)
+        if self._compute.data.shape != self.weight_data.shape:  # padded: the buffer becomes a view of the padded codes
+            self._buffers["weight_data"] = self._compute.data[:n, :width]
+        self._decode = bound_decode(self._compute, self.backend)  # a decode step's GEMV, looked up once
+        return self
+
+    def _weight_only(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 · Wᵀ`` by the dispatch, or by the decode kernel bound to W while it stands for it."""
+        d = self._decode
+        if d is not None and x2.device.type == "cpu" and 0 < x2.shape[0] <= DECODE_ROWS and x2.dtype in _FLOATS and bound_is_current(d):
+            return d[1](x2)
+        return weight_only_mm(x2, self.weight, backend=self.backend)
+
+    def compute_extra_nbytes(self) -> int:
+        """Bytes the compute layout holds beyond the checkpoint buffers (the block padding)."""
+        return self.weight_data.untyped_storage().nbytes() - self.weight_data.nbytes
+
+    @property
+    def weight(self) -> QuantizedTensor:
+        """The packed weight, as the GEMMs read it (the compute layout: made from the buffers, and
+        again when the module moves)."""
+        return self._compute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise MinifloatError(f"input has {x.shape[-1]} features, the layer takes {self.in_features}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(math.prod(lead), self.in_features)
+        if self.input_transform is not None:
+            x2 = self.input_transform(x2)
+        c = self.config
+        if c.activation is None:  # weight-only: the high-precision input times the exact weight
+            y = self._weight_only(x2)
+        else:
+            qx = quantize(x2, c.activation_scheme, amax=self.input_amax if c.static else None)
+            if x2.device.type == "cpu" and self.backend == "auto" and x2.shape[0] <= DECODE_ROWS:
+                # a decode step: the few quantized rows dequantized (exact), the weight read packed by
+                # the decode kernels — the emulated product up to summation order
+                y = self._weight_only(qx.dequantize(torch.float32))
+            else:
+                y = scaled_mm(qx, self.weight, out_dtype=torch.float32, backend=self.backend)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def packed_nbytes(self) -> int:
+        """Bytes the layer stores for its weight and input scale: codes and scales, the bias not counted."""
+        return sum(b.nbytes for n, b in self.named_buffers() if n != "bias" and not n.startswith("input_transform."))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, config={self.config.name}"

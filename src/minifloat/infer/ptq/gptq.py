@@ -1,0 +1,117 @@
+"""GPTQ (Frantar et al., arXiv 2210.17323) on every FP weight grid: the columns of a weight
+rounded one at a time, each rounding error spread over the columns not yet rounded so that the
+layer's output on its calibration inputs changes least.
+
+With ``H = XᵀX / n`` the second moment of the layer's inputs (`HessianObserver`), damped by
+``damp · mean(diag H)`` on the diagonal, and ``U`` the upper Cholesky factor of ``H⁻¹``: column j
+is rounded to ``q_j``, and every later column k gets ``W[:, k] -= (w_j - q_j) / U[j, j] · U[j, k]``
+(in blocks of `block_size` columns, the later blocks updated once per block — the paper's lazy
+batch updates, the same arithmetic).
+
+The block scales are fixed before any column is rounded, from the original weight, by a scale
+observer (`minifloat.infer.ptq.scales`): each column is rounded to nearest on its own block's grid,
+so the result is an ordinary `QuantizedTensor` of the scheme (exported and served as round to
+nearest's). With ``act_order`` the columns go in order of decreasing ``diag H`` (static
+activation order: a column keeps the scale of its own block, wherever it goes in the order). A
+column whose input was always zero (``H[j, j] = 0``) is rounded to nearest and its weight kept.
+With an identity Hessian nothing is spread, and GPTQ is round to nearest on the same scales.
+
+Example:
+    >>> from minifloat.quant import block_scales
+    >>> w, x = torch.randn(32, 64), torch.randn(256, 64)
+    >>> q = gptq(w, x.T.double() @ x.double() / 256, "mxfp4", block_scales(w, "mxfp4"))
+    >>> q.shape, q.scheme.name
+    (torch.Size([32, 64]), 'mxfp4')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.formats.codec import decode, encode_with_bits
+from minifloat.quant import BlockScales, QuantizedTensor, quantize_with_scales
+from minifloat.scaling.layout import layout_for
+from minifloat.scaling.schemes import Scheme, get_scheme
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTQConfig:
+    """GPTQ's options: `damp` (the fraction of the mean Hessian diagonal added to it), columns
+    rounded per lazy update (`block_size`), static activation order (`act_order`)."""
+
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = True
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.damp, (int, float)) and 0 <= self.damp < 1e3):
+            raise MinifloatError(f"GPTQ damp is a fraction of the mean Hessian diagonal, ≥ 0 (default 0.01); got {self.damp!r}")
+        if not (isinstance(self.block_size, int) and self.block_size >= 1):
+            raise MinifloatError(f"GPTQ block_size is a number of columns ≥ 1 (default 128); got {self.block_size!r}")
+
+
+def _per_element(grid: torch.Tensor, n: int, k: int, scheme: Scheme) -> torch.Tensor:
+    """A per-block tensor (the scale grid) spread over the (n, k) elements its blocks cover."""
+    lay = layout_for((n, k), scheme)
+    return grid.repeat_interleave(lay.block_rows, 0).repeat_interleave(lay.block_cols, 1)[:n, :k]
+
+
+def _inverse_factor(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
+    """The upper Cholesky factor of the damped ``H⁻¹`` (float64), or an error naming the fix."""
+    h = h + damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    lower, info = torch.linalg.cholesky_ex(h)
+    if info == 0:
+        u, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+        if info == 0:
+            return u
+    raise MinifloatError(f"GPTQ: the Hessian of {name} is singular after damping {damp} of its mean diagonal; "
+                         f"raise damp (default 0.01) or calibrate on more text")  # fmt: skip
+
+
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: str | Scheme, scales: BlockScales, *,
+         config: GPTQConfig = GPTQConfig(), name: str = "the layer") -> QuantizedTensor:  # noqa: B008 - frozen  # fmt: skip
+    """`weight` (N, K) quantized by GPTQ on `scheme`'s grid with the fixed block `scales`, the
+    input second moment `hessian` (K, K) weighing the errors; see the module docstring."""
+    scheme = get_scheme(scheme)
+    if weight.dim() != 2:
+        raise MinifloatError(f"GPTQ quantizes a 2-D weight (out_features, in_features); {name}'s is {tuple(weight.shape)}")
+    n, k = weight.shape
+    if tuple(hessian.shape) != (k, k):
+        raise MinifloatError(f"GPTQ: the Hessian of {name} is {tuple(hessian.shape)}, its weight takes {k} inputs")
+    w = weight.detach().float().clone()
+    if not torch.isfinite(w).all():
+        raise MinifloatError(f"GPTQ: the weight of {name} holds a NaN or inf; GPTQ spreads errors over the row, "
+                             f"so it needs finite weights (keep the layer in high precision, or use method='rtn')")  # fmt: skip
+    h = hessian.detach().double().cpu().clone()
+    if not torch.isfinite(h).all():
+        raise MinifloatError(f"GPTQ: the Hessian of {name} holds a NaN or inf; check the calibration inputs")
+    fmt = scheme.element_format
+    enc = _per_element(scales.encode.float(), n, k, scheme)
+    dec = _per_element(scales.decode(scheme).float(), n, k, scheme)
+    diag = torch.diagonal(h)
+    dead = diag == 0  # an input always zero: nothing to weigh its error by
+    h[dead, dead] = 1.0
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if config.act_order else torch.arange(k)
+    w, enc, dec, h = w[:, order], enc[:, order], dec[:, order], h[order][:, order]
+    u = _inverse_factor(h, float(config.damp), name).float()
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    for i1 in range(0, k, config.block_size):
+        i2 = min(i1 + config.block_size, k)
+        w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
+        errors = torch.zeros(n, i2 - i1)
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            c = encode_with_bits(col * enc[:, i1 + i], fmt, saturate=True, canonical_nan=True)
+            codes[:, i1 + i] = c
+            err = (col - decode(c, fmt) * dec[:, i1 + i]) / u1[i, i]
+            w1[:, i:] -= err[:, None] * u1[i, i:][None, :]
+            errors[:, i] = err
+        w[:, i2:] -= errors @ u[i1:i2, i2:]
+    codes = codes[:, torch.argsort(order)]
+    values = decode(codes, fmt)  # on the element grid: re-encoded with multiplier 1 they give these codes
+    ones = torch.ones_like(scales.encode, dtype=torch.float32)
+    q = quantize_with_scales(values, scheme, BlockScales(ones, scales.scale, scales.tensor_scale))
+    return QuantizedTensor(q.data, q.scale, q.tensor_scale, weight.shape, scheme, weight.dtype)

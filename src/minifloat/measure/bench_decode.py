@@ -1,0 +1,278 @@
+"""`minifloat bench decode`: what a weight format buys in decoding speed, what a KV-cache format
+costs, and what an FP4 draft buys.
+
+Weight formats (`weight_speed`): per PTQ config, the model quantized in memory (the LM head too,
+by default) generates greedily from held-out prompts; tokens/s, the weight bytes one token reads
+(every Linear's codes and scales once, a tied table once), the bound those bytes set at the read
+bandwidth measured in the same run (`read_bandwidth`), and the ratio to FP32 tokens/s.
+`gemv_peers` times one decode GEMV per shape, interleaved: FP32, minifloat's decode kernels
+and torch's own int4 / int8 weight-only CPU kernels (the peer; bfloat16 activations, the
+dtype their fast paths take, and float32).
+
+KV formats: along windows of each context length — the model's own greedy continuations of
+held-out prompts (``source="generated"``, what a served model decodes), or held-out text itself
+(``"text"``) — the model decodes token by token (teacher-forced: every format sees the same
+tokens) with each cache format; its next-token distributions are compared with those of an FP32 cache: mean
+per-token KL(fp32 ‖ format) and top-1 agreement, the KV bytes held at the window's end, and
+decode tokens/s.
+
+Speculative decoding: greedy generation from held-out prompts with each draft and k, each
+right after plain greedy decoding of the same prompt: per-position acceptance, mean accepted
+length, target forwards per token, measured tokens/s and the speed-up measured side by side
+(the draft's FP4 weights run on the decode kernels), and the speed-up the measured acceptance implies where the draft's
+forward costs `cost_ratio` of the target's (the standard formula: α the per-token acceptance,
+(1 − α^(k+1)) / ((1 − α)(k·c + 1)); Leviathan et al., 2023).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.infer import generate, load_model, quantize_model
+from minifloat.infer.evaluation.metrics import Quality
+from minifloat.infer.generation.cache import new_cache
+from minifloat.infer.generation.decoding import DRAFTS, device_of, draft_model
+from minifloat.infer.generation.kvcache import parse_kv_spec
+from minifloat.models.adapter import adapter_for
+
+WEIGHT_CONFIGS = ("fp32", "fp8-weight-only", "mxfp4-weight-only", "nvfp4-weight-only")
+DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
+FP4_COST_RATIO = 0.25  # an FP4 draft's forward against a BF16 target's: a quarter of the weight bytes (memory-bound decode)
+
+
+@torch.no_grad()
+def _decode_logits(model, window: torch.Tensor, fmt: str, prefill: int) -> tuple[torch.Tensor, float, int]:
+    """`fmt`: a KV format, or ``FORMAT+RECENT`` (e.g. ``fp8+bf16``: the sinks and the last 32
+    tokens in RECENT, older ones in FORMAT), with ``@OPTION``s (`parse_kv_spec`)."""
+    name, kw = parse_kv_spec(fmt)
+    adapter = adapter_for(model)
+    cache = new_cache(adapter, name, **kw)
+    rows = [adapter.forward(window[:, :prefill], cache)[0, -1:]]
+    t0 = time.perf_counter()
+    for t in range(prefill, window.shape[1] - 1):
+        rows.append(adapter.forward(window[:, t : t + 1], cache)[0, -1:])
+    return torch.cat(rows).float(), time.perf_counter() - t0, cache.nbytes()
+
+
+def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMATS, contexts: Sequence[int] = (128,),
+               windows: int = 4, prefill: int = 16, source: str = "generated",
+               echo: Callable[[str], None] = print) -> list[dict]:  # fmt: skip
+    """Per format and context length: ``kl``, ``top1``, ``kv_bytes``, ``tokens_per_s`` (see the
+    module docstring); `text` a 1-D tensor of token ids."""
+    if source not in ("generated", "text"):
+        raise MinifloatError(f"source must be 'generated' or 'text', got {source!r}")
+    rows = []
+    for ctx in contexts:
+        starts = torch.linspace(0, len(text) - ctx - 1, windows).long().tolist()
+        ws = [text[s : s + ctx].reshape(1, -1).long().to(device_of(model)) for s in starts]
+        if source == "generated":  # the prompt, then the model's own greedy tokens (FP32 cache)
+            ws = [generate(model, w[:, :prefill], ctx - prefill, kv_cache="fp32").tokens for w in ws]
+        ref = [_decode_logits(model, w, "fp32", prefill)[0] for w in ws]
+        for fmt in formats:
+            q, secs = Quality(), 0.0
+            for w, r in zip(ws, ref, strict=True):
+                lg, s, nbytes = _decode_logits(model, w, fmt, prefill)
+                q.add(lg, reference=r)
+                secs += s
+            n, quality = q.tokens, q.result()
+            row = {"format": fmt, "context": ctx, "source": source, "tokens": int(n), "kl": quality["kl"], "top1": quality["top1"],
+                   "kv_bytes": nbytes, "tokens_per_s": (n - len(ws)) / secs if secs else float("inf")}  # fmt: skip
+            rows.append(row)
+            echo(f"  ctx {ctx:>4} {fmt:<22} KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  KV {nbytes:,} B  "
+                 f"{row['tokens_per_s']:,.0f} tok/s")  # fmt: skip
+    return rows
+
+
+def implied_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Expected speed-up of speculative decoding with per-token acceptance `alpha`, `k` draft
+    tokens and a draft forward costing `cost_ratio` of the target's.
+
+    >>> round(implied_speedup(0.8, 4, 0.25), 3)
+    1.681
+    """
+    tokens = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * cost_ratio + 1)
+
+
+def check_draft(name: str) -> None:
+    """A draft `speculative` builds: an FP4 copy of the model (`DRAFTS`), ``-gptq`` for one quantized by GPTQ."""
+    if name.removesuffix("-gptq") not in DRAFTS:
+        raise MinifloatError(f"unknown draft {name!r}; use one of {', '.join(DRAFTS)}, each optionally with -gptq (e.g. nvfp4-gptq)")
+
+
+def build_draft(model: torch.nn.Module, name: str, calibration: Sequence[torch.Tensor] | None = None) -> torch.nn.Module:
+    """The draft `name` (`check_draft`): `draft_model`'s round-to-nearest copy, or with ``-gptq`` the
+    same copy quantized by GPTQ (the config's recommended pipeline) on the `calibration` batches,
+    which raises acceptance where round to nearest costs the model much (a real LLM in FP4)."""
+    check_draft(name)
+    if not name.endswith("-gptq"):
+        return draft_model(model, name)
+    if not calibration:
+        raise MinifloatError(f"draft {name!r} is quantized by GPTQ: it needs calibration batches")
+    d = copy.deepcopy(model)
+    quantize_model(d, DRAFTS[name.removesuffix("-gptq")], ignore=(), method="gptq", calibration=list(calibration))
+    return d.eval()
+
+
+def speculative(model, prompts: Sequence[torch.Tensor], drafts: Sequence[str] = ("nvfp4", "mxfp4"),
+                ks: Sequence[int] = (2, 4, 8), new_tokens: int = 64, kv_cache: str = "bf16",
+                cost_ratio: float = FP4_COST_RATIO, calibration: Sequence[torch.Tensor] | None = None,
+                echo: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Plain greedy against speculative greedy per draft and k (see the module docstring). Each
+    speculative generation runs right after a plain one of the same prompt, so the speed-up is
+    a ratio measured side by side (a shared machine slows both alike)."""
+    plain_s = plain_n = 0.0
+    rows = []
+    for name in drafts:
+        d = build_draft(model, name, calibration)
+        generate(model, prompts[0], 4, kv_cache=kv_cache, draft=d, draft_tokens=ks[0])  # warm: plans, tables
+        for k in ks:
+            secs = n = forwards = 0.0
+            p_secs = p_n = 0.0
+            accepted = proposed = 0
+            per_pos = [0.0] * k
+            kept = []
+            for p in prompts:
+                g0 = generate(model, p, new_tokens, kv_cache=kv_cache)
+                p_secs += g0.seconds
+                p_n += g0.new_tokens
+                g = generate(model, p, new_tokens, kv_cache=kv_cache, draft=d, draft_tokens=k)
+                secs += g.seconds
+                n += g.new_tokens
+                forwards += g.target_forwards
+                kept.append(g.mean_accepted)
+                per_pos = [a + b / len(prompts) for a, b in zip(per_pos, g.accepted_per_position, strict=True)]
+                accepted += g.accepted
+                proposed += g.proposed
+            plain_s, plain_n = plain_s + p_secs, plain_n + p_n
+            alpha = accepted / proposed if proposed else 0.0
+            row = {"draft": name, "k": k, "acceptance_per_position": per_pos, "token_acceptance": alpha,
+                   "mean_accepted": sum(kept) / len(kept), "target_forwards_per_token": forwards / n,
+                   "tokens_per_s": n / secs, "plain_tokens_per_s": p_n / p_secs, "speedup_here": (n / secs) / (p_n / p_secs),
+                   "implied_speedup": implied_speedup(alpha, k, cost_ratio)}  # fmt: skip
+            rows.append(row)
+            echo(f"  draft {name} k={k}: acceptance {alpha:.3f}, mean accepted {row['mean_accepted']:.2f}, "
+                 f"{row['target_forwards_per_token']:.2f} target forwards/token, {row['tokens_per_s']:.1f} tok/s against "
+                 f"{row['plain_tokens_per_s']:.1f} plain: ×{row['speedup_here']:.2f} here, "
+                 f"×{row['implied_speedup']:.2f} implied (draft cost {cost_ratio})")  # fmt: skip
+    plain_tps = plain_n / plain_s if plain_s else 0.0
+    return {"plain_tokens_per_s": plain_tps, "cost_ratio": cost_ratio, "kv_cache": kv_cache, "runs": rows}
+
+
+def _median_interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each call, the calls interleaved round by round (a noisy machine slows
+    them alike)."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes/s of one read-only pass over a buffer far larger than the caches (a sum) in `device`'s
+    memory (``.item()`` waits for a GPU to finish)."""
+    x = torch.ones(nbytes // 4, device=device)
+    t = _median_interleaved({"sum": lambda: x.sum().item()}, reps)["sum"]
+    return nbytes / t
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every Linear's weight (packed codes and scales, or
+    the float tensor) and bias, a table shared by tied modules once. The embedding reads one row."""
+    from minifloat.infer.modules.linear import QuantizedLinear
+
+    seen, total = set(), 0
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear):
+            parts = [b for n, b in mod.named_buffers() if not n.startswith("input_transform.")]
+        elif isinstance(mod, torch.nn.Linear):
+            parts = [p for p in (mod.weight, mod.bias) if p is not None]
+        else:
+            continue
+        for t in parts:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.nbytes
+    return total
+
+
+def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[str] = WEIGHT_CONFIGS,
+                 new_tokens: int = 32, quantize_head: bool = True, kv_cache: str = "fp32",
+                 device: torch.device | str = "cpu", echo: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Greedy decoding speed per weight config (see the module docstring); ``"fp32"`` is the
+    unquantized model, the ratios' baseline."""
+    bandwidth = read_bandwidth(device=device)
+    echo(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (one pass over 256 MiB)")
+    rows = []
+    for cfg in configs:
+        model = load_model(path).to(device)
+        if cfg != "fp32":
+            quantize_model(model, cfg, quantize_head=quantize_head)
+        generate(model, prompts[0], 4, kv_cache=kv_cache)  # warm: first calls build plans and tables
+        n = secs = 0.0
+        for p in prompts:
+            g = generate(model, p, new_tokens, kv_cache=kv_cache)
+            n += g.new_tokens
+            secs += g.seconds
+        nbytes = weight_bytes_per_token(model)
+        row = {"config": cfg, "tokens_per_s": n / secs, "weight_bytes_per_token": nbytes,
+               "bound_tokens_per_s": bandwidth / nbytes}  # fmt: skip
+        rows.append(row)
+        del model
+    base = next((r["tokens_per_s"] for r in rows if r["config"] == "fp32"), None)
+    for r in rows:
+        r["vs_fp32"] = r["tokens_per_s"] / base if base else None
+        echo(f"  {r['config']:<24} {r['tokens_per_s']:7.1f} tok/s  {r['weight_bytes_per_token'] / 1e6:8.1f} MB/token  "
+             f"bound {r['bound_tokens_per_s']:7.1f} tok/s  " + (f"×{r['vs_fp32']:.2f} FP32" if base else ""))  # fmt: skip
+    return {"read_bandwidth_bytes_per_s": bandwidth, "quantize_head": quantize_head, "new_tokens": new_tokens,
+            "prompts": len(prompts), "runs": rows}  # fmt: skip
+
+
+GEMV_SCHEMES = ("nvfp4", "mxfp4", "fp8_rowwise")
+
+
+def gemv_peers(shapes: Sequence[tuple[int, int]] = ((2048, 8192),), schemes: Sequence[str] = GEMV_SCHEMES,
+               reps: int = 30, echo: Callable[[str], None] = print) -> list[dict]:  # fmt: skip
+    """One decode GEMV (1 × K · (N × K)ᵀ) per shape (K, N), interleaved: FP32 ``F.linear``, the
+    decode kernels per scheme, torch's int4 (group 32) and int8 weight-only CPU kernels with
+    bfloat16 and float32 activations. Median ms and the ratio to FP32."""
+    import torch.nn.functional as F
+
+    from minifloat.kernels import gemv
+    from minifloat.quant import quantize
+
+    rows = []
+    for k, n in shapes:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(1, k, generator=g)
+        fns: dict[str, Callable[[], object]] = {"fp32": lambda w=w, x=x: F.linear(x, w)}
+        for name in schemes:
+            q = quantize(w, name)
+            fns[f"minifloat {name}"] = lambda q=q, x=x: gemv.matmul(x, q.data, q.scale, q.tensor_scale, q.shape, q.scheme)
+        if k % 32 == 0 and n % 16 == 0 and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+            codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+            sz = torch.rand(k // 32, n, 2, generator=g)
+            w8, s8 = torch.randint(-128, 127, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g)
+            for dt, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+                xd, szd, s8d = x.to(dt), sz.to(dt), s8.to(dt)
+                fns[f"torch int4 ({tag} x)"] = lambda xd=xd, szd=szd, p=packed: torch._weight_int4pack_mm_for_cpu(xd, p, 32, szd)
+                fns[f"torch int8 ({tag} x)"] = lambda xd=xd, s8d=s8d, w8=w8: torch._weight_int8pack_mm(xd, w8, s8d)
+        t = _median_interleaved(fns, reps)
+        echo(f"  GEMV 1×{k} · ({n}×{k})ᵀ, median of {reps}:")
+        for name, secs in t.items():
+            row = {"shape": [k, n], "kernel": name, "ms": secs * 1e3, "vs_fp32": t["fp32"] / secs}
+            rows.append(row)
+            echo(f"    {name:<26} {row['ms']:8.3f} ms  ×{row['vs_fp32']:.2f} FP32")
+    return rows
