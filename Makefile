@@ -12,7 +12,7 @@ PIP_INSTALL := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIN
 .PHONY: demo test lint clean gpu-check
 
 # setup.py and the kernel source too: an updated checkout rebuilds the kernels it calls.
-$(STAMP): pyproject.toml constraints.txt setup.py src/minifloat/kernels/_cpu.c src/minifloat/kernels/_gemv.c
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/minifloat/kernels/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[dev,bench]'
 	touch $(STAMP)

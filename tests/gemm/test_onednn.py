@@ -1,5 +1,5 @@
 """FP8 GEMMs on a CPU by oneDNN (`minifloat.gemm.onednn`): exact against a float64 product of the
-dequantized operands, taken only where the probe (or the override) says so."""
+dequantized operands, taken only where the setting says so; the probe only recommends."""
 
 import pytest
 import torch
@@ -12,8 +12,10 @@ from minifloat.gemm import onednn, scaled_mm
 @pytest.fixture
 def fresh_probe():
     onednn.probe.cache_clear()
+    onednn.uses_onednn.cache_clear()
     yield
     onednn.probe.cache_clear()
+    onednn.uses_onednn.cache_clear()
 
 
 def _runs_here() -> bool:
@@ -51,18 +53,22 @@ def test_the_probe_falls_back_where_oneDNN_fails_or_disagrees(monkeypatch, fresh
     assert not p.onednn and "differs from the emulation" in p.why
 
 
-def test_auto_takes_oneDNN_only_where_the_probe_says(monkeypatch, fresh_probe):
+def test_auto_takes_oneDNN_only_where_the_setting_says(monkeypatch, fresh_probe):
     runs = _runs_here()
     calls = []
     real = onednn.onednn_mm
     monkeypatch.setattr(onednn, "onednn_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     a, b = quantize(torch.randn(8, 64), "fp8_rowwise"), quantize(torch.randn(4, 64), "fp8_rowwise")
     want = scaled_mm(a, b, backend="emulated")
+    monkeypatch.delenv("MINIFLOAT_CPU_SCALED_MM", raising=False)  # unset: the emulation, whatever a probe finds
+    assert torch.equal(scaled_mm(a, b, backend="auto"), want) and calls == []
     monkeypatch.setenv("MINIFLOAT_CPU_SCALED_MM", "emulated")
     assert torch.equal(scaled_mm(a, b, backend="auto"), want) and calls == []
     if runs:
-        onednn.probe.cache_clear()
+        onednn.uses_onednn.cache_clear()
         monkeypatch.setenv("MINIFLOAT_CPU_SCALED_MM", "onednn")
+        got = scaled_mm(a, b, backend="auto")
+        calls.clear()  # the one-off agreement check is a call too
         got = scaled_mm(a, b, backend="auto")
         da, db = a.dequantize().double(), b.dequantize().double()
         bound = (da.abs() @ db.abs().t()) * 66 * 2.0**-24  # FP32 sums of 64 exact products, in either order
@@ -70,7 +76,14 @@ def test_auto_takes_oneDNN_only_where_the_probe_says(monkeypatch, fresh_probe):
         mx = quantize(torch.randn(8, 64), "mxfp8")
         scaled_mm(mx, mx, backend="auto")  # block scales along K: the emulation
         assert calls == [1]
-    onednn.probe.cache_clear()
+    onednn.uses_onednn.cache_clear()
     monkeypatch.setenv("MINIFLOAT_CPU_SCALED_MM", "amx")
     with pytest.raises(minifloat.MinifloatError, match="MINIFLOAT_CPU_SCALED_MM='amx'"):
-        onednn.probe()
+        scaled_mm(a, b, backend="auto")
+
+
+def test_oneDNN_asked_for_where_it_disagrees_warns_and_the_emulation_serves(monkeypatch, fresh_probe):
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: (a.float() @ b.float()) * 1.01)
+    monkeypatch.setenv("MINIFLOAT_CPU_SCALED_MM", "onednn")
+    with pytest.warns(RuntimeWarning, match="differs from the emulation"):
+        assert not onednn.uses_onednn()

@@ -51,7 +51,7 @@ def test_a_trained_gpt_is_exported_and_read_by_transformers(trained, tmp_path):
     assert isinstance(gpt, GPT) and not gpt.training
     opt = gpt_to_transformers(gpt)
     quantize_model(opt, "mxfp8")
-    out = minifloat.infer.checkpoints.export(opt, tmp_path / "ckpt")
+    out = minifloat.infer.export(opt, tmp_path / "ckpt")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         out, quantization_config=transformers.utils.quantization_config.CompressedTensorsConfig(dequantize=True))  # fmt: skip
     sd = hf.state_dict()

@@ -91,4 +91,4 @@ def test_a_rotation_transform_keeps_the_product_and_is_not_exported(tmp_path):
 
     quantize_model(llama, "fp8-weight-only", transform=any_rotation)
     with pytest.raises(minifloat.MinifloatError, match="transforms its input before the GEMM"):
-        minifloat.infer.checkpoints.export(llama, tmp_path / "out")
+        minifloat.infer.export(llama, tmp_path / "out")

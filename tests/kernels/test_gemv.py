@@ -109,7 +109,11 @@ def test_an_e4m3_weight_with_huge_row_scales_is_exact(isa):
 
 
 def test_the_isa_is_chosen_at_run_time_and_can_be_forced(monkeypatch):
+    monkeypatch.delenv("MINIFLOAT_GEMV_ISA", raising=False)
+    monkeypatch.delenv("MINIFLOAT_ISA", raising=False)
     assert ISAS[0] == "portable" and gemv.best_isa() == ISAS[-1]
+    monkeypatch.setenv("MINIFLOAT_ISA", "avx2")  # both kernels' path; MINIFLOAT_GEMV_ISA goes first
+    assert gemv.best_isa() == "avx2"
     monkeypatch.setenv("MINIFLOAT_GEMV_ISA", "portable")
     assert gemv.best_isa() == "portable"
     monkeypatch.setenv("MINIFLOAT_GEMV_ISA", "sve")

@@ -103,18 +103,19 @@ def test_fast_equals_reference_with_several_chunks_per_band(name, block, shape, 
     check_with_specials(scheme if block is None else scheme.replace(block=block), shape)
 
 
-# setup.py's compile flags, less -march=native (the builds below pick their own)
+# setup.py's compile flags; a native build adds -march=native to them (MINIFLOAT_NATIVE=1)
 FLAGS = ["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]
-OTHER_BUILDS = {
-    "avx2": ["-march=native", "-mno-avx512vbmi"],  # the pack-based encoder (AVX2 without VBMI)
-    "portable": [],  # MINIFLOAT_PORTABLE=1: plain x86-64, the generic vector code
-}
 
 
-@pytest.fixture(scope="module", params=list(OTHER_BUILDS))
+@pytest.fixture(scope="module", params=[*cpu.ISAS, "native"])
 def other_build(request, tmp_path_factory):
-    """The kernels built as they are on other machines; this machine's build takes one encoder
-    path (VBMI byte permutes and the fused multiply-add here), these the others."""
+    """Each ISA path of the installed library (the VBMI byte permutes and fused multiply-add of
+    avx512, the pack-based encoder of avx2, the generic vector code of portable), and the kernels
+    built with -march=native as MINIFLOAT_NATIVE=1 builds them."""
+    if request.param != "native":
+        if request.param not in cpu.isas():
+            pytest.skip(f"this CPU does not run the {request.param} path")
+        return cpu.variant(request.param)
     gcc = shutil.which("gcc")
     if gcc is None:
         pytest.skip("no gcc")
@@ -124,11 +125,9 @@ def other_build(request, tmp_path_factory):
     setup_py = (Path(__file__).parents[2] / "setup.py").read_text()
     assert all(f'"{flag}"' in setup_py for flag in FLAGS), "setup.py's compile flags changed: update FLAGS"
     out = tmp_path_factory.mktemp(request.param) / "_cpu.so"
-    subprocess.run([gcc, "-shared", "-fPIC", *FLAGS, *OTHER_BUILDS[request.param], "-o", str(out), str(source)],
+    subprocess.run([gcc, "-shared", "-fPIC", *FLAGS, "-march=native", "-o", str(out), str(source)],
                    check=True, capture_output=True)  # fmt: skip
-    lib = ctypes.CDLL(str(out))
-    cpu._declare(lib)
-    return lib
+    return cpu.Kernels(ctypes.CDLL(str(out)), "portable")
 
 
 @pytest.mark.slow
@@ -141,6 +140,21 @@ def test_other_builds_equal_reference(other_build, name, monkeypatch):
             x = special_input(shape, dtype, seed=sum(shape))
             assert_same(fast(x, scheme), ref(x, scheme))
     check_with_specials(scheme, (17, 16500))
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4", "fp8_block128x128"])
+def test_each_isa_path_equals_reference(other_build, name, monkeypatch):
+    """The quick twin of the slow test above: every path this CPU runs, on a few schemes."""
+    monkeypatch.setattr(cpu, "library", lambda: other_build)
+    x = special_input((33, 700), torch.float32, seed=11)
+    assert_same(fast(x, get_scheme(name)), ref(x, get_scheme(name)))
+
+
+def test_the_default_build_is_portable():
+    """The installed library was built without -march=native (setup.py's default): every path
+    it takes is chosen at run time, so it runs on any x86-64."""
+    assert cpu.build() == "portable"
+    assert cpu.isas()[0] == "portable" and cpu.library().isa == cpu.isas()[-1]
 
 
 @pytest.fixture
@@ -397,13 +411,15 @@ class _FakeLibrary:
 
         self.mf_source_hash = mf_source_hash
         if with_kernels:
-            for name in ("mf_amax", "mf_quantize", "mf_block_amax", "mf_encode_sr", "mf_dequantize"):
-                setattr(self, name, lambda *a: None)
+            for name in cpu.KERNELS:
+                for isa in cpu.ISAS:
+                    setattr(self, f"{name}_{isa}", lambda *a: None)
 
 
 @pytest.mark.parametrize(
     ("source_hash", "with_kernels", "why"),
-    [(b"0123456789abcdef", True, "built from other versions of _cpu.c and _gemv.c"), (None, False, "mf_amax")],
+    [(b"0123456789abcdef", True, "built from other versions of _cpu.c, _cpu_avx2.c, _cpu_avx512.c, _gemv.c"),
+     (None, False, "mf_amax")],
 )
 def test_a_library_built_from_another_source_is_not_used(monkeypatch, source_hash, with_kernels, why):
     """An updated checkout that was not rebuilt: warn once and run the reference."""
@@ -411,7 +427,7 @@ def test_a_library_built_from_another_source_is_not_used(monkeypatch, source_has
     import hashlib
     from pathlib import Path
 
-    sources = b"".join(Path(cpu.__file__).with_name(name).read_bytes() for name in ("_cpu.c", "_gemv.c"))
+    sources = b"".join(Path(cpu.__file__).with_name(name).read_bytes() for name in cpu.SOURCES)
     real = hashlib.sha256(sources).hexdigest()[:16].encode()
     fake = _FakeLibrary(source_hash or real, with_kernels)
     try:

@@ -64,8 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from minifloat.infer import generate, load_model
     from minifloat.infer.evaluation.pipeline import quantize_in_memory
 
+    from minifloat.infer.generation.kvcache import parse_kv_spec
+
     if not args.prompt:
         raise MinifloatError("--prompt is empty; give some text to continue")
+    parse_kv_spec(args.kv_cache)  # a typo in --kv-cache: an error before the model loads
     if args.scheme:
         from minifloat.infer import get_quant_config
 

@@ -63,15 +63,16 @@ def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     return _split(raw, f"python stdlib {root} ({len(raw):,} bytes)")
 
 
-def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
-    """A UTF-8 text file, or a folder of them (sorted, recursively), as a corpus."""
+def load_corpus(path: str | Path, max_bytes: int | None = None, *, option: str = "--data") -> Corpus:
+    """A UTF-8 text file, or a folder of them (sorted, recursively), as a corpus; `option` is the
+    command-line option that named it, for the errors (``--calib`` for calibration text)."""
     path = Path(path)
     if not path.exists():
-        raise MinifloatError(f"--data {path}: no such file or folder")
+        raise MinifloatError(f"{option} {path}: no such file or folder")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES)
         if not files:
-            raise MinifloatError(f"--data {path}: no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) in the folder")
+            raise MinifloatError(f"{option} {path}: no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) in the folder")
     else:
         files = [path]
     chunks, total = [], 0
@@ -79,19 +80,22 @@ def load_corpus(path: str | Path, max_bytes: int | None = None) -> Corpus:
         if max_bytes is not None and total >= max_bytes:
             break  # enough: a large folder (or file) is not read whole
         limit = -1 if max_bytes is None else max_bytes - total
-        with open(f, "rb") as fh:
-            raw = fh.read(limit)
+        try:
+            with open(f, "rb") as fh:
+                raw = fh.read(limit)
+        except OSError as err:
+            raise MinifloatError(f"{option} {f}: cannot be read ({err.strerror}); check its permissions") from None
         if b"\x00" in raw:
-            raise MinifloatError(f"--data {f}: binary file (contains NUL bytes); give UTF-8 text")
+            raise MinifloatError(f"{option} {f}: binary file (contains NUL bytes); give UTF-8 text")
         try:  # a character cut by the read at max_bytes is not an error; one cut by the file's end is
             codecs.getincrementaldecoder("utf-8")().decode(raw, final=limit < 0 or len(raw) < limit)
         except UnicodeDecodeError as err:
-            raise MinifloatError(f"--data {f}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+            raise MinifloatError(f"{option} {f}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         chunks.append(raw)
         total += len(raw)
     raw = b"".join(chunks)[:max_bytes]
     if len(raw) < 2 * 1024:
-        raise MinifloatError(f"--data {path}: only {len(raw)} bytes of text; give at least 2 KiB")
+        raise MinifloatError(f"{option} {path}: only {len(raw)} bytes of text; give at least 2 KiB")
     return _split(raw, f"{path} ({len(raw):,} bytes)")
 
 

@@ -39,8 +39,9 @@ class TextSource:
 
     def corpus(self, split: str = "val") -> Corpus:
         """The corpus a split's windows come from: `calib` for calibration (``"train"``) if given."""
-        data = self.calib if split == "train" and self.calib is not None else self.data
-        return stdlib_corpus(self.max_bytes) if data is None else load_corpus(data, self.max_bytes)
+        if split == "train" and self.calib is not None:
+            return load_corpus(self.calib, self.max_bytes, option="--calib")
+        return stdlib_corpus(self.max_bytes) if self.data is None else load_corpus(self.data, self.max_bytes)
 
 
 def tokenizer_for(path: str | os.PathLike[str] | None):

@@ -29,8 +29,8 @@ def scaled_mm(
     for name, q in (("a", a), ("b", b)):
         if not isinstance(q, QuantizedTensor):
             raise MinifloatError(f"scaled_mm takes QuantizedTensors; {name} is a {type(q).__name__} (use minifloat.quantize)")
-    if backend == "auto" and onednn.takes(a, b) and a.numel() and b.numel() and onednn.probe().onednn:
-        return onednn.onednn_mm(a, b, out_dtype, a_transposed, b_transposed)  # FP8 on a CPU where oneDNN is faster
+    if backend == "auto" and onednn.takes(a, b) and a.numel() and b.numel() and onednn.uses_onednn():
+        return onednn.onednn_mm(a, b, out_dtype, a_transposed, b_transposed)  # FP8 on a CPU where the setting asks for oneDNN
     if backend != "emulated":  # "native" where it cannot run: a clear error, not torch's
         backend = choose_backend([a.scheme, b.scheme], a.device, backend)
     if backend == "native" and a.numel() and b.numel():  # empty: the emulated zeros of the right shape

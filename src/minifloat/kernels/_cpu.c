@@ -1,7 +1,7 @@
 /* Fused CPU kernels for scaled quantization (loaded with ctypes; no Python API used).
  *
  * Each function equals a reference in minifloat/kernels/reference.py + minifloat/formats/codec.py
- * bit for bit; tests/test_kernels.py checks it. Built by setup.py with -O3 -fopenmp -ffp-contract=off:
+ * bit for bit; tests/kernels/test_kernels.py checks it. Built by setup.py with -O3 -fopenmp -ffp-contract=off:
  * no fused multiply-adds and no fast-math, so every float operation rounds as PyTorch's does.
  *
  * Element encoding (round to nearest even, saturating) works on the float32 bits:
@@ -24,11 +24,47 @@
 #include <immintrin.h>
 #endif
 
+/* Runtime ISA dispatch (after ggml's): this file is compiled once as it is, for any CPU of its
+ * architecture (the `_portable` kernels), and once more by each of _cpu_avx2.c and _cpu_avx512.c
+ * under a `#pragma GCC target`, which defines MF_ISA_SUFFIX and the ISA's macros (__AVX2__ …)
+ * before including it. Every exported kernel gets its variant's suffix; kernels/cpu.py binds the
+ * variant that `mf_cpu_isas` says this CPU runs (or MINIFLOAT_ISA names). Every variant equals
+ * the reference bit for bit: the tests run each one this CPU has. */
+#ifndef MF_ISA_SUFFIX
+#define MF_ISA_SUFFIX(name) name##_portable
 #ifndef MF_SOURCE_HASH
 #define MF_SOURCE_HASH "unknown"
 #endif
-/* The first 16 hex digits of this file's SHA-256, as setup.py computed them at build time. */
+#ifndef MF_BUILD
+#define MF_BUILD "portable"
+#endif
+/* The first 16 hex digits of the kernel sources' SHA-256, as setup.py computed them at build time. */
 const char *mf_source_hash(void) { return MF_SOURCE_HASH; }
+/* "portable" (every object for its architecture's baseline, ISA paths by target pragmas) or
+ * "native" (MINIFLOAT_NATIVE=1: every object for the building machine's CPU). */
+const char *mf_build(void) { return MF_BUILD; }
+/* Bit i set: variant i of ("portable", "avx2", "avx512") runs on this CPU (and was built). */
+int mf_cpu_isas(void) {
+    int r = 1;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (avx2) r |= 2;
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vbmi"))
+        r |= 4;
+#endif
+    return r;
+}
+#endif
+#define mf_amax MF_ISA_SUFFIX(mf_amax)
+#define mf_quantize MF_ISA_SUFFIX(mf_quantize)
+#define mf_block_amax MF_ISA_SUFFIX(mf_block_amax)
+#define mf_encode_sr MF_ISA_SUFFIX(mf_encode_sr)
+#define mf_dequantize MF_ISA_SUFFIX(mf_dequantize)
+#define mf_transpose MF_ISA_SUFFIX(mf_transpose)
+#define mf_rht16 MF_ISA_SUFFIX(mf_rht16)
 
 typedef struct {
     int32_t man_bits, emin, emax, max_code, sign_mask, nan_code; /* NaN encodes canonically; formats

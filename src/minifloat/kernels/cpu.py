@@ -1,5 +1,10 @@
 """ctypes bindings of the fused CPU kernels in ``_cpu.c`` and the quantize / dequantize paths
-built on them: the same arguments and results as `minifloat.kernels.reference`'s."""
+built on them: the same arguments and results as `minifloat.kernels.reference`'s.
+
+The library holds the kernels once per ISA path (``ISAS``; `_cpu.c`'s runtime dispatch):
+`library()` binds the widest this CPU runs, or the one ``MINIFLOAT_ISA`` names (which sets the
+decode kernels' path too, `minifloat.kernels.gemv`); `variant(isa)` binds any other one this
+CPU runs, for the tests that hold each to the reference."""
 
 from __future__ import annotations
 
@@ -8,17 +13,21 @@ import functools
 import hashlib
 import importlib.util
 import math
+import os
 import warnings
 from pathlib import Path
 
 import torch
 
+from minifloat.errors import MinifloatError
 from minifloat.formats.codec import sr_seed, value_table
 from minifloat.formats.registry import E4M3, E8M0, FloatFormat
 from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
 
-SOURCES = ("_cpu.c", "_gemv.c")  # as setup.py lists them: its build hashes them in this order
+SOURCES = ("_cpu.c", "_cpu_avx2.c", "_cpu_avx512.c", "_gemv.c")  # as setup.py lists them: its build hashes them in this order
+ISAS = ("portable", "avx2", "avx512")  # the variants of _cpu.c; bit i of mf_cpu_isas() is ISAS[i]
+KERNELS = ("mf_amax", "mf_quantize", "mf_block_amax", "mf_encode_sr", "mf_transpose", "mf_rht16", "mf_dequantize")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"fp32": 0, "fp32_given": 1, "e8m0": 2, "e4m3": 3}
 _RULES = {"floor": 0, "rceil": 1, "4over6": 1, "mse": 2}  # the kernel's rule: 1 rounds E8M0 up, or Four Over Six (NVFP4 mode); 2 MX's "mse"
@@ -63,26 +72,91 @@ def elem_params(fmt: FloatFormat) -> ElemParams:
     )
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (with one warning) when the build did not produce them."""
+class Kernels:
+    """The quantize kernels of one ISA variant (``mf_amax`` … bound to ``mf_amax_<isa>`` …);
+    every other name (the decode kernels, the build facts) is the library's own."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.lib, self.isa = lib, isa
+        for name in KERNELS:
+            setattr(self, name, getattr(lib, f"{name}_{isa}"))
+        _declare(self)
+
+    def __getattr__(self, name: str):
+        return getattr(self.lib, name)
+
+
+def _load() -> ctypes.CDLL | None:
+    """The compiled library, or None (with one warning) when the build did not produce it."""
     spec = importlib.util.find_spec("minifloat.kernels._cpu")
     try:
         if spec is None or spec.origin is None:
             raise OSError("the extension minifloat.kernels._cpu was not built")
         lib = ctypes.CDLL(spec.origin)
         _check_built_from_this_source(lib)
-        _declare(lib)
-    except (OSError, AttributeError) as err:  # AttributeError: a library without a kernel this code calls
+        for isa in ISAS:
+            for name in KERNELS:
+                getattr(lib, f"{name}_{isa}")  # a library without a kernel this code calls: AttributeError
+        lib.mf_cpu_isas.restype = ctypes.c_int
+        lib.mf_build.restype = ctypes.c_char_p
+    except (OSError, AttributeError) as err:
         warnings.warn(
             f"minifloat: fast CPU kernels unavailable ({err}); using the pure-PyTorch reference. "
             f"Reinstall with a C compiler (gcc with OpenMP) to build them (`make test` or "
             f"`pip install -e .` in a checkout).",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return None
     return lib
+
+
+def forced_isa(variable: str = "MINIFLOAT_ISA") -> str | None:
+    """The ISA path the environment `variable` names, checked against `ISAS`, or None."""
+    forced = os.environ.get(variable, "").strip().lower() or None
+    if forced is not None and forced not in ISAS:
+        raise MinifloatError(f"{variable}={forced!r}: not an ISA path; use one of {', '.join(ISAS)}, or unset it")
+    return forced
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> Kernels | None:
+    """The compiled kernels of the widest ISA path this CPU runs, or of the one ``MINIFLOAT_ISA``
+    names; None (with one warning) when the build did not produce them."""
+    lib = _load()
+    if lib is None:
+        return None
+    have = [name for i, name in enumerate(ISAS) if lib.mf_cpu_isas() >> i & 1]
+    forced = forced_isa()
+    if forced is not None and forced not in have:
+        raise MinifloatError(f"MINIFLOAT_ISA={forced!r}: this CPU runs {', '.join(have)}; unset it or pick one of them")
+    return Kernels(lib, forced or have[-1])
+
+
+def isas() -> tuple[str, ...]:
+    """The ISA paths of the quantize kernels this CPU runs (``()`` without the kernels)."""
+    k = library()
+    return () if k is None else tuple(name for i, name in enumerate(ISAS) if k.lib.mf_cpu_isas() >> i & 1)
+
+
+def isa() -> str | None:
+    """The path `library()` takes: ``MINIFLOAT_ISA`` when set, else the widest this CPU runs."""
+    k = library()
+    return None if k is None else k.isa
+
+
+def build() -> str | None:
+    """How the library was compiled: ``"portable"`` (runs on any CPU of its architecture, ISA
+    paths chosen at run time) or ``"native"`` (``MINIFLOAT_NATIVE=1``: this machine's CPU only)."""
+    k = library()
+    return None if k is None else k.lib.mf_build().decode()
+
+
+def variant(name: str) -> Kernels:
+    """The kernels of ISA path `name`, which this CPU must run."""
+    if name not in isas():
+        raise MinifloatError(f"ISA path {name!r}: this CPU runs {', '.join(isas()) or 'none (no kernels built)'}")
+    return Kernels(library().lib, name)
 
 
 def _check_built_from_this_source(lib: ctypes.CDLL) -> None:
@@ -96,10 +170,10 @@ def _check_built_from_this_source(lib: ctypes.CDLL) -> None:
     built = lib.mf_source_hash().decode()
     here = hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:16]
     if built != here:
-        raise OSError(f"{lib._name} was built from other versions of {' and '.join(SOURCES)} ({built}, these are {here})")
+        raise OSError(f"{lib._name} was built from other versions of {', '.join(SOURCES)} ({built}, these are {here})")
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare(lib: Kernels) -> None:
     lib.mf_amax.restype = _F
     lib.mf_amax.argtypes = [_P, _I, _L, _I, _I]
     lib.mf_quantize.restype = None

@@ -36,7 +36,7 @@ from minifloat.scaling.layout import layout_for
 from minifloat.scaling.schemes import Scheme
 
 MAX_ROWS = 16  # rows of x the decode kernels take (a decode step, a speculative verification)
-ISAS = ("portable", "avx2", "avx512")  # the kernel's ISA codes 0, 1, 2
+ISAS = cpu.ISAS  # the decode kernel's ISA codes 0, 1, 2 are the quantize kernels' variants
 _KINDS = {"e2m1": 0, "e3m2": 1, "e2m3": 1, "e4m3": 2, "e5m2": 3}  # element kinds of _gemv.c
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCALE_FORMATS = {"fp32": 0, "e8m0": 1, "e4m3": 2}  # SF_* of _gemv.c
@@ -84,13 +84,15 @@ def isas() -> list[str]:
 
 
 def best_isa() -> str | None:
-    """The path calls take: ``MINIFLOAT_GEMV_ISA`` when set, else the widest this CPU runs."""
+    """The path calls take: ``MINIFLOAT_GEMV_ISA`` when set, else ``MINIFLOAT_ISA`` (which sets
+    the quantize kernels' path too), else the widest this CPU runs."""
     have = _isas()
-    forced = os.environ.get("MINIFLOAT_GEMV_ISA")
+    variable = "MINIFLOAT_GEMV_ISA" if os.environ.get("MINIFLOAT_GEMV_ISA", "").strip() else "MINIFLOAT_ISA"
+    forced = cpu.forced_isa(variable)
     if not forced or not have:
         return have[-1] if have else None
     if forced not in have:
-        raise MinifloatError(f"MINIFLOAT_GEMV_ISA={forced!r}: this CPU runs {', '.join(have)}; unset it or pick one of them")
+        raise MinifloatError(f"{variable}={forced!r}: this CPU runs {', '.join(have)}; unset it or pick one of them")
     return forced
 
 

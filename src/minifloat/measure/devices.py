@@ -30,18 +30,30 @@ def _recipes(device: torch.device) -> list[dict]:
     return rows
 
 
+def _fast_kernels() -> str:
+    """Whether the quantize kernels were built, how, and which ISA path they take here."""
+    have = cpu.isas()
+    if not have:
+        return "no (reference PyTorch path)"
+    build = ("portable build: runs on any CPU of this architecture" if cpu.build() == "portable"
+             else "native build (MINIFLOAT_NATIVE=1): this machine's CPU only")  # fmt: skip
+    return f"yes, {cpu.isa()} path ({build}; this CPU runs {', '.join(have)}; MINIFLOAT_ISA forces one)"
+
+
 def _decode_kernels() -> str:
     """Which ISA path the decode kernels (`minifloat.kernels.gemv`) take here."""
     have = gemv.isas()
     if not have:
         return "no (the kernels were not built: weight-only GEMVs dequantize the weight)"
-    return f"{gemv.best_isa()} (this CPU runs {', '.join(have)}; MINIFLOAT_GEMV_ISA forces one)"
+    return f"{gemv.best_isa()} (this CPU runs {', '.join(have)}; MINIFLOAT_GEMV_ISA or MINIFLOAT_ISA forces one)"
 
 
 def _fp8_gemm() -> str:
     """The path of CPU FP8 GEMMs (per tensor / per row) and the probe that chose it."""
+    path = "oneDNN torch._scaled_mm" if onednn.uses_onednn() else "emulated (dequantize, FP32 GEMM)"
     p = onednn.probe()
-    return f"{'oneDNN torch._scaled_mm' if p.onednn else 'emulated (dequantize, FP32 GEMM)'} — {p.why}"
+    advice = "recommends oneDNN" if p.onednn else "recommends the emulation"
+    return f"{path} (MINIFLOAT_CPU_SCALED_MM={onednn.setting()}); the {p.why}: {advice}"
 
 
 def describe() -> dict:
@@ -52,7 +64,7 @@ def describe() -> dict:
         "name": platform.processor() or platform.machine(),
         "detail": f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, ISA: {' '.join(cpu_flags()) or 'unknown'}",
         "capability": None,
-        "fast_kernels": "yes (compiled C/OpenMP)" if cpu.runs_on(cpu_dev) else "no (reference PyTorch path)",
+        "fast_kernels": _fast_kernels(),
         "decode_kernels": _decode_kernels(),
         "fp8_gemm": _fp8_gemm(),
         "recipes": _recipes(cpu_dev),

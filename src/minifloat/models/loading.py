@@ -152,14 +152,16 @@ def register_loader(name: str, detect: Callable[[Path], bool], load: Callable[[P
     LOADERS.insert(0, Loader(name, detect, load, what))
 
 
-def load_model(path: str | os.PathLike[str], *, before: Sequence[Loader] = ()) -> torch.nn.Module:
-    """The model at `path`, by the first loader that recognises it: those in `before`, then
-    `LOADERS` (a `minifloat train` output or checkpoint: the built-in GPT; a GGUF file; a
-    transformers model folder)."""
+def load_model(path: str | os.PathLike[str], *, specific: Sequence[Loader] = ()) -> torch.nn.Module:
+    """The model at `path`, by the first of `LOADERS` that recognises it: a GGUF file, a
+    `minifloat train` output or checkpoint (the built-in GPT), a transformers model folder.
+    `specific` loaders are tried before the transformers one, which takes any folder with a
+    config.json (a quantized checkpoint is one: `minifloat.infer.load_model` puts its loader here)."""
     path = Path(path)
     if not path.exists():
         raise MinifloatError(f"{path}: no such model folder or file")
-    loaders = [*before, *LOADERS]
+    catch_all = next((i for i, loader in enumerate(LOADERS) if loader.name == "transformers"), len(LOADERS))
+    loaders = [*LOADERS[:catch_all], *specific, *LOADERS[catch_all:]]
     for loader in loaders:
         if loader.detect(path):
             return loader.load(path)

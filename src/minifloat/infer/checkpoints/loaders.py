@@ -1,9 +1,9 @@
-"""`load_model` for inference: the quantized checkpoints minifloat exports (`load_quantized`,
-their QuantizedLinear layers packed as they were written) before the loaders of
-`minifloat.models.loading` (the built-in GPT, GGUF files, transformers model folders).
+"""`load_model` for inference: the loaders of `minifloat.models.loading` (the built-in GPT, GGUF
+files, transformers model folders) and the quantized checkpoints minifloat exports
+(`load_quantized`, their QuantizedLinear layers packed as they were written).
 
-A quantized checkpoint is also a transformers folder; tried first, it loads into minifloat's
-own modules rather than transformers' dequantizing reader.
+A quantized checkpoint is also a transformers folder; tried before the transformers loader, it
+loads into minifloat's own modules rather than transformers' dequantizing reader.
 """
 
 from __future__ import annotations
@@ -23,4 +23,4 @@ QUANTIZED = Loader("quantized", lambda p: bool((hf_config(p) or {}).get("quantiz
 def load_model(path: str | os.PathLike[str]) -> torch.nn.Module:
     """The model at `path`: a quantized checkpoint (`load_quantized`), a `minifloat train` output
     or checkpoint (the built-in GPT), a GGUF file, or a transformers model folder."""
-    return load_unquantized(path, before=(QUANTIZED,))
+    return load_unquantized(path, specific=(QUANTIZED,))

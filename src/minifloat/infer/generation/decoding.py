@@ -179,9 +179,10 @@ def generate(
     dropping the oldest tokens after the sinks when even that cannot fit (the built-in GPT, plain
     decoding: positions keep counting the dropped tokens). `stream` is called with each new token
     id as it is decided."""
+    # the names first: a typo in kv_cache is reported as such, not as whatever else is wrong
+    kv_name, kv_options = parse_kv_spec(kv_cache)  # an unknown format or option: a clear error before any work
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
     input_ids = input_ids.to(device_of(model))  # token ids made on the CPU drive a model on a GPU
-    kv_name, kv_options = parse_kv_spec(kv_cache)  # an unknown format or option: a clear error before any work
     kv_recent_format = kv_options.pop("recent_format", kv_recent_format)
     if kv_drop and (draft is not None or not adapter_for(model).drops_tokens):
         raise MinifloatError("kv_drop works with plain decoding of the built-in GPT: speculative decoding rolls "
