@@ -247,8 +247,7 @@ def test_four_over_six_weights_err_no_more_than_plain_nvfp4_per_block():
 
 
 def test_the_compute_layout_is_made_once_and_weight_only_calls_go_through_the_dispatch():
-    from minifloat.gemm import register_weight_only_kernel, weight_only_kernels
-    from minifloat.gemm import weight_only as wo
+    from minifloat.gemm import register_weight_only_kernel, unregister_weight_only_kernel, weight_only_kernels
 
     lin = torch.nn.Linear(64, 200)  # 200 rows: 128×128 blocks pad them to 256
     block = QuantizedLinear.from_linear(lin, "fp8-block")
@@ -276,4 +275,6 @@ def test_the_compute_layout_is_made_once_and_weight_only_calls_go_through_the_di
         with pytest.raises(minifloat.MinifloatError, match="does not take a mxfp4"):
             QuantizedLinear.from_linear(lin, "mxfp4-weight-only").prepare("test-zeros")(x)
     finally:
-        wo._KERNELS.pop("test-zeros")
+        unregister_weight_only_kernel("test-zeros")
+    assert weight_only_kernels() == ["decode"]
+    assert torch.allclose(layer.prepare("auto")(x), want, rtol=1e-5, atol=1e-5)  # the kernel is gone: no zeros

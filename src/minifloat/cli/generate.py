@@ -63,7 +63,6 @@ def run(args: argparse.Namespace) -> int:
     from minifloat.errors import MinifloatError
     from minifloat.infer import generate, load_model
     from minifloat.infer.evaluation.pipeline import quantize_in_memory
-
     from minifloat.infer.generation.kvcache import parse_kv_spec
 
     if not args.prompt:

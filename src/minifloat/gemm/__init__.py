@@ -46,6 +46,7 @@ Example:
 from minifloat.gemm.api import scaled_mm
 from minifloat.gemm.emulated import autocast_dtype, operand_values, without_autocast
 from minifloat.gemm.native import native_args, swizzle_scales
+from minifloat.gemm.prepacked import DECODE_ROWS, PackedWeight, prepack
 from minifloat.gemm.support import (
     BACKENDS,
     choose_backend,
@@ -56,15 +57,15 @@ from minifloat.gemm.support import (
     native_support,
 )
 from minifloat.gemm.weight_only import (
-    bound_decode,
-    bound_is_current,
     register_weight_only_kernel,
+    unregister_weight_only_kernel,
     weight_only_kernels,
     weight_only_mm,
 )
 
 __all__ = [
-    "scaled_mm", "weight_only_mm", "register_weight_only_kernel", "bound_decode", "bound_is_current", "weight_only_kernels", "BACKENDS", "choose_backend", "native_support", "native_kind", "device_capability",
+    "scaled_mm", "weight_only_mm", "register_weight_only_kernel", "unregister_weight_only_kernel", "weight_only_kernels",
+    "prepack", "PackedWeight", "DECODE_ROWS", "BACKENDS", "choose_backend", "native_support", "native_kind", "device_capability",
     "cpu_flags", "native_bf16_cpu",
     "native_args", "swizzle_scales", "operand_values", "autocast_dtype", "without_autocast",
 ]  # fmt: skip

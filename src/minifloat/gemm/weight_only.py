@@ -1,9 +1,9 @@
 """`weight_only_mm`: ``x · Wᵀ`` for a high-precision input `x` and a packed weight `W` — the one
 dispatch every weight-only Linear goes through, where decode kernels plug in.
 
-A kernel is registered with `register_weight_only_kernel(name, supports, fn)`: `supports(x, w)`
-says whether it takes this input and weight (device, scheme, shapes), `fn(x, w)` returns the
-float32 product. ``backend="auto"`` takes the most recently registered kernel that supports the
+A kernel is registered with `register_weight_only_kernel(name, supports, fn)` (and removed with
+`unregister_weight_only_kernel(name)`): `supports(x, w)` says whether it takes this input and
+weight (device, scheme, shapes), `fn(x, w)` returns the float32 product. ``backend="auto"`` takes the most recently registered kernel that supports the
 call (a user's before the built-in one), and the reference otherwise; a name asks for that
 kernel (a clear error where it does not apply);
 ``"emulated"`` is the reference: the weight dequantized exactly (codes × scales, float32) and a
@@ -11,7 +11,9 @@ float32 GEMM, so every kernel must equal it up to summation order.
 
 One kernel is registered here: ``"decode"`` (`minifloat.kernels.gemv`), the C kernels that read
 the packed codes and scales in place for up to 16 rows of x on a CPU (a decode step, a
-speculative verification); prefill and training (more rows) take the reference.
+speculative verification); prefill and training (more rows) take the reference. A Linear that
+calls it every token holds its weight prepacked (`minifloat.gemm.prepacked.prepack`): the
+kernel's arguments made once, not per call.
 
 Example:
     >>> from minifloat import quantize
@@ -25,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ class WeightOnlyKernel:
 
 
 _KERNELS: dict[str, WeightOnlyKernel] = {}
-_VERSION = [0]  # bumped by every registration: a `bound_decode` made before one is stale
+_VERSION = [0]  # bumped by every (un)registration: a weight prepacked before one is stale
 
 
 def register_weight_only_kernel(name: str, supports, fn) -> None:
@@ -56,6 +57,19 @@ def register_weight_only_kernel(name: str, supports, fn) -> None:
     _KERNELS.pop(name, None)
     _KERNELS[name] = WeightOnlyKernel(name, supports, fn)
     _VERSION[0] += 1
+
+
+def unregister_weight_only_kernel(name: str) -> None:
+    """Remove the weight-only kernel `name` (a user's, or the built-in ``"decode"``)."""
+    if name not in _KERNELS:
+        raise MinifloatError(f"no weight-only kernel {name!r} is registered; registered: {weight_only_kernels()}")
+    del _KERNELS[name]
+    _VERSION[0] += 1
+
+
+def registry_version() -> int:
+    """A number that changes with every (un)registration (what a prepacked weight was made under)."""
+    return _VERSION[0]
 
 
 def weight_only_kernels() -> list[str]:
@@ -95,22 +109,3 @@ register_weight_only_kernel(
     lambda x, w: gemv.supports(x, w.data, w.shape, w.scheme),
     lambda x, w: gemv.run(x, w.data, w.scale, w.tensor_scale, w.shape, w.scheme),
 )
-
-
-def bound_decode(w: QuantizedTensor, backend: str = "auto") -> tuple[int, gemv.Bound] | None:
-    """``(registry version, call)``: the decode kernel bound to `w`, the call ``weight_only_mm(x, w,
-    backend=backend)`` makes for a float CPU `x` of at most 16 rows — where no other kernel is
-    registered to take it first, and the kernels take `w`; else None. A Linear makes it once
-    (`QuantizedLinear.prepare`) and uses it while `bound_is_current`."""
-    if backend not in ("auto", "native", "decode") or list(_KERNELS) != ["decode"] or w.device.type != "cpu":
-        return None
-    probe = torch.empty(1, w.shape[1])
-    if not gemv.supports(probe, w.data, w.shape, w.scheme):
-        return None
-    return _VERSION[0], gemv.Bound(w.data, w.scale, w.tensor_scale, w.shape, w.scheme)
-
-
-def bound_is_current(bound: tuple[int, gemv.Bound]) -> bool:
-    """Whether a `bound_decode` call still stands for the dispatch: no kernel registered since, the
-    weight's parts unchanged, the kernels not switched off (``MINIFLOAT_KERNELS=reference``)."""
-    return bound[0] == _VERSION[0] and bound[1].current() and os.environ.get("MINIFLOAT_KERNELS") != "reference"

@@ -329,6 +329,8 @@ static void dot_portable(const float *xp, int64_t xstride, int64_t M, const floa
  * every field (a missing last field can hide in the padding, so the size alone would not say). */
 int64_t mf_gemv_args_size(void) { return (int64_t)sizeof(gemv_args_t); }
 int64_t mf_gemv_args_last(void) { return (int64_t)offsetof(gemv_args_t, nan_free); }
+/* The most rows of x one call takes (MMAX): gemv.MAX_ROWS must say the same, the bindings check. */
+int64_t mf_gemv_max_rows(void) { return MMAX; }
 
 /* Which paths this CPU runs: bit 1 AVX2 + FMA + F16C, bit 2 AVX-512 (F, BW, VL, DQ); bit 0 always. */
 int mf_gemv_isas(void) {

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import weakref
 
 import torch
 
@@ -35,7 +34,7 @@ from minifloat.kernels import cpu, reference
 from minifloat.scaling.layout import layout_for
 from minifloat.scaling.schemes import Scheme
 
-MAX_ROWS = 16  # rows of x the decode kernels take (a decode step, a speculative verification)
+MAX_ROWS = 16  # rows of x the decode kernels take (a decode step, a speculative verification): MMAX of _gemv.c, checked
 ISAS = cpu.ISAS  # the decode kernel's ISA codes 0, 1, 2 are the quantize kernels' variants
 _KINDS = {"e2m1": 0, "e3m2": 1, "e2m3": 1, "e4m3": 2, "e5m2": 3}  # element kinds of _gemv.c
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,7 +60,9 @@ def _library() -> ctypes.CDLL | None:
         lib.mf_gemv_isas.argtypes = []
         lib.mf_gemv.restype = ctypes.c_int
         lib.mf_gemv.argtypes = [ctypes.POINTER(GemvArgs)]
-        lib.mf_gemv_args_size.restype = lib.mf_gemv_args_last.restype = ctypes.c_int64
+        lib.mf_gemv_args_size.restype = lib.mf_gemv_args_last.restype = lib.mf_gemv_max_rows.restype = ctypes.c_int64
+        if lib.mf_gemv_max_rows() != MAX_ROWS:
+            raise RuntimeError(f"gemv.MAX_ROWS is {MAX_ROWS}, the kernels' MMAX {lib.mf_gemv_max_rows()}: make them agree")
         last = GemvArgs._fields_[-1][0]
         if (lib.mf_gemv_args_size(), lib.mf_gemv_args_last()) != (ctypes.sizeof(GemvArgs), getattr(GemvArgs, last).offset):
             raise RuntimeError(f"GemvArgs does not mirror the kernels' gemv_args_t (size {ctypes.sizeof(GemvArgs)} against "
@@ -125,20 +126,11 @@ def _tables(fmt_name: str, scale_format: str) -> tuple[torch.Tensor, torch.Tenso
     return lut, slut
 
 
-_PLANS: dict[tuple, tuple] = {}  # a weight's arguments: (its codes, its scales (weak references), the plan)
-
-
 def _plan(data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: Scheme) -> GemvArgs:
-    """The weight's half of mf_gemv's arguments, made once per weight: a decode step calls every
-    Linear once per token, and building them costs more than a small layer's product. A plan
-    serves the very tensors it was made from, unchanged since (their version counters), so an
-    in-place write or a new tensor at a freed one's address makes a new plan."""
+    """The weight's half of mf_gemv's arguments (addresses, geometry, decode tables, whether any
+    code is NaN), checked against the layout. A decode step calls every Linear once per token
+    and making these costs more than a small layer's product: `Plan` makes them once."""
     ts = 1.0 if tensor_scale is None else float(tensor_scale)
-    key = (data.data_ptr(), data._version, scale.data_ptr(), scale._version, ts, tuple(shape), scheme.element,
-           scheme.block, scheme.granularity, scheme.scale_format)  # what the plan reads of the scheme  # fmt: skip
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0]() is data and hit[1]() is scale:
-        return hit[2]
     lay = layout_for(shape, scheme)
     fmt = scheme.element_format
     row_bytes = lay.cols_pad * fmt.bits // 8
@@ -153,9 +145,6 @@ def _plan(data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: 
         ngc=lay.grid[1], ts=ts, bits=fmt.bits, kind=_KINDS[fmt.name], sfmt=_SCALE_FORMATS[scheme.scale_format],
         nan_free=int(not _has_nan_codes(data, fmt)),
     )  # fmt: skip
-    if len(_PLANS) >= 4096:  # bounded: weights that came and went
-        _PLANS.clear()
-    _PLANS[key] = (weakref.ref(data), weakref.ref(scale), plan)
     return plan
 
 
@@ -183,7 +172,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, tensor_scal
 def run(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme, *, isa: str | None = None) -> torch.Tensor:
     """`matmul` for a call `supports` took (the dispatch has asked): no checks repeated, as a
     decode step makes hundreds of these calls per token."""
-    return _call(_plan(data, scale, tensor_scale, shape, scheme), x, isa)
+    return Plan(data, scale, tensor_scale, shape, scheme)(x, isa)
 
 
 def _call(plan: GemvArgs, x: torch.Tensor, isa: str | None) -> torch.Tensor:
@@ -198,32 +187,25 @@ def _call(plan: GemvArgs, x: torch.Tensor, isa: str | None) -> torch.Tensor:
     return y
 
 
-class Bound:
-    """`run` for one weight, what it reads of the weight looked up once: a decode step makes a call
-    per Linear per token, and on small layers the lookups cost as much as the product. Valid while
-    the weight's parts are unchanged (their version counters; `current`)."""
+class Plan:
+    """`run` for one weight, its arguments made once (`_plan`): the kernel's half of a prepacked
+    weight (`minifloat.gemm.prepack`, which says when the weight has changed and a new plan is
+    due). It holds the weight's parts, whose addresses the plan points at."""
 
-    __slots__ = ("parts", "versions", "plan", "meta")
+    __slots__ = ("parts", "meta", "args")
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: Scheme) -> None:
         self.parts = (data, scale, tensor_scale)
         self.meta = (tuple(shape), scheme)
-        self.versions = self._versions()
-        self.plan = _plan(data, scale, tensor_scale, shape, scheme)
-
-    def _versions(self) -> tuple[int, ...]:
-        return tuple(t._version for t in self.parts if t is not None)
+        self.args = _plan(data, scale, tensor_scale, shape, scheme)
 
     def __reduce__(self):
         """Copied or pickled as its parts (the plan holds addresses: it is made again)."""
-        return Bound, (*self.parts, *self.meta)
+        return Plan, (*self.parts, *self.meta)
 
-    def current(self) -> bool:
-        return self._versions() == self.versions
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """`run` of a float (M ≤ 16, K) CPU `x` (the caller checks)."""
-        return _call(self.plan, x, None)
+    def __call__(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+        """`run` of a float (M ≤ MAX_ROWS, K) CPU `x` (the caller checks, as `supports` says)."""
+        return _call(self.args, x, isa)
 
 
 def reference_matmul(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme) -> torch.Tensor:

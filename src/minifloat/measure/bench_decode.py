@@ -248,7 +248,7 @@ def gemv_peers(shapes: Sequence[tuple[int, int]] = ((2048, 8192),), schemes: Seq
     bfloat16 and float32 activations. Median ms and the ratio to FP32."""
     import torch.nn.functional as F
 
-    from minifloat.kernels import gemv
+    from minifloat.gemm import prepack
     from minifloat.quant import quantize
 
     rows = []
@@ -258,8 +258,8 @@ def gemv_peers(shapes: Sequence[tuple[int, int]] = ((2048, 8192),), schemes: Seq
         x = torch.randn(1, k, generator=g)
         fns: dict[str, Callable[[], object]] = {"fp32": lambda w=w, x=x: F.linear(x, w)}
         for name in schemes:
-            q = quantize(w, name)
-            fns[f"minifloat {name}"] = lambda q=q, x=x: gemv.matmul(x, q.data, q.scale, q.tensor_scale, q.shape, q.scheme)
+            packed = prepack(quantize(w, name))  # as a QuantizedLinear holds it
+            fns[f"minifloat {name}"] = lambda p=packed, x=x: p(x)
         if k % 32 == 0 and n % 16 == 0 and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
             packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)

@@ -6,8 +6,9 @@ the high-precision weight is gone. The forward quantizes the input as its config
 weight-only), multiplies with `minifloat.gemm.scaled_mm` — on a CPU the exact emulation (the
 dequantized operands, FP32 accumulation), on a GPU that has the format the native
 ``torch._scaled_mm`` — adds the bias in FP32 and returns the input's dtype. The same result on
-every backend up to summation order. Weight-only calls go through `minifloat.gemm.weight_only_mm`,
-the dispatch decode kernels register with; the weight the GEMMs read is the compute layout that
+every backend up to summation order. Weight-only calls go through the weight prepacked once
+(`minifloat.gemm.prepack`: the decode kernel's plan, else `minifloat.gemm.weight_only_mm`, the
+dispatch decode kernels register with); the weight the GEMMs read is the compute layout that
 `prepare` makes once from the buffers (the checkpoint layout, which `export` reads).
 
 Example:
@@ -23,14 +24,11 @@ import math
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.gemm import bound_decode, bound_is_current, scaled_mm, weight_only_mm
+from minifloat.gemm import prepack, scaled_mm
 from minifloat.infer.ptq.config import QuantConfig, get_quant_config
 from minifloat.infer.ptq.rtn import Transform, WeightQuantizer, round_to_nearest
-from minifloat.kernels.gemv import MAX_ROWS as DECODE_ROWS
 from minifloat.quant import QuantizedTensor, quantize
 from minifloat.scaling.layout import layout_for
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # inputs the decode kernels take
 
 
 def apply_keeping_dtype(module: torch.nn.Module, fn, recurse: bool, names: tuple[str, ...]) -> None:
@@ -142,15 +140,8 @@ class QuantizedLinear(torch.nn.Module):
         self._compute = self._packed(self.weight_data)
         if self._compute.data.shape != self.weight_data.shape:  # padded: the buffer becomes a view of the padded codes
             self._buffers["weight_data"] = self._compute.data[:n, :width]
-        self._decode = bound_decode(self._compute, self.backend)  # a decode step's GEMV, looked up once
+        self._prepacked = prepack(self._compute, self.backend)  # a decode step's GEMV, planned once
         return self
-
-    def _weight_only(self, x2: torch.Tensor) -> torch.Tensor:
-        """``x2 · Wᵀ`` by the dispatch, or by the decode kernel bound to W while it stands for it."""
-        d = self._decode
-        if d is not None and x2.device.type == "cpu" and 0 < x2.shape[0] <= DECODE_ROWS and x2.dtype in _FLOATS and bound_is_current(d):
-            return d[1](x2)
-        return weight_only_mm(x2, self.weight, backend=self.backend)
 
     def compute_extra_nbytes(self) -> int:
         """Bytes the compute layout holds beyond the checkpoint buffers (the block padding)."""
@@ -171,13 +162,13 @@ class QuantizedLinear(torch.nn.Module):
             x2 = self.input_transform(x2)
         c = self.config
         if c.activation is None:  # weight-only: the high-precision input times the exact weight
-            y = self._weight_only(x2)
+            y = self._prepacked(x2)
         else:
             qx = quantize(x2, c.activation_scheme, amax=self.input_amax if c.static else None)
-            if x2.device.type == "cpu" and self.backend == "auto" and x2.shape[0] <= DECODE_ROWS:
+            if self.backend == "auto" and self._prepacked.decodes(x2):
                 # a decode step: the few quantized rows dequantized (exact), the weight read packed by
                 # the decode kernels — the emulated product up to summation order
-                y = self._weight_only(qx.dequantize(torch.float32))
+                y = self._prepacked(qx.dequantize(torch.float32))
             else:
                 y = scaled_mm(qx, self.weight, out_dtype=torch.float32, backend=self.backend)
         if self.bias is not None:
