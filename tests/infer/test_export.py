@@ -203,7 +203,7 @@ def test_unknown_formats_are_clear_errors(tmp_path):
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 3
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(minifloat.MinifloatError, match="no minifloat config matches the checkpoint's scheme"):
+    with pytest.raises(minifloat.MinifloatError, match="no minifloat scheme matches the checkpoint's scheme"):
         load_quantized(out)
     config["quantization_config"] = {"quant_method": "gptq"}
     (out / "config.json").write_text(json.dumps(config))
@@ -320,3 +320,64 @@ def test_a_layer_policy_quantizes_exports_and_reads_back(tmp_path):
         assert torch.equal(back(IDS).logits, model(IDS).logits)
     unmatched = quantize_model(tiny_llama(hidden=128, inter=256), {"*.mlp.*": "mxfp8"})
     assert {s.reason for s in unmatched.skipped} >= {"no rule of the policy matches it"}
+
+
+# compressed-tensors' format of each named config's weights, as its CompressionFormat names them
+# (the table export kept by config name before it derived the format from the scheme)
+CT_FORMATS = {
+    "fp8-weight-only": "float-quantized", "fp8-dynamic": "float-quantized", "fp8-static": "float-quantized",
+    "fp8-block": "float-quantized", "mxfp8": "mxfp8-quantized", "mxfp6": "mxfp6-pack-quantized",
+    "mxfp4": "mxfp4-pack-quantized", "mxfp4-weight-only": "mxfp4-pack-quantized",
+    "nvfp4-weight-only": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
+    "nvfp4-4over6-weight-only": "nvfp4-pack-quantized", "nvfp4-4over6": "nvfp4-pack-quantized",
+    "fp8-block-weight-only": "float-quantized", "mxfp8-weight-only": "mxfp8-quantized",
+    "mxfp6-weight-only": "mxfp6-pack-quantized",
+}  # fmt: skip
+
+
+def test_the_format_of_each_named_config_comes_from_its_scheme():
+    from minifloat.infer.checkpoints.export import ct_format, holds_hf_fp8
+
+    assert set(CT_FORMATS) == set(QUANT_CONFIGS)
+    for name, c in QUANT_CONFIGS.items():
+        assert ct_format(c.weight_scheme) == CT_FORMATS[name], name
+        assert holds_hf_fp8(c) == (name == "fp8-block"), name
+    for scheme in ("fp8_e5m2", "mxfp6_e3m2", "mxfp8_e5m2", "fp6_e3m2"):  # elements compressed-tensors has no format for
+        assert ct_format(minifloat.get_scheme(scheme)) is None, scheme
+
+
+def test_a_hand_built_config_exports_and_reads_back_like_a_named_one(tmp_path):
+    """A QuantConfig no preset names (E4M3 weights in 1×128 groups, inputs per token): the format
+    comes from its schemes, transformers reads it bit for bit, minifloat's reader rebuilds it."""
+    from minifloat.infer import QuantConfig
+
+    config = QuantConfig(name="my-fp8-groups", weight="fp8_block128", activation="fp8_rowwise")
+    assert config.name not in QUANT_CONFIGS
+    model = tiny_llama()
+    quantize_model(model, config)
+    out = export(model, tmp_path / "ckpt")
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["format"] == "float-quantized" and group["weights"]["strategy"] == "group"
+    assert group["weights"]["group_size"] == 128 and group["input_activations"]["strategy"] == "token"
+    sd = read_with_transformers(out, "compressed-tensors").state_dict()
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(layers) == 14
+    for n, m in layers.items():
+        assert torch.equal(sd[f"{n}.weight"].float(), m.weight.dequantize(torch.float32)), n
+    back = load_quantized(out)
+    c = next(m.config for m in back.modules() if isinstance(m, QuantizedLinear))
+    assert (c.weight_scheme, c.activation_scheme) == (config.weight_scheme, config.activation_scheme)
+    with torch.no_grad():
+        assert torch.equal(back(IDS).logits, model(IDS).logits)
+
+
+def test_a_scheme_compressed_tensors_cannot_hold_stays_in_high_precision_by_name(tmp_path):
+    from minifloat.infer import QuantConfig
+
+    config = QuantConfig(name="e5m2-weights", weight="fp8_e5m2")
+    model = tiny_llama(hidden=128, inter=256)
+    summary = quantize_model(model, config, export_format="compressed-tensors")
+    assert not summary.quantized and "compressed-tensors has no format for" in str(summary)
+    quantize_model(model := tiny_llama(hidden=128, inter=256), config)
+    with pytest.raises(minifloat.MinifloatError, match="which compressed-tensors has no format for"):
+        export(model, tmp_path / "ckpt")

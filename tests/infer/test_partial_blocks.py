@@ -58,7 +58,7 @@ def test_training_gemms_with_partial_blocks_equal_the_formula(name):
     layer = minifloat.nn.Linear(K, N, recipe=name)
     x = (torch.randn(M, K) * 2).requires_grad_()
     y = layer(x)
-    # the oracle has neither Four Over Six, the "mse" exponent nor a forward transform: their own tests cover them
+    # the oracle has neither Four Over Six, the "least-error" exponent nor a forward transform: their own tests cover them
     if recipe.scheme("input").scale_rule in ("floor", "rceil") and not getattr(recipe, "forward_rht", False):
         want = (
             values(x, recipe.scheme("input")) @ values(layer.weight, recipe.scheme("weight")).T + layer.bias

@@ -191,14 +191,14 @@ def test_fast_equals_reference_stochastic(name):
     assert_same(a, b)
 
 
-@pytest.mark.parametrize(("base", "rule"), [("nvfp4", "4over6"), ("nvfp4_2d", "4over6"), ("mxfp4", "mse"),
-                                          ("mxfp6_e3m2", "mse"), ("mxfp8", "mse")])  # fmt: skip
+@pytest.mark.parametrize(("base", "rule"), [("nvfp4", "4over6"), ("nvfp4_2d", "4over6"), ("mxfp4", "least-error"),
+                                          ("mxfp6_e3m2", "least-error"), ("mxfp8", "least-error")])  # fmt: skip
 @pytest.mark.parametrize("shape", [(7, 300), (130, 129), (33, 4500)])
 @pytest.mark.parametrize(("dtype", "rounding"), [(torch.float32, "nearest"), (torch.bfloat16, "nearest"),
                                                  (torch.float32, "stochastic")])  # fmt: skip
 def test_per_block_scale_choices_fast_equal_reference(base, rule, shape, dtype, rounding):
     """The scale rules that choose per block by the squared error — Four Over Six (NVFP4) and the
-    "mse" E8M0 exponent (MX) — in the kernel (zero, NaN, inf and subnormal blocks, padding, bf16,
+    "least-error" E8M0 exponent (MX) — in the kernel (zero, NaN, inf and subnormal blocks, padding, bf16,
     stochastic rounding after a round-to-nearest choice) equal the reference's."""
     scheme = get_scheme(base).replace(scale_rule=rule)
     x = special_input(shape, dtype, seed=sum(shape))

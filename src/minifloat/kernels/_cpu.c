@@ -655,7 +655,7 @@ typedef struct {
     int64_t R, K, Kp, br, bc, ngc, row_bytes, cw;
     elem_t p, e4m3;
     vconst_t k, k4m3;
-    int bits, mode, rule, sr, no_nan; /* rule: E8M0 0 floor, 1 rceil, 2 mse; NVFP4 1 Four Over Six. no_nan: the caller knows x holds no NaN */
+    int bits, mode, rule, sr, no_nan; /* rule: E8M0 0 floor, 1 rceil, 2 least-error; NVFP4 1 Four Over Six. no_nan: the caller knows x holds no NaN */
     float fmt_max, margin_mul, inv_max, s_enc, s_dec;
     const float *given, *e4m3_lut, *tile_amax; /* tile_amax: block maxima from mf_block_amax, or NULL */
     int64_t gs_r, gs_c;
@@ -813,7 +813,7 @@ static void four_over_six(const job_t *J, int64_t g, int64_t c0, int64_t nb, con
     }
 }
 
-/* The "mse" E8M0 rule (rule 2; block_scale stored the floor exponent E): per block whose amax
+/* The "least-error" E8M0 rule (rule 2; block_scale stored the floor exponent E): per block whose amax
  * the floor clips (amax * 2^-E > max, E < 127), the exponent E + 1 replaces E where the block's
  * round-to-nearest codes under it have the smaller sum of squared errors; a tie keeps E. Each
  * error is value(code) * 2^E - x in double, summed in row-major order (the codes of 8 elements

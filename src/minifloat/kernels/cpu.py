@@ -30,7 +30,7 @@ ISAS = ("portable", "avx2", "avx512")  # the variants of _cpu.c; bit i of mf_cpu
 KERNELS = ("mf_amax", "mf_quantize", "mf_block_amax", "mf_encode_sr", "mf_transpose", "mf_rht16", "mf_dequantize")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"fp32": 0, "fp32_given": 1, "e8m0": 2, "e4m3": 3}
-_RULES = {"floor": 0, "rceil": 1, "4over6": 1, "mse": 2}  # the kernel's rule: 1 rounds E8M0 up, or Four Over Six (NVFP4 mode); 2 MX's "mse"
+_RULES = {"floor": 0, "rceil": 1, "4over6": 1, "least-error": 2}  # the kernel's rule: 1 rounds E8M0 up, or Four Over Six (NVFP4 mode); 2 MX's "least-error"
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _I32 = ctypes.c_int32
 

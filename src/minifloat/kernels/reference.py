@@ -70,8 +70,8 @@ def block_scales(
         stored = torch.where(torch.isnan(stored), torch.nan, stored)  # one NaN (0x7FC00000), as the CPU kernel stores; CUDA's is 0x7FFFFFFF
     elif scheme.scale_format == "e8m0":
         block_amax = rules.finite_amax(tiles, dim=(1, 3))
-        exp = rules.e8m0_exponent(block_amax, fmt, "floor" if scheme.scale_rule == "mse" else scheme.scale_rule)
-        if scheme.scale_rule == "mse":
+        exp = rules.e8m0_exponent(block_amax, fmt, "floor" if scheme.scale_rule == "least-error" else scheme.scale_rule)
+        if scheme.scale_rule == "least-error":
             exp = _best_exponent(tiles, exp, block_amax, fmt)
         enc = torch.where(torch.isnan(exp), torch.nan, pow2(-exp.nan_to_num().long()).float())
         stored = torch.where(torch.isnan(exp), E8M0.nan_code, exp.nan_to_num() + E8M0.bias).to(torch.uint8)
@@ -136,7 +136,7 @@ def _four_over_six(tiles: torch.Tensor, six: torch.Tensor, four: torch.Tensor, t
 
 
 def _best_exponent(tiles: torch.Tensor, exp: torch.Tensor, amax: torch.Tensor, fmt) -> torch.Tensor:
-    """The ``"mse"`` E8M0 rule: per block, the floor exponent `exp`, or ``exp + 1`` where the
+    """The ``"least-error"`` E8M0 rule: per block, the floor exponent `exp`, or ``exp + 1`` where the
     floor clips the amax (``amax · 2^-exp > max``, exp < 127), whichever quantizes the block with
     the smaller sum of squared errors (`_block_sq_errors`); a tie keeps the floor."""
     e = exp.nan_to_num()

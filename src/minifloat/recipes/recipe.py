@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from minifloat.errors import MinifloatError
+from minifloat.naming import lookup
 from minifloat.scaling.history import WINDOW_ALGOS
 from minifloat.scaling.schemes import Scheme, get_scheme, named
 
@@ -170,7 +171,7 @@ class MXScaling(Recipe):
     """OCP MX block scaling of every operand: 32 elements per E8M0 scale.
 
     `element` quantizes input and weight, `grad_element` (default: `element`) grad_output;
-    `scale_rule` is ``"floor"`` (OCP MX v1.0 §6.3), ``"rceil"`` (NVIDIA) or ``"mse"`` (per block
+    `scale_rule` is ``"floor"`` (OCP MX v1.0 §6.3), ``"rceil"`` (NVIDIA) or ``"least-error"`` (per block
     the floor exponent or the one above, whichever errs less: `Scheme`). The published fixes
     of MXFP4 training, each a switch: `rht` a random Hadamard transform (16 wide, signs from
     `rht_seed`) on both operands of the weight-gradient GEMM, as NVFP4's; `stochastic_rounding`
@@ -282,7 +283,7 @@ RECIPES: dict[str, Recipe] = {
     "mxfp4-rht": MXScaling(element="e2m1", rht=True),
     "mxfp4-sr": MXScaling(element="e2m1", stochastic_rounding=True, grad_scale_rule="rceil"),
     "mxfp4-tseng-fwd": MXScaling(element="e2m1", rht=True, forward_rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
-    "mxfp4-tseng-mse": MXScaling(element="e2m1", scale_rule="mse", rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
+    "mxfp4-tseng-least-error": MXScaling(element="e2m1", scale_rule="least-error", rht=True, stochastic_rounding=True, grad_scale_rule="rceil"),
     "nvfp4": NVFP4BlockScaling(),
     "nvfp4-4over6": NVFP4BlockScaling(four_over_six=True),
 }
@@ -301,10 +302,7 @@ def get_recipe(recipe: str | Recipe | dict) -> Recipe:
     if isinstance(recipe, Recipe):
         return recipe
     if isinstance(recipe, str):
-        key = recipe.strip().lower().replace("_", "-")
-        if key in RECIPES:
-            return RECIPES[key]
-        raise MinifloatError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+        return lookup(RECIPES, recipe, "recipe")
     if isinstance(recipe, dict):
         d = dict(recipe)
         kind = d.pop("recipe", None)

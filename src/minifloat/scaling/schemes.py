@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 from minifloat.errors import MinifloatError
 from minifloat.formats.registry import FloatFormat, get_format
+from minifloat.naming import lookup
 
 GRANULARITIES = ("tensor", "row", "block")
 SCALE_FORMATS = ("fp32", "e8m0", "e4m3")  # e4m3 = NVFP4's E4M3 block scale + FP32 tensor scale
-SCALE_RULES = ("floor", "rceil", "mse", "4over6")  # mse: MX only; 4over6: NVFP4 only
+SCALE_RULES = ("floor", "rceil", "least-error", "4over6")  # least-error: MX only; 4over6: NVFP4 only
 _SCALE_BITS = {"fp32": 32, "e8m0": 8, "e4m3": 8}
 MAX_MARGIN = 126  # 2**-margin stays a normal float32
 
@@ -45,7 +46,7 @@ class Scheme:
         granularity: ``"tensor"``, ``"row"`` or ``"block"``.
         block: ``(block_rows, block_cols)`` for ``granularity="block"``.
         scale_format: ``"fp32"``, ``"e8m0"`` (MX) or ``"e4m3"`` (NVFP4 two-level).
-        scale_rule: E8M0 rule, ``"floor"`` (OCP MX), ``"rceil"`` (NVIDIA) or ``"mse"``: per
+        scale_rule: E8M0 rule, ``"floor"`` (OCP MX), ``"rceil"`` (NVIDIA) or ``"least-error"``: per
             block, the floor exponent, or the next one up where the floor clips the block's
             amax, whichever quantizes the block with the smaller squared error; for NVFP4,
             ``"4over6"`` picks per block the block scale that maps the block's amax to 6 or
@@ -73,12 +74,15 @@ class Scheme:
             raise MinifloatError(f"unknown granularity {self.granularity!r}; use one of {', '.join(GRANULARITIES)}")
         if self.scale_format not in SCALE_FORMATS:
             raise MinifloatError(f"unknown scale format {self.scale_format!r}; use one of {', '.join(SCALE_FORMATS)}")
+        if self.scale_rule == "mse":  # the rule's earlier name; "mse" names the PTQ scale observer (a search)
+            raise MinifloatError("scale rule 'mse' is now 'least-error' (per block, the floor E8M0 exponent or the one "
+                                 "above, whichever errs less); 'mse' names the PTQ scale observer, a wider search")
         if self.scale_rule not in SCALE_RULES:
-            raise MinifloatError(f"unknown scale rule {self.scale_rule!r}; use 'floor', 'rceil' or 'mse' (MX), or '4over6' (NVFP4)")
+            raise MinifloatError(f"unknown scale rule {self.scale_rule!r}; use 'floor', 'rceil' or 'least-error' (MX), or '4over6' (NVFP4)")
         if self.scale_rule == "4over6" and self.scale_format != "e4m3":
             raise MinifloatError("scale_rule='4over6' chooses NVFP4 block scales; it needs scale_format='e4m3'")
-        if self.scale_rule == "mse" and self.scale_format != "e8m0":
-            raise MinifloatError("scale_rule='mse' chooses MX (E8M0) block scales; it needs scale_format='e8m0'")
+        if self.scale_rule == "least-error" and self.scale_format != "e8m0":
+            raise MinifloatError("scale_rule='least-error' chooses MX (E8M0) block scales; it needs scale_format='e8m0'")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or abs(self.margin) > MAX_MARGIN:
             raise MinifloatError(
                 f"margin must be a whole number of binades in [-{MAX_MARGIN}, {MAX_MARGIN}] (scale / 2**margin), "
@@ -194,8 +198,8 @@ def get_scheme(scheme: str | Scheme) -> Scheme:
     """
     if isinstance(scheme, Scheme):
         return scheme
-    if isinstance(scheme, str) and scheme.strip().lower() in SCHEMES:
-        return SCHEMES[scheme.strip().lower()]
+    if isinstance(scheme, str):
+        return lookup(SCHEMES, scheme, "scheme")
     raise MinifloatError(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
 
 

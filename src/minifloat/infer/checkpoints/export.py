@@ -66,28 +66,50 @@ from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import QuantConfig
 from minifloat.io.atomic import atomic_path, fsync_dir, make_dir_beside, remove
 from minifloat.quant import QuantizedTensor
+from minifloat.scaling.schemes import Scheme
 
 FORMATS = ("compressed-tensors", "hf-fp8")
-CT_FORMAT = {  # config name → compressed-tensors format
-    "fp8-weight-only": "float-quantized", "fp8-dynamic": "float-quantized", "fp8-static": "float-quantized",
-    "fp8-block": "float-quantized", "mxfp8": "mxfp8-quantized", "mxfp6": "mxfp6-pack-quantized",
-    "mxfp4": "mxfp4-pack-quantized", "mxfp4-weight-only": "mxfp4-pack-quantized",
-    "nvfp4-weight-only": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
-    # Four Over Six chooses the block scales; the format is NVFP4's (a reader quantizes inputs by its own rule)
-    "nvfp4-4over6-weight-only": "nvfp4-pack-quantized", "nvfp4-4over6": "nvfp4-pack-quantized",
-    "fp8-block-weight-only": "float-quantized", "mxfp8-weight-only": "mxfp8-quantized",
-    "mxfp6-weight-only": "mxfp6-pack-quantized",
-}  # fmt: skip
+# compressed-tensors' element formats: 8-bit floats are E4M3, 6-bit E2M3 (its MXFP6), 4-bit E2M1
+_CT_ELEMENTS = {8: "e4m3", 6: "e2m3", 4: "e2m1"}
+
+
+def ct_format(scheme: Scheme) -> str | None:
+    """The compressed-tensors format that holds weights in `scheme`, from what the scheme is
+    (element format, scale format, granularity), or None where compressed-tensors has none:
+    NVFP4 (E2M1, E4M3 block scales, FP32 tensor scale) is ``nvfp4-pack-quantized``; MX (E8M0
+    block scales) ``mxfp8-quantized`` / ``mxfp6-pack-quantized`` / ``mxfp4-pack-quantized``; E4M3
+    with FP32 scales per tensor, row or block ``float-quantized``."""
+    e = scheme.element_format
+    if _CT_ELEMENTS.get(e.bits) != e.name:
+        return None
+    if scheme.is_nvfp4:
+        return "nvfp4-pack-quantized"
+    if scheme.is_mx:
+        return {8: "mxfp8-quantized", 6: "mxfp6-pack-quantized", 4: "mxfp4-pack-quantized"}[e.bits]
+    return "float-quantized" if e.bits == 8 and scheme.scale_format == "fp32" else None
+
+
+def holds_hf_fp8(config: QuantConfig) -> bool:
+    """Whether transformers' fine-grained FP8 (``hf-fp8``, DeepSeek-V3's) holds `config`: E4M3
+    weights with FP32 scales per 128×128 block, inputs E4M3 per 1×128 group, each input's own."""
+    w, a = config.weight_scheme, config.activation_scheme
+    e4m3_blocks = lambda s, block: (  # noqa: E731
+        s is not None and s.element == "e4m3" and s.granularity == "block" and tuple(s.block) == block
+        and s.scale_format == "fp32"
+    )  # fmt: skip
+    return e4m3_blocks(w, (128, 128)) and e4m3_blocks(a, (1, 128)) and not config.static
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")  # fmt: skip
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
-def ct_args(scheme_name: str | None, config: QuantConfig, role: str) -> dict | None:
-    """compressed-tensors QuantizationArgs (as JSON) of `role` ("weights" or "input_activations")."""
-    if scheme_name is None:
+def ct_args(s: Scheme | None, role: str, static: bool = False) -> dict | None:
+    """compressed-tensors QuantizationArgs (as JSON) of scheme `s` in `role` ("weights" or
+    "input_activations"; `static`: a calibrated input scale)."""
+    if s is None:
         return None
-    s = config.weight_scheme if role == "weights" else config.activation_scheme
     bits = s.element_format.bits
     args: dict = {"num_bits": bits, "type": "float", "symmetric": True, "group_size": None}
     if s.is_nvfp4:
@@ -105,10 +127,15 @@ def ct_args(scheme_name: str | None, config: QuantConfig, role: str) -> dict | N
     if role == "weights":
         args["dynamic"] = False
     else:
-        args["dynamic"] = "local" if (config.static and s.is_nvfp4) else (not config.static)
-        if config.static:
+        args["dynamic"] = "local" if (static and s.is_nvfp4) else (not static)
+        if static:
             args["observer"] = "static_minmax"
     return args
+
+
+def config_args(c: QuantConfig) -> tuple[dict, dict | None]:
+    """The QuantizationArgs of `c`'s weights and inputs."""
+    return ct_args(c.weight_scheme, "weights"), ct_args(c.activation_scheme, "input_activations", c.static)
 
 
 def _codes(q: QuantizedTensor) -> torch.Tensor:
@@ -130,10 +157,10 @@ def layer_tensors(prefix: str, layer: QuantizedLinear, fmt: str) -> dict[str, to
                              f"quantize_model(..., export_format={fmt!r}) does so itself)")  # fmt: skip
     out: dict[str, torch.Tensor] = {}
     if fmt == "hf-fp8":
-        if c.name != "fp8-block":
-            raise MinifloatError(
-                f"format 'hf-fp8' holds fp8-block layers; {prefix} is {c.name} (use 'compressed-tensors')"
-            )
+        if not holds_hf_fp8(c):
+            raise MinifloatError(f"format 'hf-fp8' holds fp8-block layers (E4M3 weights in 128×128 blocks, inputs in "
+                                 f"dynamic 1×128 groups); {prefix} is {c.name} ({c.weight}, input {c.activation}): "
+                                 f"use 'compressed-tensors'")  # fmt: skip
         out[f"{prefix}.weight"] = _codes(q).view(torch.float8_e4m3fn)
         out[f"{prefix}.weight_scale_inv"] = q.scale.contiguous()
     elif s.element_format.bits == 8:
@@ -173,6 +200,9 @@ def unreadable(s, n: int, k: int, fmt: str) -> str | None:
     ``hf-fp8`` does not), or a row of sub-byte codes that is not whole bytes."""
     if k * s.element_format.bits % 8:
         return f"a row of {k} {s.element} codes is not whole bytes, as {fmt} stores rows"
+    if fmt == "compressed-tensors" and ct_format(s) is None:
+        return (f"is {s.name} ({s.element} with {s.scale_format} scales), which compressed-tensors has no format for "
+                f"(its 8-bit floats are E4M3, 6-bit E2M3, 4-bit E2M1)")  # fmt: skip
     if fmt == "hf-fp8" and s.granularity == "block" and (n % s.block[0] or k % s.block[1]):
         return (f"({n}×{k}) has a partial 128×128 block, which transformers' fine-grained FP8 loader does not "
                 f"dequantize on a CPU (format 'compressed-tensors' pads it)")  # fmt: skip
@@ -215,9 +245,9 @@ def _quantization_config(fmt: str, layers: dict[str, QuantConfig], ignore: list[
     groups = {}
     for i, c in enumerate(configs):
         targets = ["Linear"] if len(configs) == 1 else [n for n, lc in layers.items() if lc == c]
-        groups[f"group_{i}"] = {"targets": targets, "weights": ct_args(c.weight, c, "weights"),
-                                "input_activations": ct_args(c.activation, c, "input_activations"),
-                                "output_activations": None, "format": CT_FORMAT[c.name]}  # fmt: skip
+        weights, inputs = config_args(c)
+        groups[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": inputs,
+                                "output_activations": None, "format": ct_format(c.weight_scheme)}  # fmt: skip
     formats = {g["format"] for g in groups.values()}
     return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "quantization_status": "compressed", "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None,

@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.checkpoints.export import CT_FORMAT, ct_args
+from minifloat.infer.checkpoints.export import config_args, ct_args, ct_format
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import QUANT_CONFIGS, QuantConfig
 from minifloat.nn.convert import swap_modules
 from minifloat.quant import QuantizedTensor
 from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
+from minifloat.scaling.schemes import SCHEMES
 
 _ARG_KEYS = ("num_bits", "type", "strategy", "group_size", "block_structure", "dynamic")
 
@@ -41,16 +42,30 @@ def _norm(args: dict | None) -> tuple | None:
     return tuple(d.values())
 
 
+def _scheme_of(args: dict | None, role: str, static: bool) -> str | None:
+    """The scheme (a `SCHEMES` name) whose QuantizationArgs in `role` are `args`, or None."""
+    want = _norm(args)
+    return next((name for name, s in SCHEMES.items() if _norm(ct_args(s, role, static)) == want), None)
+
+
 def _config_of_group(group: dict) -> QuantConfig:
+    """The named config a group's QuantizationArgs describe, or one built from the schemes they
+    describe: a checkpoint of a hand-built config reads back as well as a named one's."""
     if group.get("output_activations"):
         raise MinifloatError("the checkpoint quantizes output activations; load_quantized does not")
     want = (_norm(group.get("weights")), _norm(group.get("input_activations")))
     for c in QUANT_CONFIGS.values():
-        if (_norm(ct_args(c.weight, c, "weights")), _norm(ct_args(c.activation, c, "input_activations"))) == want:
+        if tuple(_norm(a) for a in config_args(c)) == want:
             return c
+    inputs = group.get("input_activations")
+    static = bool(inputs) and str(inputs.get("dynamic")).lower() in ("false", "local")
+    weight = _scheme_of(group.get("weights"), "weights", False)
+    activation = _scheme_of(inputs, "input_activations", static) if inputs else None
+    if weight is not None and (activation is not None or not inputs):
+        return QuantConfig(name=f"{weight}+{activation or 'weight-only'}", weight=weight, activation=activation, static=static)
     raise MinifloatError(
-        f"no minifloat config matches the checkpoint's scheme (weights {group.get('weights')}, input "
-        f"{group.get('input_activations')}); known: {', '.join(QUANT_CONFIGS)}"
+        f"no minifloat scheme matches the checkpoint's scheme (weights {group.get('weights')}, input "
+        f"{group.get('input_activations')}); known configs: {', '.join(QUANT_CONFIGS)}"
     )
 
 
@@ -78,7 +93,7 @@ def configs_from_quantization_config(qc: dict) -> list[tuple[list[str], QuantCon
     if isinstance(names, list) and len(names) == len(found):
         for i, (g, name) in enumerate(zip(groups.values(), names, strict=True)):
             c = QUANT_CONFIGS.get(name)
-            if c is not None and CT_FORMAT.get(name) == g.get("format") and c.weight_scheme.element == found[i][1].weight_scheme.element:
+            if c is not None and ct_format(c.weight_scheme) == g.get("format") and c.weight_scheme.element == found[i][1].weight_scheme.element:
                 found[i] = (found[i][0], c)
     return found
 

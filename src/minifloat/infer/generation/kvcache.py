@@ -44,6 +44,7 @@ import torch
 
 from minifloat import kernels
 from minifloat.errors import MinifloatError
+from minifloat.naming import canonical, lookup
 from minifloat.quant import QuantizedTensor, quantize
 from minifloat.quant.hadamard import hadamard_matrix
 from minifloat.scaling import rules
@@ -69,10 +70,7 @@ KV_FORMATS: dict[str, Scheme | torch.dtype] = _schemes()
 
 
 def kv_format(name: str) -> Scheme | torch.dtype:
-    key = str(name).strip().lower().replace("-", "_")
-    if key not in KV_FORMATS:
-        raise MinifloatError(f"unknown KV-cache format {name!r}; use one of {', '.join(KV_FORMATS)}")
-    return KV_FORMATS[key]
+    return lookup(KV_FORMATS, name, "KV-cache format")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -647,6 +645,4 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _key(name: str) -> str:
-    key = str(name).strip().lower().replace("-", "_")
-    kv_format(key)
-    return key
+    return canonical(KV_FORMATS, name, "KV-cache format")

@@ -40,6 +40,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from minifloat.errors import MinifloatError
+from minifloat.naming import lookup
 from minifloat.scaling.schemes import Scheme, get_scheme
 
 MIN_FEATURES = 16  # smaller layers stay in high precision: nothing to gain, and native GEMMs need 16
@@ -67,7 +68,7 @@ class QuantConfig:
     weight: str
     activation: str | None = None
     static: bool = False
-    scale_rule: str | None = None  # MX: "floor" (OCP), "rceil" or "mse"; NVFP4: "4over6"; None: the schemes' own
+    scale_rule: str | None = None  # MX: "floor" (OCP), "rceil" or "least-error"; NVFP4: "4over6"; None: the schemes' own
     # NVFP4 weights: a power-of-two global scale, which every reader decodes bit for bit
     # (compressed-tensors divides by it and rounds to bf16); off by default, as it costs accuracy
     # (README, Performance)
@@ -111,7 +112,7 @@ class QuantConfig:
 
     def _scheme(self, name: str) -> Scheme:
         s = get_scheme(name)
-        applies = s.is_mx if self.scale_rule in ("floor", "rceil", "mse") else s.is_nvfp4  # "4over6": NVFP4's block scales
+        applies = s.is_mx if self.scale_rule in ("floor", "rceil", "least-error") else s.is_nvfp4  # "4over6": NVFP4's block scales
         if self.scale_rule is None or not applies or s.scale_rule == self.scale_rule:
             return s
         return s.replace(name=f"{s.name}_{self.scale_rule}", scale_rule=self.scale_rule)
@@ -186,10 +187,7 @@ def get_quant_config(config: str | QuantConfig | dict) -> QuantConfig:
     if isinstance(config, QuantConfig):
         return config
     if isinstance(config, str):
-        key = config.strip().lower().replace("_", "-")
-        if key in QUANT_CONFIGS:
-            return QUANT_CONFIGS[key]
-        raise MinifloatError(f"unknown quantization config {config!r}; known: {', '.join(QUANT_CONFIGS)}")
+        return lookup(QUANT_CONFIGS, config, "quantization config")
     if isinstance(config, dict):
         try:
             return QuantConfig(**config)

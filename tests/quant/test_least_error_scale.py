@@ -1,4 +1,4 @@
-"""The ``"mse"`` E8M0 rule of MX block scaling against an independent oracle: the rule computed
+"""The ``"least-error"`` E8M0 rule of MX block scaling against an independent oracle: the rule computed
 block by block in NumPy, with ml_dtypes' roundings of each MX element format."""
 
 import ml_dtypes
@@ -40,7 +40,7 @@ def oracle(x: np.ndarray, element: str) -> tuple[np.ndarray, int]:
 def test_mse_rule_equals_the_oracle_and_errs_no_more_than_floor(element):
     g = torch.Generator().manual_seed(len(element))
     x = torch.randn(16, 256, generator=g) * torch.exp(torch.randn(16, 256, generator=g))  # heavy tails
-    scheme = minifloat.get_scheme("mxfp8").replace(element=element, scale_rule="mse")
+    scheme = minifloat.get_scheme("mxfp8").replace(element=element, scale_rule="least-error")
     got = minifloat.quantize(x, scheme).dequantize()
     want, ups = oracle(x.numpy(), element)
     assert torch.equal(got.double(), torch.from_numpy(want))
@@ -51,16 +51,21 @@ def test_mse_rule_equals_the_oracle_and_errs_no_more_than_floor(element):
 
 def test_the_rule_is_mx_only_and_a_recipe_field():
     with pytest.raises(minifloat.MinifloatError, match="needs scale_format='e8m0'"):
-        minifloat.get_scheme("nvfp4").replace(scale_rule="mse")
-    r = minifloat.get_recipe("mxfp4-tseng-mse")
-    assert r.scheme("input").scale_rule == r.scheme("weight").scale_rule == "mse"
+        minifloat.get_scheme("nvfp4").replace(scale_rule="least-error")
+    r = minifloat.get_recipe("mxfp4-tseng-least-error")
+    assert r.scheme("input").scale_rule == r.scheme("weight").scale_rule == "least-error"
     assert r.scheme("grad_output").scale_rule == "rceil"  # stochastic rounding keeps its rounded-up scales
     assert minifloat.get_recipe(r.to_dict()) == r and isinstance(r, MXScaling)
 
 
 def test_a_ptq_config_takes_the_rule_for_its_mx_schemes():
-    c = QuantConfig(name="mxfp4-mse", weight="mxfp4", activation="mxfp4", scale_rule="mse")
-    assert c.weight_scheme.scale_rule == c.activation_scheme.scale_rule == "mse"
+    c = QuantConfig(name="mxfp4-least-error", weight="mxfp4", activation="mxfp4", scale_rule="least-error")
+    assert c.weight_scheme.scale_rule == c.activation_scheme.scale_rule == "least-error"
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
-    err = {r: (minifloat.quantize(w, c.weight_scheme.replace(scale_rule=r)).dequantize() - w).square().sum() for r in ("rceil", "mse")}
-    assert err["mse"] < err["rceil"]
+    err = {r: (minifloat.quantize(w, c.weight_scheme.replace(scale_rule=r)).dequantize() - w).square().sum() for r in ("rceil", "least-error")}
+    assert err["least-error"] < err["rceil"]
+
+
+def test_the_rule_s_earlier_name_says_the_new_one():
+    with pytest.raises(minifloat.MinifloatError, match="scale rule 'mse' is now 'least-error'"):
+        minifloat.get_scheme("mxfp4").replace(scale_rule="mse")
