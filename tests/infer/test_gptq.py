@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minifloat
-from minifloat.infer import QuantizedLinear, get_quant_config, quantize_model
+from minifloat.infer import QUANT_CONFIGS, QuantizedLinear, get_quant_config, quantize_model
 from minifloat.infer.ptq.gptq import GPTQConfig, gptq
 from minifloat.infer.ptq.method import PTQMethod, resolve_method
 from minifloat.infer.ptq.rotation import HadamardRotation
@@ -392,3 +392,24 @@ def test_round_to_nearest_with_mse_scales_through_quantize_model():
     quantize_model(model, "mxfp4-weight-only", ignore=(), method=PTQMethod(observer="mse"))
     s = model[0].weight.scheme
     assert torch.equal(model[0].weight.dequantize(), quantize_with_scales(w, s, observe_scales(w, s, "mse")).dequantize())
+
+
+# The recommended pipelines as measured and tabled by config name (docs/guides/ptq.md): the oracle
+# for the recommendation `recommended` derives from what a config is.
+RECOMMENDED_BY_NAME = {
+    "mxfp6": {"rotation": "hadamard:32"}, "mxfp6-weight-only": {"rotation": "hadamard:32"},
+    "mxfp4": {"rotation": "hadamard:32", "smooth": 0.5}, "mxfp4-weight-only": {"rotation": "hadamard:32"},
+    "nvfp4-weight-only": {"rotation": "hadamard:16"}, "nvfp4": {"observer": "4over6", "smooth": 0.5},
+    "nvfp4-4over6": {"smooth": 0.5}, "nvfp4-4over6-weight-only": {"rotation": "hadamard:16"},
+}  # fmt: skip
+
+
+def test_the_recommended_pipeline_follows_what_a_config_is_not_its_name():
+    import dataclasses
+
+    from minifloat.infer.ptq.method import recommended
+
+    for name, c in QUANT_CONFIGS.items():
+        want = PTQMethod(method="gptq", **RECOMMENDED_BY_NAME.get(name, {}))
+        assert recommended(name) == want, name
+        assert recommended(dataclasses.replace(c, name="hand-built")) == want, name  # the same config, another name

@@ -525,3 +525,12 @@ def test_torch_compile_does_not_recompile_per_layer_shape(caplog):
     with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
         compiled(torch.randn(4, 32)).sum().backward()
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+def test_which_weights_fsdp_gathers_quantized_follows_what_the_scheme_is():
+    """One-byte codes whose scales the row shards hold alone (per row, blocks one row tall) or
+    agree on with one all-reduce (per tensor); not 128×128 blocks, FP6 / FP4 or NVFP4."""
+    from minifloat.nn.all_gather import gathers
+
+    want = {"fp8", "fp8_e5m2", "fp8_rowwise", "fp8_block128", "mxfp8", "mxfp8_e5m2"}
+    assert {n for n, s in minifloat.SCHEMES.items() if gathers(s)} == want

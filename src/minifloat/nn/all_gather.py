@@ -36,7 +36,20 @@ aten = torch.ops.aten
 _KEEP = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor, aten.copy_.default, aten.view.default,
          aten.as_strided.default, aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor, aten.clone.default,
          aten.detach.default, aten.alias.default}  # fmt: skip
-GATHERED_SCHEMES = ("fp8", "mxfp8")  # the weight schemes whose quantization FSDP2's shards can do alone
+
+
+def gathers(scheme: Scheme) -> bool:
+    """Whether FSDP2's shards (whole rows of the weight) can quantize a weight in `scheme` alone and
+    all-gather the codes: one-byte codes, and scales that are the shards' own (blocks one row tall:
+    MX, 1×128, per row) or one per tensor (its amax the max over the shards' amaxes, one
+    all-reduce). Not 128×128 blocks (a shard's edge cuts them), not NVFP4 (two-level scales)."""
+    one_row = scheme.granularity == "row" or (scheme.granularity == "block" and scheme.block[0] == 1)
+    return scheme.element_format.bits == 8 and not scheme.is_nvfp4 and (scheme.granularity == "tensor" or one_row)
+
+
+def _block_k(scheme: Scheme) -> int:
+    """The columns a weight's rows must come in whole multiples of: a block's width (1 otherwise)."""
+    return scheme.block[1] if scheme.granularity == "block" else 1
 
 
 class QuantizedGatherWeight(torch.Tensor):
@@ -48,9 +61,9 @@ class QuantizedGatherWeight(torch.Tensor):
                                                    device=data.device, requires_grad=data.requires_grad)  # fmt: skip
 
     def __init__(self, data: torch.Tensor, scheme: Scheme) -> None:
-        if scheme.name not in GATHERED_SCHEMES:
-            raise MinifloatError(f"the {scheme.name} weight cannot be all-gathered quantized; "
-                                 f"that works for {', '.join(GATHERED_SCHEMES)} weights (fp8-current, mxfp8)")  # fmt: skip
+        if not gathers(scheme):
+            raise MinifloatError(f"the {scheme.name} weight cannot be all-gathered quantized; that works for 8-bit "
+                                 f"weights scaled per tensor, per row or in blocks one row tall (fp8-current, mxfp8)")  # fmt: skip
         self._data, self._scheme = data, scheme
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -134,8 +147,8 @@ class GatheredWeight(torch.Tensor):
 
 
 def gather_quantized(model: torch.nn.Module) -> int:
-    """Wrap the weight of every minifloat `Linear` of `model` whose recipe's weight scheme is in
-    `GATHERED_SCHEMES` (in place, before ``fully_shard``); returns how many. A weight shared with
+    """Wrap the weight of every minifloat `Linear` of `model` whose recipe's weight scheme `gathers`
+    (in place, before ``fully_shard``); returns how many. A weight shared with
     another module (a tied head) is left as it is."""
     counts: dict[int, int] = {}
     for m in model.modules():
@@ -144,13 +157,13 @@ def gather_quantized(model: torch.nn.Module) -> int:
     wrapped = 0
     for m in model.modules():
         quantized = isinstance(m, torch.nn.Linear) and getattr(m, "recipe", None) is not None  # a minifloat Linear (not imported: it imports this)
-        if quantized and counts[id(m.weight)] == 1 and m.recipe.scheme("weight").name in GATHERED_SCHEMES:
+        if quantized and counts[id(m.weight)] == 1 and gathers(m.recipe.scheme("weight")):
             if getattr(m.recipe, "forward_rht", False):
                 raise MinifloatError(f"{m}: the forward GEMM of a forward_rht recipe quantizes the rotated weight, which the "
                                      "gathered codes are not; train it without --fp8-all-gather, or with forward_rht=False")  # fmt: skip
-            if m.in_features % 32:
-                raise MinifloatError(f"an all-gathered quantized weight needs in_features a multiple of 32 (whole MX blocks); "
-                                     f"{m} has {m.in_features}")  # fmt: skip
+            if m.in_features % max(_block_k(m.recipe.scheme("weight")), 32):  # 32: the MX blocks the codes are laid out in
+                raise MinifloatError(f"an all-gathered quantized weight needs in_features a multiple of "
+                                     f"{max(_block_k(m.recipe.scheme('weight')), 32)} (whole blocks); {m} has {m.in_features}")  # fmt: skip
             m.weight = torch.nn.Parameter(QuantizedGatherWeight(m.weight.data, m.recipe.scheme("weight")), requires_grad=True)
             wrapped += 1
     return wrapped

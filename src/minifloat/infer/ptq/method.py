@@ -66,29 +66,29 @@ class PTQMethod:
         return dataclasses.asdict(self)
 
 
-# What measured best on SmolLM2-135M for each config (README, "Beyond round to nearest"): the
-# minmax observer (MSE scales under GPTQ: nvfp4-weight-only +8.4 % against +8.0 %, and slower),
-# Four Over Six for NVFP4 W4A4 with smoothing; a rotation where it helped (the MX formats and
-# NVFP4 weight-only; NVFP4 W4A4 +29.5 % → +43 % with one), smoothing where the input's outliers
-# are what remains (MXFP4 and NVFP4 W4A4).
-_RECOMMENDED: dict[str, dict] = {
-    "mxfp6": {"rotation": "hadamard:32"},
-    "mxfp6-weight-only": {"rotation": "hadamard:32"},
-    "mxfp4": {"rotation": "hadamard:32", "smooth": 0.5},
-    "mxfp4-weight-only": {"rotation": "hadamard:32"},
-    "nvfp4-weight-only": {"rotation": "hadamard:16"},
-    "nvfp4": {"observer": "4over6", "smooth": 0.5},
-    "nvfp4-4over6": {"smooth": 0.5},
-    "nvfp4-4over6-weight-only": {"rotation": "hadamard:16"},
-}
-_DEFAULT_GPTQ: dict = {}
+def _recommended_fields(c: QuantConfig) -> dict:
+    """What measured best on SmolLM2-135M (docs/guides/ptq.md, "Beyond round to nearest"), by what
+    the config is: the minmax observer throughout (MSE scales under GPTQ: nvfp4-weight-only
+    +8.4 % against +8.0 %, and slower); a Hadamard rotation as wide as the weight's blocks where it
+    helped (MX FP6 / FP4, NVFP4 weight-only; NVFP4 W4A4 +29.5 % → +43 % with one); smoothing where
+    the input's outliers are what remains (MXFP4 and NVFP4 W4A4); Four Over Six block scales for
+    NVFP4 W4A4. Other configs (FP8, MXFP8): plain GPTQ."""
+    w = c.weight_scheme
+    weight_only = c.activation is None
+    if w.is_mx and w.element_format.bits in (4, 6):
+        smooth = {"smooth": 0.5} if w.element_format.bits == 4 and not weight_only else {}
+        return {"rotation": f"hadamard:{w.block[1]}", **smooth}
+    if w.is_nvfp4:
+        if weight_only:
+            return {"rotation": f"hadamard:{w.block[1]}"}
+        return {"smooth": 0.5} if w.scale_rule == "4over6" else {"observer": "4over6", "smooth": 0.5}
+    return {}
 
 
 def recommended(config: str | QuantConfig, *, export: bool = False) -> PTQMethod:
-    """The recommended GPTQ pipeline of `config` (README: which, and why); with `export`, the
-    one a checkpoint can hold: without a rotation (no reader applies it on load)."""
-    c = get_quant_config(config)
-    fields = dict(_RECOMMENDED.get(c.name, _DEFAULT_GPTQ))
+    """The recommended GPTQ pipeline of `config` (`_recommended_fields`: which, and why); with
+    `export`, the one a checkpoint can hold: without a rotation (no reader applies it on load)."""
+    fields = _recommended_fields(get_quant_config(config))
     if export:
         fields.pop("rotation", None)
     return PTQMethod(method="gptq", **fields)
@@ -127,10 +127,9 @@ def config_for(config: QuantConfig, method: PTQMethod) -> QuantConfig:
     if not config.weight_scheme.is_nvfp4:
         raise MinifloatError(f"the 4over6 observer chooses NVFP4 block scales; config {config.name!r} is "
                              f"{config.weight} (use minmax or mse)")  # fmt: skip
-    twin = config.name.replace("nvfp4", "nvfp4-4over6", 1)
-    if twin in QUANT_CONFIGS:
-        return QUANT_CONFIGS[twin]
-    return dataclasses.replace(config, name=twin, scale_rule="4over6")
+    twin = dataclasses.replace(config, name=f"{config.name}+4over6", scale_rule="4over6")
+    # a named config that is the twin (``nvfp4`` → ``nvfp4-4over6``) lends it its name
+    return next((c for c in QUANT_CONFIGS.values() if dataclasses.replace(c, name=twin.name) == twin), twin)
 
 
 def quantize_weight(weight: torch.Tensor, config: QuantConfig, stats: dict, method: PTQMethod, *,
