@@ -67,8 +67,8 @@ class MemoryPolicy:
     (ordered by `sensitivity_order`), or None (the model's order, last layer first)."""
 
     def __init__(self, model: torch.nn.Module, budget_bytes: int, *, order=None, high: str = "fp8-dynamic",
-                 low: str = "nvfp4", kv_format: str = "fp8", kv_pressure_format: str = "nvfp4", sink_tokens: int = 4,
-                 recent_tokens: int = 32, calibration=None, headroom_tokens: int = 64) -> None:  # fmt: skip
+                 low: str = "nvfp4", kv_format: str = "fp8", kv_pressure_format: str | None = None, sink_tokens: int | None = None,
+                 recent_tokens: int | None = None, calibration=None, headroom_tokens: int = 64) -> None:  # fmt: skip
         self.adapter = adapter_for(model)  # the built-in GPT or a transformers causal LM
         if budget_bytes < 1:
             raise MinifloatError(f"budget_bytes must be ≥ 1, got {budget_bytes}")
@@ -100,8 +100,8 @@ class MemoryPolicy:
                                  f"{self.low.name} ({self.served_bytes(len(self.order)):,})")  # fmt: skip
         at = {n: (self.low if i < self.level else self.high) for i, n in enumerate(self.order)}
         swap_modules(model, self.order, lambda old: self._build(self._name(old), at[self._name(old)]))
-        self.kv_args = dict(format=kv_format, pressure_format=kv_pressure_format, sink_tokens=sink_tokens,
-                            recent_tokens=recent_tokens)  # fmt: skip
+        given = dict(pressure_format=kv_pressure_format, sink_tokens=sink_tokens, recent_tokens=recent_tokens)
+        self.kv_args = {"format": kv_format, **{k: v for k, v in given.items() if v is not None}}  # else KVSpec's defaults
         self.events: list[dict] = []
         self.peak_bytes = 0
         self.steps = 0

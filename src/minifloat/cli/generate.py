@@ -11,7 +11,7 @@ from minifloat.io import jsonio
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from minifloat.infer.generation.decoding import DRAFTS
-    from minifloat.infer.generation.kvcache import KV_FORMATS
+    from minifloat.infer.generation.kvcache import KV_FORMATS, KVSpec
 
     p = sub.add_parser("generate", help="generate text with a KV cache (FP8 / FP4 caches, FP4 self-speculative drafts)")
     p.add_argument("model", help="a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep the first 4 and the last 32 tokens' K/V in this format (e.g. bf16), older ones in --kv-cache")
     p.add_argument("--kv-budget", type=_bytes, default=None, metavar="SIZE",
                    help="KV-cache budget (e.g. 64MB, 512KiB): old tokens move to --kv-pressure-format to stay within it")
-    p.add_argument("--kv-pressure-format", default="nvfp4", choices=list(KV_FORMATS), help="the format under memory pressure")
+    p.add_argument("--kv-pressure-format", default=KVSpec().pressure_format, choices=list(KV_FORMATS), help="the format under memory pressure")
     p.add_argument("--kv-drop", action="store_true",
                    help="with --kv-budget: drop the oldest tokens (after the sinks) when even the pressure format cannot fit")
     p.add_argument("--draft", default=None, choices=list(DRAFTS), help="speculative decoding with this FP4 copy as draft")

@@ -14,24 +14,33 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.infer.generation.hf_cache import quantized_cache
-from minifloat.infer.generation.kvcache import KVCache
+from minifloat.infer.generation.kvcache import KVCache, KVSpec
 from minifloat.models.adapter import ModelAdapter, adapter_for
 
 
-def new_cache(adapter: ModelAdapter, format: str = "bf16", **kv):
-    """An empty cache in `format` (`KVCache`'s options) that `adapter.forward` takes."""
+def new_cache(adapter: ModelAdapter, format: str | None = None, **kv):
+    """An empty cache in `format` that `adapter.forward` takes; `kv` are `KVCache`'s arguments
+    (a `KVSpec`'s fields or ``spec=``, ``scales=``, ``rope=``; the model's rotary embedding by
+    default where the spec keeps keys before RoPE)."""
+    spec = kv.pop("spec", None) or KVSpec(**({"format": format} if format is not None else {}),
+                                          **{k: kv.pop(k) for k in list(kv) if k in _SPEC_FIELDS})  # fmt: skip
+    if spec.pre_rope and kv.get("rope") is None:
+        kv["rope"] = adapter.rope()
     if adapter.cache_type == "kv":
-        return KVCache(adapter.kv_geometry.n_layer, format, **kv)
+        return KVCache(adapter.kv_geometry.n_layer, spec=spec, **kv)
     if adapter.cache_type == "transformers":
-        if kv.get("pre_rope") and kv.get("rope") is None:
-            kv["rope"] = adapter.rope()
-        return quantized_cache(adapter.model.config, format, **kv)
+        return quantized_cache(adapter.model.config, spec=spec, **kv)
     raise MinifloatError(f"a {adapter.kind} model takes a cache of type {adapter.cache_type!r}; "
                          f"minifloat builds 'kv' and 'transformers' caches")  # fmt: skip
+
+
+_SPEC_FIELDS = {f.name for f in dataclasses.fields(KVSpec)}
 
 
 def kv_of(cache) -> KVCache:

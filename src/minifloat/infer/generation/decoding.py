@@ -28,7 +28,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.infer.generation.cache import new_cache
-from minifloat.infer.generation.kvcache import KVCache, parse_kv_spec
+from minifloat.infer.generation.kvcache import KVCache, KVSpec, parse_kv_spec
 from minifloat.infer.quantize import quantize_model
 from minifloat.models.adapter import adapter_for
 
@@ -160,9 +160,9 @@ def generate(
     draft: str | torch.nn.Module | None = None,
     draft_tokens: int = 4,
     kv_budget_bytes: int | None = None,
-    kv_pressure_format: str = "nvfp4",
-    kv_sink_tokens: int = 4,
-    kv_recent_tokens: int = 32,
+    kv_pressure_format: str | None = None,
+    kv_sink_tokens: int | None = None,
+    kv_recent_tokens: int | None = None,
     kv_scales: dict[int, tuple[float, float]] | None = None,
     kv_recent_format: str | None = None,
     kv_drop: bool = False,
@@ -188,11 +188,13 @@ def generate(
         raise MinifloatError("kv_drop works with plain decoding of the built-in GPT: speculative decoding rolls "
                              "its cache back, and a transformers model counts positions from the cache's length")  # fmt: skip
 
+    # the options given; the rest are KVSpec's defaults (written there only)
+    given = dict(budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format, sink_tokens=kv_sink_tokens,
+                 recent_tokens=kv_recent_tokens, recent_format=kv_recent_format, drop=kv_drop or None)  # fmt: skip
+    spec = KVSpec(format=kv_name, **{k: v for k, v in given.items() if v is not None}, **kv_options)
+
     def make_cache(m) -> KVCache:
-        return new_cache(adapter_for(m), kv_name, budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format,
-                         sink_tokens=kv_sink_tokens, recent_tokens=kv_recent_tokens,
-                         scales=kv_scales if m is model else None, recent_format=kv_recent_format,
-                         **({"drop": True} if kv_drop else {}), **kv_options)  # fmt: skip
+        return new_cache(adapter_for(m), spec=spec, scales=kv_scales if m is model else None)
 
     make_cache(model)  # bad budget arguments: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)

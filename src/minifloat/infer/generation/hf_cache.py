@@ -91,14 +91,9 @@ def _classes():
     return MinifloatCache
 
 
-def quantized_cache(config, format: str = "bf16", *, budget_bytes: int | None = None, pressure_format: str = "nvfp4",
-                    sink_tokens: int = 4, recent_tokens: int = 32, scales: dict | None = None,
-                    recent_format: str | None = None, drop: bool = False, **options):  # fmt: skip
+def quantized_cache(config, format: str | None = None, **kv):
     """A transformers ``Cache`` for a model with `config` (its decoder layers), storing K and V in
-    `format`; `budget_bytes` counts the whole cache (each layer keeps to its equal share);
-    `scales` (`calibrate_kv`'s) make an FP8 cache per-tensor with calibrated scales; `options`
-    are `KVCache`'s for low-bit keys (``rotate``, ``key_scales``, ``pre_rope`` with ``rope``)."""
+    `format`; `kv` are `KVCache`'s arguments (a `KVSpec`'s fields, ``spec=``, ``scales=``,
+    ``rope=``): `budget_bytes` counts the whole cache (each layer keeps to its equal share)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return _classes()(int(text.num_hidden_layers), format=format, budget_bytes=budget_bytes, pressure_format=pressure_format,
-                      sink_tokens=sink_tokens, recent_tokens=recent_tokens, scales=scales, recent_format=recent_format,
-                      drop=drop, **options)  # fmt: skip
+    return _classes()(int(text.num_hidden_layers), **({"format": format} if format is not None else {}), **kv)
