@@ -381,3 +381,22 @@ def test_a_scheme_compressed_tensors_cannot_hold_stays_in_high_precision_by_name
     quantize_model(model := tiny_llama(hidden=128, inter=256), config)
     with pytest.raises(minifloat.MinifloatError, match="which compressed-tensors has no format for"):
         export(model, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_export_is_as_readable_as_the_umask_says(tmp_path, umask):
+    """Every file of an export gets the mode a plain open() gives (0666 less the umask), not
+    safetensors' 0600: a serving process of another user in the group reads it under 022."""
+    import os
+
+    model = tiny_llama(hidden=128, inter=256)
+    quantize_model(model, "fp8-dynamic")
+    old = os.umask(umask)
+    try:
+        out = export(model, tmp_path / "ckpt", max_shard_bytes=200_000)  # shards and an index too
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    files = list(out.iterdir())
+    assert len(files) > 3 and all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in files), [
+        (f.name, oct(f.stat().st_mode & 0o777)) for f in files]

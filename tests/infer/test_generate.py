@@ -5,6 +5,8 @@ target's distribution (a statistical test that can fail)."""
 import copy
 import math
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -131,6 +133,8 @@ def test_sampling_controls():
     ("kw", "message"),
     [(dict(kv_cache="fp7"), "unknown KV-cache format 'fp7'"),
      (dict(max_new_tokens=200), "exceeds the model's context of 128 tokens"),
+     (dict(kv_cache="fp7", max_new_tokens=200), "unknown KV-cache format 'fp7'"),  # the name's error first
+     (dict(kv_cache="fp8@hadamrd", max_new_tokens=200), "unknown KV-cache option 'hadamrd'"),
      (dict(temperature=-1.0), "temperature must be ≥ 0"),
      (dict(draft="int4"), "unknown draft 'int4'")],
 )  # fmt: skip
@@ -336,3 +340,16 @@ def test_a_model_on_a_gpu_runs_from_a_prompt_and_a_calibration_made_on_the_cpu(c
         assert g.tokens.device.type == "cuda" and g.tokens.shape == (1, 7 + 16)
         if config != "fp8-static":  # the same codes: the same greedy tokens
             assert torch.equal(g.tokens.cpu(), generate(cpu, prompt(7), 16, kv_cache=kv).tokens)
+
+
+def test_the_cache_options_not_given_are_the_spec_s_own_defaults():
+    """generate, new_cache and MemoryPolicy leave every option they are not given to KVSpec."""
+    from minifloat.infer.generation.cache import new_cache
+    from minifloat.infer.generation.kvcache import KVSpec
+    from minifloat.models import adapter_for
+
+    cache = new_cache(adapter_for(gpt()), "fp8", budget_bytes=10**6)
+    assert cache.spec == KVSpec(format="fp8", budget_bytes=10**6)
+    assert (cache.pressure_format, cache.sink_tokens, cache.recent_tokens) == ("nvfp4", 4, 32)  # the documented defaults
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cache.spec.sink_tokens = 0

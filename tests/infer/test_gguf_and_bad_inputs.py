@@ -2,6 +2,7 @@
 inputs a user meets with real models: each one line naming the file or tensor, no traceback."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,6 +168,14 @@ def test_bad_inputs_are_one_line_naming_the_file_or_tensor(tmp_path, capsys):
     short.write_text("a few kilobytes of text. " * 200)  # enough to read, too little for 64 batches of 8 × 64
     _one_line_error(capsys, ["eval", str(folder), "--data", str(short), "--scheme", "fp8-dynamic", "--eval-batches", "64",
                              "--seq-len", "64"], "the evaluation text (held-out split) has")  # fmt: skip
+
+    # calibration text is named by its own option, not as --data
+    calib = ["eval", str(folder), "--scheme", "fp8-static", "--data", str(short), "--calib"]
+    _one_line_error(capsys, [*calib, str(tmp_path / "missing.txt")], "--calib " + str(tmp_path / "missing.txt") + ": no such file")
+    (tmp_path / "nul.txt").write_bytes(b"text\x00" * 1000)
+    _one_line_error(capsys, [*calib, str(tmp_path / "nul.txt")], "--calib " + str(tmp_path / "nul.txt") + ": binary file")
+    if Path("/proc/self/mem").exists():  # a file that exists and cannot be read (even by root)
+        _one_line_error(capsys, [*calib, "/proc/self/mem"], "--calib /proc/self/mem: cannot be read")
 
     write_tiny_gguf(tmp_path / "tiny.gguf")  # a tokenizer of 258 tokens beside a 200-token model
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")

@@ -67,6 +67,13 @@ def make_dir_beside(target: Path, prefix: str) -> Path:
     return _unique_beside(target, lambda tag: f".{prefix}{tag}", lambda p: p.mkdir(0o777))
 
 
+def new_file_mode(folder: Path) -> int:
+    """The mode a plain open() gives a new file, for a `folder` made by `make_dir_beside` (0777
+    less the umask): 0666 less the umask. Writers that make their files 0600 (safetensors'
+    save_file) are given it back, so that a serving process of another user can read them."""
+    return stat.S_IMODE(folder.stat().st_mode) & 0o666
+
+
 def _create_beside(target: Path) -> Path:
     """A new empty file with a unique hidden name in `target`'s folder, mode 0666 less the umask."""
     return _unique_beside(

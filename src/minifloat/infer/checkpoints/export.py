@@ -64,7 +64,7 @@ from minifloat.formats.registry import E4M3
 from minifloat.infer.modules.embedding import QuantizedEmbedding
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import QuantConfig
-from minifloat.io.atomic import atomic_path, fsync_dir, make_dir_beside, remove
+from minifloat.io.atomic import atomic_path, fsync_dir, make_dir_beside, new_file_mode, remove
 from minifloat.quant import QuantizedTensor
 from minifloat.scaling.schemes import Scheme
 
@@ -325,8 +325,10 @@ def export(
             for name in TOKENIZER_FILES:
                 if (source / name).is_file():
                     shutil.copyfile(source / name, tmp / name)
+        mode = new_file_mode(tmp)  # safetensors writes 0600: the umask's mode, as for any file the user writes
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
+                os.fchmod(fh.fileno(), mode)
                 os.fsync(fh.fileno())
         if out.exists():
             remove(out)
