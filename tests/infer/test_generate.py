@@ -3,9 +3,8 @@ quantizer gives, speculative greedy equals plain greedy, and the rejection sampl
 target's distribution (a statistical test that can fail)."""
 
 import copy
-import math
-
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -152,9 +151,11 @@ def test_memory_pressure_moves_old_tokens_to_fp4_within_the_budget():
     assert g.new_tokens == 80 and len(g.kv_precisions) == 99  # the last token is not fed back: nothing lost
     assert g.kv_bytes <= budget and g.kv_events
     cache = KVCache(2, "fp8", budget_bytes=budget, sink_tokens=4, recent_tokens=16)
+    fed = []  # layer 0's keys as given, (1, 2, T, 64) each
     for t in range(80):  # the budget is never exceeded: after every token of every layer (20 + 79 = 99 tokens)
         for layer in range(2):
             x = torch.randn(1, 2, 1 if t else 20, 64)
+            fed += [x] if layer == 0 else []
             cache.update(layer, x, x)
             held = reachable_storage_bytes(cache)  # counted independently: every storage the cache reaches
             assert held == cache.nbytes() and held <= budget, (t, layer, held)
@@ -163,8 +164,20 @@ def test_memory_pressure_moves_old_tokens_to_fp4_within_the_budget():
     assert p[:4] == ["fp8"] * 4 and p[-16:] == ["fp8"] * 16 and "nvfp4" in p[4:-16]
     moved = [t for e in g.kv_events if e["layer"] == 0 for t in range(*e["tokens"])]
     assert sorted(moved) == [i for i, f in enumerate(p) if f == "nvfp4"]  # each token moved once, oldest first
-    # the cache's stored values of a moved token: its FP8 values, re-quantized to NVFP4
-    plain = generate(model, ids, 80, kv_cache="fp8")
+    # the values the cache holds: each token's FP8 values (E4M3, a scale per head's row), and a moved
+    # token's those FP8 values quantized again to NVFP4, as one chunk per move (its own tensor scale)
+    rows = lambda k: k[0].permute(1, 0, 2).reshape(-1, 64)  # noqa: E731 - (heads, T, 64) → token-major rows
+    fp8 = minifloat.quantize(rows(torch.cat(fed, dim=2)), "fp8_rowwise").dequantize().reshape(99, 2, 64)
+    held = rows(cache.keys_values(0)[0]).reshape(99, 2, 64)
+    kept = [i for i, f in enumerate(cache.precisions(0)) if f == "fp8"]
+    assert torch.equal(held[kept], fp8[kept])
+    events = [e for e in cache.events if e["layer"] == 0]
+    assert events and all(e["from"] == "fp8" and e["to"] == "nvfp4" for e in events)
+    for e in events:
+        a, b = e["tokens"]
+        want = minifloat.quantize(fp8[a:b].reshape(-1, 64), "nvfp4").dequantize().reshape(b - a, 2, 64)
+        assert torch.equal(held[a:b], want), (a, b)
+    plain = generate(model, ids, 80, kv_cache="fp8")  # without the budget: more than it
     assert plain.kv_bytes > budget
 
 

@@ -97,7 +97,11 @@ def test_channel_key_scales_group_tokens_per_channel_as_kivi():
     assert torch.equal(got_k[0, :, :2], k[0, :, :2].bfloat16().float())
     assert cache.nbytes() == sum(t.nbytes for t in cache.tensors()) == reachable_storage_bytes(cache)
     cache.truncate(20)  # a rollback into a group: the kept part is a group of its own
-    assert cache.length(0) == 20 and cache.keys_values(0)[0].shape == (1, 2, 20, 64)
+    kept = cache.keys_values(0)[0]
+    assert cache.length(0) == 20 and torch.equal(kept[0, :, :18], got_k[0, :, :18])  # the sinks, group 0: as they were
+    part = got_k[0, :, 18:20].permute(0, 2, 1).reshape(2 * 64, 2)  # group 1's first 2 tokens, per channel
+    want = quantize(part, "nvfp4").dequantize().reshape(2, 64, 2).permute(0, 2, 1)  # quantized again as a group of 2
+    assert torch.equal(kept[0, :, 18:20], want)
 
 
 def test_bad_options_are_clear_errors():
@@ -122,7 +126,25 @@ def test_bench_decode_measures_each_option():
     text = torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(4))
     specs = ["nvfp4", "nvfp4@hadamard", "nvfp4+bf16@channel", "nvfp4@pre-rope"]
     out = kv_quality(model, text, specs, contexts=(48,), windows=1, source="text", echo=lambda s: None)
-    assert [r["format"] for r in out] == specs and all(r["kl"] > 0 and r["tokens"] == out[0]["tokens"] > 0 for r in out)
+    assert [r["format"] for r in out] == specs and all(r["tokens"] == 32 for r in out)  # 48 tokens, 16 prefilled
+
+    @torch.no_grad()
+    def next_token_logits(spec):  # the prefill's last row, then each decoded token's: 32 rows
+        name, kw = parse_kv_spec(spec)
+        adapter = adapter_for(model)
+        cache = new_cache(adapter, name, **kw)
+        window = text[:48].reshape(1, -1)
+        out = [adapter.forward(window[:, :16], cache)[0, -1:]]
+        out += [adapter.forward(window[:, t : t + 1], cache)[0, -1:] for t in range(16, 47)]
+        return torch.cat(out).double()
+
+    ref = torch.log_softmax(next_token_logits("fp32"), -1)
+    for r in out:  # KL(fp32 ‖ cache) per token and top-1 agreement, in float64 here
+        q = torch.log_softmax(next_token_logits(r["format"]), -1)
+        kl = float((ref.exp() * (ref - q)).sum(-1).mean())
+        assert r["kl"] == pytest.approx(kl, rel=1e-3, abs=1e-9), r["format"]
+        assert r["top1"] == float((q.argmax(-1) == ref.argmax(-1)).double().mean()), r["format"]
+    assert len({round(r["kl"], 12) for r in out}) == len(out)  # each option changes what attention reads
 
 
 def test_generate_takes_a_spec_with_options():

@@ -1,7 +1,8 @@
-"""PTQ in stages: observers against float64 statistics computed here, round to nearest equal to
-the reference quantizer, a weight quantizer handed the statistics it asks for, and a transform
+"""PTQ in stages: observers against float64 statistics computed here, round to nearest against
+ml_dtypes' grids, a weight quantizer handed the statistics it asks for, and a transform
 whose input transform keeps the layer's product."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ import minifloat
 from minifloat.infer import QuantizedLinear, get_quant_config, quantize_model
 from minifloat.infer.ptq.observers import observe
 from minifloat.infer.ptq.rtn import round_to_nearest
-from minifloat.kernels import reference
+from tests.infer.test_gptq import ML_DTYPES, assert_on_grid, block_decode_scales
 
 
 def _model(seed=0):
@@ -35,11 +36,25 @@ def test_observers_equal_float64_statistics():
 
 
 @pytest.mark.parametrize("name", ["fp8-block", "mxfp4-weight-only", "nvfp4"])
-def test_round_to_nearest_is_the_reference_quantizer(name):
-    w = torch.randn(128, 256)
+def test_round_to_nearest_rounds_each_element_to_a_nearest_value_of_its_block_grid(name):
+    """Against ml_dtypes: every element is a value of the element format times its block's decode
+    scale (both decoded by ml_dtypes), and no other value of that grid is nearer to the weight."""
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(4)) * 3
     q = round_to_nearest(w, get_quant_config(name), {})
-    data, scale, ts = reference.quantize(w, get_quant_config(name).weight_scheme)
-    assert torch.equal(q.data, data) and torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
+    assert_on_grid(q)
+    d = block_decode_scales(q).astype(np.float64)
+    fmt = ML_DTYPES[q.scheme.element]
+    codes = np.arange(256, dtype=np.uint8).view(fmt).astype(np.float64)
+    grid = np.unique(codes[np.isfinite(codes)])  # every finite value of the element format
+    x = w.numpy().astype(np.float64) / d  # the weight on its block's grid
+    v = q.dequantize().numpy().astype(np.float64) / d  # a grid value up to float32 rounding (assert_on_grid)
+    e = grid[np.abs(v[..., None] - grid).argmin(-1)]
+    i = np.clip(np.searchsorted(grid, x), 1, len(grid) - 1)
+    nearest = np.minimum(np.abs(x - grid[i - 1]), np.abs(x - grid[i]))  # saturating: beyond the ends, the end
+    assert np.all(np.abs(x - e) <= nearest * (1 + 1e-6) + 1e-9)
+    if name == "fp8-block":  # the scheme's own rule: each 128×128 block's amax maps to E4M3's 448
+        amax = w.abs().reshape(1, 128, 2, 128).amax(dim=(1, 3)).reshape(1, 2)
+        assert torch.equal(q.scale, (amax / 448).float())
 
 
 def test_a_weight_quantizer_gets_the_statistics_it_needs():
@@ -78,7 +93,9 @@ def test_a_rotation_transform_keeps_the_product_and_is_not_exported(tmp_path):
     x = torch.randn(6, 64)
     exact = (x.double() @ r.double()) @ q.weight.dequantize().double().t() + lin.bias.double()
     assert torch.allclose(q(x).double(), exact, rtol=1e-5, atol=1e-5)  # the input goes through the transform
-    assert torch.allclose((x @ r) @ (lin.weight @ r).t(), x @ lin.weight.t(), atol=1e-4)  # rotation: product unchanged
+    # the weight quantized is the rotated one (W·R within FP8's error), not W
+    w, rotated = q.weight.dequantize().double(), (lin.weight @ r).detach().double()
+    assert (w - rotated).norm() / rotated.norm() < 0.05 < (w - lin.weight.detach().double()).norm() / rotated.norm()
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
