@@ -142,7 +142,7 @@ def test_bench_decode_measures_each_option():
     for r in out:  # KL(fp32 ‖ cache) per token and top-1 agreement, in float64 here
         q = torch.log_softmax(next_token_logits(r["format"]), -1)
         kl = float((ref.exp() * (ref - q)).sum(-1).mean())
-        assert r["kl"] == pytest.approx(kl, rel=1e-3, abs=1e-9), r["format"]
+        assert r["kl"] == pytest.approx(kl, rel=1e-3, abs=2e-7), r["format"]  # the bench sums in float32
         assert r["top1"] == float((q.argmax(-1) == ref.argmax(-1)).double().mean()), r["format"]
     assert len({round(r["kl"], 12) for r in out}) == len(out)  # each option changes what attention reads
 
