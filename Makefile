@@ -14,7 +14,7 @@ PIP_INSTALL := $(BIN)/python -m pip install --disable-pip-version-check -q $(FIN
 # setup.py and the kernel source too: an updated checkout rebuilds the kernels it calls.
 $(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/minifloat/kernels/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) -e '.[dev,bench]'
+	$(PIP_INSTALL) -e '.[dev,bench,plot]'
 	touch $(STAMP)
 
 # The main job on its embedded default: the small GPT on the Python stdlib sources in four

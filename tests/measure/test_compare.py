@@ -450,7 +450,7 @@ def test_relative_figures_are_left_out_where_the_reference_has_none():
 def test_compare_without_matplotlib_stops_before_it_trains(tmp_path, monkeypatch):
     """Plots need matplotlib: a machine without it learns so before the runs, not after them."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` finds when it is not installed
-    with pytest.raises(minifloat.MinifloatError, match=r"pip install matplotlib, or pass --no-plots"):
+    with pytest.raises(minifloat.MinifloatError, match=r"pip install 'minifloat\[plot\]', or pass --no-plots"):
         compare(["fp32"], _base(), tmp_path / "run", echo=lambda s: None)
     assert not (tmp_path / "run").exists()
 

@@ -14,7 +14,8 @@ def require_matplotlib():
         import matplotlib
     except ImportError:
         raise MinifloatError(
-            "plots need matplotlib, a dependency of minifloat that is missing here; install it with: pip install matplotlib"
+            "plots need matplotlib, an optional extra of minifloat that is not installed here; install it with: "
+            "pip install 'minifloat[plot]'"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
