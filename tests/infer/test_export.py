@@ -336,7 +336,8 @@ CT_FORMATS = {
 
 
 def test_the_format_of_each_named_config_comes_from_its_scheme():
-    from minifloat.infer.checkpoints.export import ct_format, holds_hf_fp8
+    from minifloat.infer.checkpoints.compressed_tensors import ct_format
+    from minifloat.infer.checkpoints.hf_fp8 import holds as holds_hf_fp8
 
     assert set(CT_FORMATS) == set(QUANT_CONFIGS)
     for name, c in QUANT_CONFIGS.items():

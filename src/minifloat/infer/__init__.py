@@ -5,7 +5,7 @@ generation with packed KV caches, and the figures that say what a format costs. 
   parts: `QuantConfig` and its named configs (`config`), observers, scale searches (`scales`),
   round to nearest (`rtn`), GPTQ, rotations, smoothing, the sequential calibrator, `method`.
 - `modules/`: `QuantizedLinear`, `QuantizedEmbedding`, and the bytes they hold (`accounting`).
-- `checkpoints/`: compressed-tensors and hf-fp8 (`export`, `load_quantized`), `load_model`.
+- `checkpoints/`: one module per format (compressed-tensors, hf-fp8), `export`, `load_quantized`, `load_model`.
 - `quantize`: `calibrate` and `quantize_model`, the driver that walks a model and swaps layers.
 - `generation/`: `KVCache`, decoding and speculative decoding, the transformers cache bridge.
 - `evaluation/`: `evaluate` and `Quality` (perplexity, KL, top-1); the quantize / eval jobs.

@@ -1,2 +1,4 @@
-"""Checkpoint formats serving tools read, one module each where they differ (`export`: write
-compressed-tensors or hf-fp8; `load`: read them back), and `load_model` over every kind."""
+"""Serving checkpoints, one module per format, each both ways (`compressed_tensors`, `hf_fp8`; the
+GGUF writer comes next); what they share: the tensors' reader and codes (`tensors`), the writer
+(`export`), the reader into `QuantizedLinear` layers (`load`), and `load_model` over every kind
+of model folder or file (`loaders`)."""

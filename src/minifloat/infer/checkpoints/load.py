@@ -1,4 +1,4 @@
-"""`load_quantized`: a compressed-tensors or hf-fp8 checkpoint (`minifloat.infer.checkpoints.export`'s formats,
+"""`load_quantized`: a checkpoint in one of `minifloat.infer.checkpoints.export.FORMATS` (compressed-tensors, hf-fp8,
 written by minifloat or by other tools, such as DeepSeek-V3's FP8 weights) into a transformers
 model whose quantized Linears are `QuantizedLinear`, without dequantizing.
 
@@ -19,83 +19,29 @@ from pathlib import Path
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.checkpoints.export import config_args, ct_args, ct_format
+from minifloat.infer.checkpoints.export import FORMATS
+from minifloat.infer.checkpoints.tensors import CheckpointTensors
 from minifloat.infer.modules.linear import QuantizedLinear
-from minifloat.infer.ptq.config import QUANT_CONFIGS, QuantConfig
+from minifloat.infer.ptq.config import QuantConfig
 from minifloat.nn.convert import swap_modules
 from minifloat.quant import QuantizedTensor
-from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
-from minifloat.scaling.schemes import SCHEMES
-
-_ARG_KEYS = ("num_bits", "type", "strategy", "group_size", "block_structure", "dynamic")
 
 
-def _norm(args: dict | None) -> tuple | None:
-    if args is None:
-        return None
-    d = {k: args.get(k) for k in _ARG_KEYS}
-    d["block_structure"] = tuple(d["block_structure"]) if d["block_structure"] else None
-    d["dynamic"] = str(d["dynamic"]).lower()
-    if d["strategy"] in ("tensor", "channel", "token", "block"):
-        d["group_size"] = None
-    return tuple(d.values())
-
-
-def _scheme_of(args: dict | None, role: str, static: bool) -> str | None:
-    """The scheme (a `SCHEMES` name) whose QuantizationArgs in `role` are `args`, or None."""
-    want = _norm(args)
-    return next((name for name, s in SCHEMES.items() if _norm(ct_args(s, role, static)) == want), None)
-
-
-def _config_of_group(group: dict) -> QuantConfig:
-    """The named config a group's QuantizationArgs describe, or one built from the schemes they
-    describe: a checkpoint of a hand-built config reads back as well as a named one's."""
-    if group.get("output_activations"):
-        raise MinifloatError("the checkpoint quantizes output activations; load_quantized does not")
-    want = (_norm(group.get("weights")), _norm(group.get("input_activations")))
-    for c in QUANT_CONFIGS.values():
-        if tuple(_norm(a) for a in config_args(c)) == want:
-            return c
-    inputs = group.get("input_activations")
-    static = bool(inputs) and str(inputs.get("dynamic")).lower() in ("false", "local")
-    weight = _scheme_of(group.get("weights"), "weights", False)
-    activation = _scheme_of(inputs, "input_activations", static) if inputs else None
-    if weight is not None and (activation is not None or not inputs):
-        return QuantConfig(name=f"{weight}+{activation or 'weight-only'}", weight=weight, activation=activation, static=static)
-    raise MinifloatError(
-        f"no minifloat scheme matches the checkpoint's scheme (weights {group.get('weights')}, input "
-        f"{group.get('input_activations')}); known configs: {', '.join(QUANT_CONFIGS)}"
-    )
+def format_of(qc: dict):
+    """The format module whose ``quant_method`` a ``quantization_config`` names."""
+    method = qc.get("quant_method")
+    for fmt in FORMATS.values():
+        if fmt.QUANT_METHOD == method:
+            return fmt
+    methods = " and ".join(repr(f.QUANT_METHOD) for f in FORMATS.values())
+    raise MinifloatError(f"quant_method={method!r}: load_quantized reads {methods} checkpoints")
 
 
 def configs_from_quantization_config(qc: dict) -> list[tuple[list[str], QuantConfig]]:
     """(targets, `QuantConfig`) of each config group a checkpoint's ``quantization_config``
     describes; targets are ``Linear``, layer names, or ``re:`` patterns."""
-    method = qc.get("quant_method")
-    if method == "fp8":
-        if qc.get("fmt", "e4m3") != "e4m3" or list(qc.get("weight_block_size") or []) != [128, 128]:
-            raise MinifloatError(f"hf-fp8 checkpoint with fmt={qc.get('fmt')!r}, weight_block_size="
-                                 f"{qc.get('weight_block_size')!r}: minifloat reads e4m3 with [128, 128] blocks")  # fmt: skip
-        if qc.get("activation_scheme", "dynamic") != "dynamic":
-            raise MinifloatError(f"hf-fp8 activation_scheme={qc.get('activation_scheme')!r}: only 'dynamic' is read")
-        return [(["Linear"], QUANT_CONFIGS["fp8-block"])]
-    if method != "compressed-tensors":
-        raise MinifloatError(f"quant_method={method!r}: load_quantized reads 'compressed-tensors' and 'fp8' checkpoints")
-    groups = qc.get("config_groups") or {}
-    if not groups:
-        raise MinifloatError("the checkpoint's quantization_config has no config_groups")
-    found = [(list(g.get("targets") or ["Linear"]), _config_of_group(g)) for g in groups.values()]
-    # minifloat's own checkpoints name their configs (group i ↔ configs[i]): a choice the format
-    # does not record (Four Over Six's input scaling) comes back with them
-    producer = qc.get("producer") or {}
-    names = producer.get("configs") if producer.get("name") == "minifloat" else None
-    if isinstance(names, list) and len(names) == len(found):
-        for i, (g, name) in enumerate(zip(groups.values(), names, strict=True)):
-            c = QUANT_CONFIGS.get(name)
-            if c is not None and ct_format(c.weight_scheme) == g.get("format") and c.weight_scheme.element == found[i][1].weight_scheme.element:
-                found[i] = (found[i][0], c)
-    return found
+    return format_of(qc).configs(qc)
 
 
 def config_from_quantization_config(qc: dict) -> QuantConfig:
@@ -124,58 +70,7 @@ def _ignored(name: str, ignore: list[str]) -> bool:
     return False
 
 
-class _Tensors:
-    """The checkpoint's tensors by name, read lazily from its safetensors files."""
-
-    def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (folder / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
-            raise MinifloatError(f"{folder} has no model.safetensors nor model.safetensors.index.json")
-        self.where: dict[str, object] = {}
-        self._handles = []
-        for f in files:
-            if not (folder / f).is_file():
-                raise MinifloatError(f"{folder / f}: listed in the index but missing")
-            h = safe_open(str(folder / f), framework="pt", device="cpu")
-            self._handles.append(h)
-            for k in h.keys():
-                self.where[k] = h
-        self.used: set[str] = set()
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.where[name].get_tensor(name).dtype
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def get(
-        self, name: str, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        if name not in self.where:
-            raise MinifloatError(f"checkpoint tensor {name!r} is missing")
-        t = self.where[name].get_tensor(name)
-        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-        if t.dtype not in dtypes:
-            raise MinifloatError(
-                f"checkpoint tensor {name!r} is {t.dtype}; expected {' or '.join(map(str, dtypes))}"
-            )
-        if tuple(t.shape) != tuple(shape):
-            raise MinifloatError(
-                f"checkpoint tensor {name!r} has shape {tuple(t.shape)}; expected {tuple(shape)}"
-            )
-        self.used.add(name)
-        return t
-
-
-def _quantized_layer(
-    p: str, linear: torch.nn.Linear, c: QuantConfig, fmt: str, ts: _Tensors
-) -> QuantizedLinear:
+def _quantized_layer(p: str, linear: torch.nn.Linear, c: QuantConfig, fmt, ts: CheckpointTensors) -> QuantizedLinear:
     s = c.weight_scheme
     n, k = linear.out_features, linear.in_features
     lay = layout_for((n, k), s)
@@ -185,38 +80,11 @@ def _quantized_layer(
     else:
         codes = ts.get(f"{p}.weight_packed", torch.uint8, (n, k * bits // 8))
     grid = (lay.rows_pad // lay.block_rows, lay.cols_pad // lay.block_cols)
-    tensor_scale = None
-    if fmt == "hf-fp8":
-        scale = ts.get(f"{p}.weight_scale_inv", (torch.float32, torch.bfloat16, torch.float16), grid).float()
-    elif s.is_mx:
-        scale = ts.get(f"{p}.weight_scale", torch.uint8, grid)
-    elif s.is_nvfp4:
-        scale = ts.get(f"{p}.weight_scale", torch.float8_e4m3fn, grid).view(torch.uint8)
-        g = ts.get(f"{p}.weight_global_scale", torch.float32, (1,))
-        tensor_scale = (1.0 / g.double()).float().reshape(())
-    else:
-        shape = {"tensor": (1,), "row": (n, 1)}.get(s.granularity, grid)
-        scale = (
-            ts.get(f"{p}.weight_scale", (torch.float32, torch.bfloat16, torch.float16), shape)
-            .float()
-            .reshape(grid)
-        )
+    scale, tensor_scale = fmt.read_scales(p, c, n, grid, ts)
     data = torch.zeros(lay.rows_pad, lay.cols_pad * bits // 8, dtype=torch.uint8)
     data[:n, : codes.shape[1]] = codes
     weight = QuantizedTensor(data, scale.contiguous(), tensor_scale, (n, k), s, linear.weight.dtype)
-    amax = None
-    if c.static:
-        a = c.activation_scheme
-        if a.is_nvfp4:
-            g = ts.get(f"{p}.input_global_scale", torch.float32, (1,))
-            amax = torch.tensor(rules.NVFP4_GLOBAL_NUMERATOR) / g.reshape(())
-        else:
-            amax = (
-                ts.get(f"{p}.input_scale", (torch.float32, torch.bfloat16, torch.float16), (1,))
-                .float()
-                .reshape(())
-                * a.element_format.max
-            )
+    amax = fmt.read_input_amax(p, c, ts)
     bias = (
         ts.get(f"{p}.bias", linear.bias.dtype, tuple(linear.bias.shape)) if linear.bias is not None else None
     )
@@ -238,9 +106,9 @@ def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
     qc = raw.pop("quantization_config", None)
     if not qc:
         raise MinifloatError(f"{cfg_path}: no quantization_config; load it with transformers directly")
-    groups = configs_from_quantization_config(qc)
-    fmt = "hf-fp8" if qc.get("quant_method") == "fp8" else "compressed-tensors"
-    ignore = list(qc.get("modules_to_not_convert") or []) if fmt == "hf-fp8" else list(qc.get("ignore") or [])
+    fmt = format_of(qc)
+    groups = fmt.configs(qc)
+    ignore = fmt.ignored(qc)
     model_type = raw.pop("model_type", None)
     if model_type is None:
         raise MinifloatError(f"{cfg_path}: no model_type")
@@ -258,18 +126,18 @@ def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(hf_config)
     finally:
         torch.set_default_dtype(previous)
-    ts = _Tensors(folder)
+    ts = CheckpointTensors(folder)
     swaps: dict[str, torch.nn.Module] = {}
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear) or _ignored(name, ignore):
             continue
         if not any(f"{name}.{t}" in ts for t in ("weight_packed", "weight_scale", "weight_scale_inv")):
             if f"{name}.weight" in ts and ts.dtype(f"{name}.weight") not in (torch.float32, torch.bfloat16, torch.float16):
-                scale = "weight_scale_inv" if fmt == "hf-fp8" else "weight_scale"
+                scale = "weight_scale_inv" if fmt is FORMATS["hf-fp8"] else "weight_scale"
                 raise MinifloatError(f"checkpoint tensor {name + '.' + scale!r} is missing ({name}.weight is "
                                      f"{ts.dtype(name + '.weight')}, codes without their scale)")  # fmt: skip
             # transformers' fine-grained FP8 (hf-fp8) never converts the output embedding, listed or not
-            implicit = fmt == "hf-fp8" and m is model.get_output_embeddings()
+            implicit = fmt is FORMATS["hf-fp8"] and m is model.get_output_embeddings()
             if f"{name}.weight" in ts and _config_for(name, m, groups) is not None and not implicit:
                 raise MinifloatError(
                     f"{folder}: checkpoint tensor {name + '.weight'!r} is a dense {ts.dtype(name + '.weight')} tensor "

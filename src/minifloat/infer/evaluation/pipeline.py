@@ -17,7 +17,8 @@ import torch
 
 from minifloat.data.text import TextSource, batches_for, tokenizer_for
 from minifloat.errors import MinifloatError
-from minifloat.infer.checkpoints.export import FORMATS, export, holds_hf_fp8
+from minifloat.infer.checkpoints import hf_fp8
+from minifloat.infer.checkpoints.export import FORMATS, export
 from minifloat.infer.checkpoints.loaders import load_model
 from minifloat.infer.evaluation.metrics import evaluate
 from minifloat.infer.ptq.config import QuantConfig, get_quant_config
@@ -59,7 +60,7 @@ def quantize_checkpoint(
                              f"quantize without --rotate to export (rotations are for eval / generate in memory)")  # fmt: skip
     if format not in FORMATS:
         raise MinifloatError(f"unknown format {format!r}; use one of {', '.join(FORMATS)}")
-    if format == "hf-fp8" and not holds_hf_fp8(config):
+    if format == "hf-fp8" and not hf_fp8.holds(config):
         raise MinifloatError(f"format 'hf-fp8' holds fp8-block weights; --scheme {config.name} needs compressed-tensors")
     if Path(out).exists() and not overwrite:
         raise MinifloatError(f"{out} exists; pass --overwrite to replace it, or choose another folder")
