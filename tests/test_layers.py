@@ -53,3 +53,19 @@ def test_a_cycle_inside_a_function_breaks_the_contract(tmp_path):
     out = lint(copy_with(tmp_path, "train/config.py", line))
     assert out.returncode != 0
     assert "no import cycles BROKEN" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [  # inference reaching into training (what infer/models.py did), and training into inference
+     ("infer/quantize.py", "from minifloat.train.loop import train  # noqa", "minifloat layers BROKEN"),
+     ("train/loop.py", "from minifloat.infer.quantize import quantize_model  # noqa", "minifloat layers BROKEN"),
+     # the models below both halves: the GPT may not know the KV cache it is handed
+     ("models/gpt.py", "from minifloat.infer.generation.kvcache import KVCache  # noqa", "minifloat layers BROKEN"),
+     # inference's rooms: an algorithm may not know a module or a checkpoint format
+     ("infer/ptq/rtn.py", "from minifloat.infer.modules.linear import QuantizedLinear  # noqa", "infer rooms BROKEN"),
+     ("infer/modules/linear.py", "from minifloat.infer.checkpoints.export import export  # noqa", "infer rooms BROKEN")],
+)  # fmt: skip
+def test_train_and_infer_are_siblings_and_infer_keeps_its_rooms(tmp_path, module, line, broken):
+    out = lint(copy_with(tmp_path, module, line))
+    assert out.returncode != 0 and broken in out.stdout, out.stdout
