@@ -10,8 +10,8 @@ Example:
 import os as _os
 
 # PyTorch's CPU allocator backs large tensors with transparent huge pages when this is set:
-# one page fault per 2 MiB instead of per 4 KiB of a fresh quantize / dequantize output (README,
-# Performance). Effective only if torch has not allocated yet; set it to 0 to opt out.
+# one page fault per 2 MiB instead of per 4 KiB of a fresh quantize / dequantize output (docs/benchmarks/cpu-kernels.md).
+# Effective only if torch has not allocated yet; set it to 0 to opt out.
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from minifloat.errors import (

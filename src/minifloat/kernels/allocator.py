@@ -3,7 +3,7 @@
 PyTorch's CPU tensors come from ``malloc``. glibc serves blocks above its mmap threshold
 (adaptive, at most 32 MiB) with a fresh ``mmap`` and ``munmap``s them on free, so every call
 that returns a large tensor page-faults its output in again, which costs several times the
-writing of it (README, Performance). Training loops and
+writing of it (docs/benchmarks/cpu-kernels.md). Training loops and
 benchmarks allocate the same sizes over and over, so keeping those blocks is what a caching
 allocator (PyTorch's on CUDA, or jemalloc / tcmalloc on CPU) would do.
 

@@ -273,7 +273,7 @@ RECIPES: dict[str, Recipe] = {
     "mxfp6-e2m3": MXScaling(element="e2m3"),
     "mxfp6-e3m2": MXScaling(element="e3m2"),
     "mxfp6-hybrid": MXScaling(element="e2m3", grad_element="e3m2"),  # as FP8's hybrid: precision forward, range for gradients
-    # MXFP4 with the published fixes that measured best (README: 3 seeds, 600 steps, small GPT):
+    # MXFP4 with the published fixes that measured best (docs/guides/training.md: 3 seeds, 600 steps, small GPT):
     # Tseng et al.'s — a random Hadamard transform on the weight-gradient GEMM, stochastic rounding
     # of gradients on rounded-up scales — and the first block left in high precision
     "mxfp4": MXScaling(element="e2m1", rht=True, stochastic_rounding=True, grad_scale_rule="rceil", high_precision_first=1),

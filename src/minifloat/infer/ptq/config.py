@@ -71,7 +71,7 @@ class QuantConfig:
     scale_rule: str | None = None  # MX: "floor" (OCP), "rceil" or "least-error"; NVFP4: "4over6"; None: the schemes' own
     # NVFP4 weights: a power-of-two global scale, which every reader decodes bit for bit
     # (compressed-tensors divides by it and rounds to bf16); off by default, as it costs accuracy
-    # (README, Performance)
+    # (docs/benchmarks/cpu-kernels.md)
     pow2_global_scale: bool = False
 
     def __post_init__(self) -> None:
@@ -138,7 +138,7 @@ QUANT_CONFIGS: dict[str, QuantConfig] = {
         QuantConfig(name="fp8-static", weight="fp8", activation="fp8", static=True),
         QuantConfig(name="fp8-block", weight="fp8_block128x128", activation="fp8_block128"),
         # MX: the scale exponent rounded up (rceil, as torchao's default), not the OCP spec's floor,
-        # whose largest values saturate (README, Performance: what each costs)
+        # whose largest values saturate (docs/benchmarks/cpu-kernels.md: what each costs)
         QuantConfig(name="mxfp8", weight="mxfp8", activation="mxfp8", scale_rule="rceil"),
         QuantConfig(name="mxfp6", weight="mxfp6_e2m3", activation="mxfp6_e2m3", scale_rule="rceil"),
         QuantConfig(name="mxfp4", weight="mxfp4", activation="mxfp4", scale_rule="rceil"),
