@@ -51,7 +51,7 @@ class KVPolicy:
         # per-chunk bytes beyond the per-token ones (NVFP4's tensor scales): those held, and two more chunks
         extra = self.layer_bytes(0) - sum(run.tokens * self.token_bytes(kv_format(run.fmt)) for run in self._runs[0])
         extra += 16 if not isinstance(self.pressure, torch.dtype) and self.pressure.is_nvfp4 else 0
-        entry = self.store if self.recent_format is None else kv_format(self.recent_format)
+        entry = kv_format(self.entry_format)
         return self.n_layer * (kept * self.token_bytes(entry) + (n - kept) * self.token_bytes(self.pressure) + extra)
 
     def _check_budget(self, t: int) -> None:

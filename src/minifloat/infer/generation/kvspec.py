@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -122,9 +121,6 @@ class KVSpec:
     def group(self) -> int:
         """Tokens a channel group holds: the format's block width along the tokens (32 for per-row FP8)."""
         return self.store.block[1] if not isinstance(self.store, torch.dtype) and self.store.block else 32
-
-    def replace(self, **changes) -> KVSpec:
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def parse(cls, text: str, **fields) -> KVSpec:
