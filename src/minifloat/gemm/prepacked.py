@@ -6,7 +6,7 @@ plan of the weight (`minifloat.kernels.gemv.Plan`: addresses, geometry, decode t
 Invariants: a call returns what ``weight_only_mm(x, w, backend=backend)`` returns, up to FP32
 summation order; the plan is remade, before the call that would read it, when the weight's parts
 have been written in place (their version counters) or a kernel was registered or removed since
-(`registry_version`). ``MINIFLOAT_KERNELS=reference`` is read when the plan is made.
+(`registry_version`). ``MINIFLOAT_KERNELS=reference`` and the ISA path are read when the plan is made.
 
 Example:
     >>> from minifloat import quantize
@@ -33,7 +33,7 @@ DECODE_ROWS = gemv.MAX_ROWS  # the most rows a decode-kernel call takes
 class PackedWeight:
     """A `QuantizedTensor` prepacked for weight-only products; see the module docstring."""
 
-    __slots__ = ("weight", "backend", "plan", "_made_under")
+    __slots__ = ("weight", "backend", "plan", "isa", "_made_under")
 
     def __init__(self, weight: QuantizedTensor, backend: str = "auto") -> None:
         self.weight, self.backend = weight, backend
@@ -53,6 +53,7 @@ class PackedWeight:
             and gemv.supports(torch.empty(1, w.shape[1]), w.data, w.shape, w.scheme)
         )  # fmt: skip
         self.plan = gemv.Plan(w.data, w.scale, w.tensor_scale, w.shape, w.scheme) if takes else None
+        self.isa = gemv.best_isa() if takes else None  # the path, chosen here: no environment read per call
 
     def current(self) -> bool:
         """Whether the plan still stands for the weight and the dispatch."""
@@ -70,7 +71,7 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ`` in float32 for `x` (M, K)."""
         if self.decodes(x):
-            return self.plan(x)
+            return self.plan(x, self.isa)
         return weight_only_mm(x, self.weight, backend=self.backend)
 
     def __reduce__(self):

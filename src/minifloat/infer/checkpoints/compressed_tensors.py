@@ -46,6 +46,8 @@ from minifloat.scaling.schemes import SCHEMES, Scheme
 
 NAME = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
+SCALE_TENSOR = "weight_scale"  # a quantized layer's scale tensor, by which a reader recognises it
+CONVERTS_OUTPUT_EMBEDDING = True  # the head is quantized when the config's targets name it
 
 # compressed-tensors' element formats: 8-bit floats are E4M3, 6-bit E2M3 (its MXFP6), 4-bit E2M1
 _CT_ELEMENTS = {8: "e4m3", 6: "e2m3", 4: "e2m1"}

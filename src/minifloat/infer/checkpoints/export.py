@@ -38,8 +38,8 @@ from minifloat.scaling.schemes import Scheme
 
 FORMATS = {m.NAME: m for m in (compressed_tensors, hf_fp8)}
 """The checkpoint formats by name, each a module: ``unreadable``, ``layer_tensors``,
-``quantization_config`` to write; ``QUANT_METHOD``, ``configs``, ``ignored``, ``read_scales``,
-``read_input_amax`` to read."""
+``quantization_config`` to write; ``QUANT_METHOD``, ``SCALE_TENSOR``, ``CONVERTS_OUTPUT_EMBEDDING``,
+``configs``, ``ignored``, ``read_scales``, ``read_input_amax`` to read."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")  # fmt: skip
 DEFAULT_SHARD_BYTES = 2 * 1024**3

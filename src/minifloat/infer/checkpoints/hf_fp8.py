@@ -19,6 +19,8 @@ from minifloat.scaling.schemes import Scheme
 
 NAME = "hf-fp8"
 QUANT_METHOD = "fp8"
+SCALE_TENSOR = "weight_scale_inv"
+CONVERTS_OUTPUT_EMBEDDING = False  # transformers' loader never converts the head, listed or not
 
 
 def holds(config: QuantConfig) -> bool:

@@ -133,11 +133,10 @@ def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
             continue
         if not any(f"{name}.{t}" in ts for t in ("weight_packed", "weight_scale", "weight_scale_inv")):
             if f"{name}.weight" in ts and ts.dtype(f"{name}.weight") not in (torch.float32, torch.bfloat16, torch.float16):
-                scale = "weight_scale_inv" if fmt is FORMATS["hf-fp8"] else "weight_scale"
+                scale = fmt.SCALE_TENSOR
                 raise MinifloatError(f"checkpoint tensor {name + '.' + scale!r} is missing ({name}.weight is "
                                      f"{ts.dtype(name + '.weight')}, codes without their scale)")  # fmt: skip
-            # transformers' fine-grained FP8 (hf-fp8) never converts the output embedding, listed or not
-            implicit = fmt is FORMATS["hf-fp8"] and m is model.get_output_embeddings()
+            implicit = not fmt.CONVERTS_OUTPUT_EMBEDDING and m is model.get_output_embeddings()
             if f"{name}.weight" in ts and _config_for(name, m, groups) is not None and not implicit:
                 raise MinifloatError(
                     f"{folder}: checkpoint tensor {name + '.weight'!r} is a dense {ts.dtype(name + '.weight')} tensor "
