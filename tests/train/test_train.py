@@ -596,7 +596,7 @@ def test_compiled_and_checkpointed_training_equals_eager(tmp_path, monkeypatch):
 
     enabled = []
     real = loop._enable_activation_checkpointing
-    monkeypatch.setattr(loop, "_enable_activation_checkpointing", lambda m: enabled.append(m) or real(m))
+    monkeypatch.setattr(loop, "_enable_activation_checkpointing", lambda m, *rest: enabled.append(m) or real(m, *rest))
     eager = train(_cfg(precision="fp8", steps=3), tmp_path / "eager", progress=False)
     assert enabled == []
     both = train(_cfg(precision="fp8", steps=3, compile=True, activation_checkpointing=True), tmp_path / "both", progress=False)

@@ -16,6 +16,11 @@ from minifloat.optim.states import MASTERS, STATE_FORMATS
 from minifloat.recipes import RECIPES
 
 PRECISIONS = HIGH_PRECISIONS + tuple(RECIPES)
+# What the frozen base of a LoRA run is held in (`precision` names it): the high precisions as
+# plain weights, the others packed (weight-only, `minifloat.finetune.lora`)
+BASE_FORMATS = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4", "mxfp4")
+BASE_METHODS = ("rtn", "gptq")
+ADAPTER_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,22 +54,77 @@ class TrainConfig:
     fsdp: bool = False
     fp8_all_gather: bool = False  # FSDP2 gathers the quantized Linear weights as codes and scales (fp8-current, mxfp8)
     telemetry_every: int = 10  # steps between amax/scale/saturation records (0: off)
+    # Fine-tuning a pretrained model (`minifloat.finetune`): its path (a transformers folder, a
+    # .gguf, a fine-tune's output) replaces `model`; `data` is continued-pretraining text, or
+    # `sft` a JSONL of instruction records
+    pretrained: str | None = None
+    sft: str | None = None
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank on a frozen base held in `precision` (BASE_FORMATS)
+    lora_alpha: float = 16.0  # the adapters' scale is alpha / rank (PEFT's convention)
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] | None = None  # module-name globs; None: every Linear of the decoder layers
+    base_method: str = "rtn"  # how a packed base is quantized: rtn, gptq
+    adapter_dtype: str = "fp32"  # the adapters' parameters: fp32, bf16
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
+        if isinstance(self.lora_targets, list | str):  # JSON gives a list back; one glob may come as a string
+            targets = [self.lora_targets] if isinstance(self.lora_targets, str) else self.lora_targets
+            object.__setattr__(self, "lora_targets", tuple(targets))
+        self._check_finetune()
+        if self.precision not in PRECISIONS and not (self.lora_rank and self.precision in BASE_FORMATS):
             raise MinifloatError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        if self.pretrained is not None:  # the model's own context bounds seq_len, checked where it is loaded
+            if self.seq_len is None:
+                object.__setattr__(self, "seq_len", 128)
+            for name in ("high_precision_first", "high_precision_last"):
+                if getattr(self, name) < 0:
+                    raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(self, name)}")
+            self._check_common()
+            return
         block_size = get_config(self.model).block_size
         if self.seq_len is None:
             object.__setattr__(self, "seq_len", min(128, block_size))
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
         for end in ("first", "last"):
             n = getattr(self, f"high_precision_{end}")
             if not 0 <= n <= get_config(self.model).n_layer:
                 raise MinifloatError(
                     f"--high-precision-{end} {n}: the {self.model} model has {get_config(self.model).n_layer} blocks"
                 )
+        self._check_common()
+        if self.seq_len > block_size:
+            raise MinifloatError(f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {block_size}")
+
+    def _check_finetune(self) -> None:
+        """The fine-tuning fields: only with `pretrained`, LoRA's within their ranges."""
+        if self.pretrained is None:
+            used = [f"--{n.replace('_', '-')}" for n in ("sft", "lora_rank") if getattr(self, n)]
+            if used:
+                raise MinifloatError(f"{' and '.join(used)} fine-tune a pretrained model: name it (minifloat train MODEL ...)")
+            return
+        if self.sft is not None and self.data is not None:
+            raise MinifloatError("--sft trains on instruction records, --data on plain text: pass one of them")
+        if self.lora_rank < 0:
+            raise MinifloatError(f"--lora must be a rank ≥ 1 (0: a full fine-tune), got {self.lora_rank}")
+        if not self.lora_rank:
+            return
+        if self.precision not in BASE_FORMATS:
+            raise MinifloatError(f"--base {self.precision!r}: a LoRA run holds its frozen base in one of {', '.join(BASE_FORMATS)}")
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise MinifloatError(f"--lora-alpha must be a number > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise MinifloatError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.base_method not in BASE_METHODS:
+            raise MinifloatError(f"--base-method {self.base_method!r}: use one of {', '.join(BASE_METHODS)}")
+        if self.adapter_dtype not in ADAPTER_DTYPES:
+            raise MinifloatError(f"--adapter-dtype {self.adapter_dtype!r}: use one of {', '.join(ADAPTER_DTYPES)}")
+        if self.optimizer_states != "fp32" or self.master != "fp32" or self.fsdp:
+            raise MinifloatError("a LoRA run trains a few million adapter weights at most: it keeps FP32 optimizer states "
+                                 "and masters and runs in one process (drop --optimizer-states, --master and --fsdp)")  # fmt: skip
+
+    def _check_common(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise MinifloatError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -93,8 +153,6 @@ class TrainConfig:
             raise MinifloatError(f"--fp8-all-gather gathers FSDP2 shards as codes and scales: it needs --fsdp and a precision whose "
                                  f"weights a shard can quantize alone (fp8-current, mxfp8), got --precision {self.precision}"
                                  + ("" if self.fsdp else " without --fsdp"))  # fmt: skip
-        if self.seq_len > block_size:
-            raise MinifloatError(f"--seq-len {self.seq_len} exceeds the {self.model} model's block size {block_size}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -8,7 +8,6 @@ import os
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.models.gpt import GPT
 from minifloat.train.config import TrainConfig
 
 
@@ -38,8 +37,8 @@ def init_distributed(c: TrainConfig) -> tuple[int, int, bool]:
     return rank, world, created
 
 
-def shard(model: GPT, world: int, quantized_gather: bool = False) -> None:
-    """FSDP2: shard each transformer block, then the rest (embeddings, tied head) at the root;
+def shard(model: torch.nn.Module, blocks: list[torch.nn.Module], world: int, quantized_gather: bool = False) -> None:
+    """FSDP2: shard each of the model's `blocks`, then the rest (embeddings, tied head) at the root;
     `quantized_gather`: the quantized Linears' weights travel as codes and scales
     (`minifloat.nn.all_gather`)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -50,7 +49,7 @@ def shard(model: GPT, world: int, quantized_gather: bool = False) -> None:
     if quantized_gather:
         gather_quantized(model)
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
+    for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
 

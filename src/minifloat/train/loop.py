@@ -28,66 +28,44 @@ from pathlib import Path
 import torch
 
 from minifloat import checkpoint
-from minifloat.data.corpus import Corpus, get_batch, load_corpus, stdlib_corpus
+from minifloat.data.corpus import Corpus
 from minifloat.errors import MinifloatError
-from minifloat.models.gpt import GPT, get_config
+from minifloat.models.gpt import GPT
 from minifloat.nn import rounded
-from minifloat.nn.convert import convert
 from minifloat.nn.loss_scaling import LossScaler
 from minifloat.nn.monitor import Monitor
-from minifloat.optim import AdamW, bf16_parameters
+from minifloat.optim import AdamW
 from minifloat.recipes import RECIPES
 from minifloat.train.config import TrainConfig, lr_at
 from minifloat.train.distributed import init_distributed, mean_over_ranks, shard, state_options
 from minifloat.train.runlog import append_record, clear_previous, rewind_log
+from minifloat.train.task import GPTTask, Task, build_gpt, load_data  # noqa: F401 - load_data: the GPT's corpus, re-exported
 
 
 def build_model(c: TrainConfig) -> GPT:
-    """The GPT for `c`, initialised from `c.seed`, converted to `c.precision`; its parameters in
-    BF16 for a BF16 master (`c.master`)."""
-    torch.manual_seed(c.seed)
-    model = GPT(get_config(c.model))
-    n_layer = get_config(c.model).n_layer
-    high = {f"blocks.{i}." for i in range(n_layer) if i < c.high_precision_first or i >= n_layer - c.high_precision_last}
-
-    def keep(fqn: str, m) -> bool:  # True: quantize this Linear
-        return (c.quantize_head or fqn != "lm_head") and not any(fqn.startswith(h) for h in high)
-
-    if c.precision in RECIPES:
-        convert(model, c.precision, filter=keep)
-    else:
-        rounded.to_high_precision(model, c.precision, keep)
-    return bf16_parameters(model) if c.master != "fp32" else model
-
-
-def load_data(c: TrainConfig) -> Corpus:
-    return stdlib_corpus(c.max_bytes) if c.data is None else load_corpus(c.data, c.max_bytes)
-
-
-def _weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    sd = dict(sd)
-    sd.pop("lm_head.weight", None)  # tied to wte.weight
-    return {k: v.detach().contiguous() for k, v in sd.items()}
+    """The GPT for `c` (`minifloat.train.task.build_gpt`)."""
+    return build_gpt(c)
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, c: TrainConfig) -> float:
-    """Mean loss over `eval_batches` fixed windows (the same for every precision and step)."""
-    g = torch.Generator().manual_seed(10_000 + c.seed)
+def evaluate(model, data: torch.Tensor | list[dict], c: TrainConfig, task: Task | None = None) -> float:
+    """Mean loss over the fixed held-out batches: `data` itself (a task's `val_batches`), or
+    `eval_batches` windows of the built-in GPT's validation split `data` (the same for every
+    precision and step)."""
+    if isinstance(data, torch.Tensor):
+        task = GPTTask()
+        task.data = Corpus(data[:0], data, "validation split", "")
+        data = task.val_batches(c)
     model.eval()
     total = 0.0
     with rounded.autocast(c.precision):
-        for _ in range(c.eval_batches):
-            x, y = get_batch(data, c.batch_size, c.seq_len, g)
-            logits = model(x)
-            total += torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
-            ).item()
+        for batch in data:
+            total += task.loss(model, batch).item()
     model.train()
-    return total / c.eval_batches
+    return total / len(data)
 
 
-def _resume_state(c: TrainConfig, model: GPT, ckpt_root: Path) -> dict:
+def _resume_state(c: TrainConfig, task: Task, model, ckpt_root: Path) -> dict:
     """Load the latest checkpoint's weights into the (unsharded) `model`; return its state."""
     path = checkpoint.latest_checkpoint(ckpt_root)
     if path is None:
@@ -95,25 +73,23 @@ def _resume_state(c: TrainConfig, model: GPT, ckpt_root: Path) -> dict:
     manifest, weights, state = checkpoint.load_checkpoint(path)
     theirs = manifest["config"]
     # the optimizer state's layout follows the state format and the master (absent from older checkpoints: the defaults)
-    defaults = {"optimizer_states": "fp32", "master": "fp32"}
-    for key in ("model", "batch_size", "seq_len", "grad_accum", "seed", "data", "max_bytes", "optimizer_states", "master"):
-        if theirs.get(key, defaults.get(key)) != getattr(c, key):
+    for key in RESUME_KEYS:
+        if theirs.get(key, RESUME_DEFAULTS.get(key)) != getattr(c, key):
             raise MinifloatError(
-                f"{path}: checkpoint has {key}={theirs.get(key, defaults.get(key))!r}, this run {key}={getattr(c, key)!r}; "
+                f"{path}: checkpoint has {key}={theirs.get(key, RESUME_DEFAULTS.get(key))!r}, this run {key}={getattr(c, key)!r}; "
                 f"resume with the same {key}"
             )
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    bad = [
-        k
-        for k in missing
-        if k != "lm_head.weight" and not k.endswith(("amax_history", "scale", "amax_steps"))
-    ]
-    if bad or unexpected:
-        raise MinifloatError(
-            f"{path}: weights do not fit the {c.model} model (missing {bad[:3]}, unexpected {unexpected[:3]})"
-        )
+    task.load_weights(model, weights, path)
     state["path"] = str(path)
     return state
+
+
+# What a resumed run must share with its checkpoint (the data order, the model, the state layout);
+# fields absent from older checkpoints read as their defaults here.
+RESUME_KEYS = ("model", "batch_size", "seq_len", "grad_accum", "seed", "data", "max_bytes", "optimizer_states", "master",
+               "pretrained", "sft", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_dtype", "base_method")  # fmt: skip
+RESUME_DEFAULTS = {"optimizer_states": "fp32", "master": "fp32", "pretrained": None, "sft": None, "lora_rank": 0,
+                   "lora_alpha": 16.0, "lora_targets": None, "lora_dropout": 0.0, "adapter_dtype": "fp32", "base_method": "rtn"}  # fmt: skip
 
 
 def train(
@@ -124,6 +100,7 @@ def train(
     overwrite: bool = False,
     progress: bool = True,
     monitor: bool = True,
+    task: Task | None = None,
 ) -> dict:
     """Train per `c`, writing ``log.jsonl`` and checkpoints under `out`; returns a summary.
 
@@ -131,7 +108,10 @@ def train(
     `minifloat.io.jsonio.loads` reads it back as a float).
 
     A fresh run (not `resume`) refuses an `out` that holds an earlier run's log or checkpoints
-    unless `overwrite`, which deletes them first."""
+    unless `overwrite`, which deletes them first.
+
+    `task` says what is trained on which data (`minifloat.train.task`); the built-in GPT by default."""
+    task = task or GPTTask()
     rank, world, own_group = init_distributed(c)
     main = rank == 0
     out = Path(out)
@@ -145,11 +125,12 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
 
     # Data, model, optimizer; on resume, the checkpoint's weights, optimizer, scaler and RNGs.
-    data = load_data(c)
-    model = build_model(c)
-    state = _resume_state(c, model, ckpt_root) if resume else None
+    task.prepare(c)
+    model = task.build_model(c)
+    val = task.val_batches(c) if c.eval_every else []
+    state = _resume_state(c, task, model, ckpt_root) if resume else None
     if c.fsdp:
-        shard(model, world, quantized_gather=c.fp8_all_gather)
+        shard(model, task.blocks(model), world, quantized_gather=c.fp8_all_gather)
     opt = _optimizer(model, c)
     scaler = LossScaler(enabled=c.precision == "fp16")
     data_gen = torch.Generator().manual_seed(c.seed)
@@ -161,7 +142,7 @@ def train(
     if c.compile:
         model = torch.compile(model)
     if c.activation_checkpointing:
-        _enable_activation_checkpointing(model)
+        _enable_activation_checkpointing(model, task.blocks(_unwrap(model)))
     mon = Monitor(model, every=c.telemetry_every) if monitor and c.telemetry_every and c.precision in RECIPES else None
     bar = _progress(c.steps, start, progress and main)
     saved_at = time.monotonic()  # the last checkpoint (or the start): the time-interval clock
@@ -173,7 +154,7 @@ def train(
         lr = lr_at(step, c)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss, grad_norm, stepped = _step(model, opt, scaler, data.train, data_gen, c, rank, world)
+        loss, grad_norm, stepped = _step(task, model, opt, scaler, data_gen, c, rank, world)
         dt = time.perf_counter() - t0
         last = {
             "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
@@ -184,7 +165,7 @@ def train(
             last["telemetry"] = _telemetry(mon)
             mon.records.clear()
         if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
-            last["val_loss"] = evaluate(model, data.val, c)
+            last["val_loss"] = evaluate(model, val, c, task)
         if main:
             append_record(log_path, last)
         bar(last)
@@ -192,49 +173,50 @@ def train(
         if c.checkpoint_minutes and not due:
             due = _time_is_up(saved_at, c.checkpoint_minutes, world)
         if due:
-            _save(ckpt_root, step + 1, c, model, opt, scaler, data_gen, main, world)
+            _save(ckpt_root, step + 1, c, task, model, opt, scaler, data_gen, main, world)
             saved_at = time.monotonic()
 
     if mon is not None:
         mon.close()
     bar(None)
+    delivered = task.finish(_unwrap(model), out, c) if main else {}
     if own_group:  # every rank done before the teardown (gloo can abort a rank that tears down early)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": _unwrap(model).num_params()}
+    return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": task.num_params(_unwrap(model)), **delivered}
 
 
 def _optimizer(model: torch.nn.Module, c: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on the matrices only (not on norms and biases): torch's with FP32
     moments and FP32 parameters, else `minifloat.optim.AdamW` with the moments stored as
     `c.optimizer_states` and the master weights as `c.master` say."""
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA run: the adapters only
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if c.optimizer_states != "fp32" or c.master != "fp32":
         return AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8, state_format=c.optimizer_states, master=c.master, seed=c.seed)
     return torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def _step(model, opt, scaler: LossScaler, split: torch.Tensor, data_gen: torch.Generator, c: TrainConfig,
+def _step(task: Task, model, opt, scaler: LossScaler, data_gen: torch.Generator, c: TrainConfig,
           rank: int, world: int) -> tuple[float, float, bool]:  # fmt: skip
     """One optimizer step over `grad_accum` micro-batches: (mean loss, gradient norm before
     clipping, whether the optimizer stepped)."""
     loss_sum = 0.0
     for _ in range(c.grad_accum):
-        x, y = get_batch(split, c.batch_size, c.seq_len, data_gen)  # (B, T), (B, T)
+        batch = task.batch(c, data_gen)  # input_ids, labels (B, T), …
         if world > 1:  # every rank drew the same global batch: take this rank's rows
             per = c.batch_size // world
-            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+            batch = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
         with rounded.autocast(c.precision):
-            logits = model(x)  # (B, T, vocab)
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss = task.loss(model, batch)
         scaler.scale(loss / c.grad_accum).backward()
         loss_sum += loss.item() / c.grad_accum
     if world > 1:
         loss_sum = mean_over_ranks(loss_sum, world)
     scaler.unscale_(opt)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.grad_clip if c.grad_clip > 0 else float("inf"))
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     stepped = scaler.step(opt)
     scaler.update()
@@ -275,8 +257,8 @@ def _restore(state: dict, c: TrainConfig, model, opt, scaler: LossScaler, data_g
     return start
 
 
-def _save(ckpt_root: Path, step: int, c: TrainConfig, model, opt, scaler: LossScaler, data_gen: torch.Generator,
-          main: bool, world: int) -> None:  # fmt: skip
+def _save(ckpt_root: Path, step: int, c: TrainConfig, task: Task, model, opt, scaler: LossScaler,
+          data_gen: torch.Generator, main: bool, world: int) -> None:  # fmt: skip
     """Checkpoint after `step`: full weights and an FQN-keyed optimizer state. Collective under
     FSDP: every rank gathers, rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -297,7 +279,8 @@ def _save(ckpt_root: Path, step: int, c: TrainConfig, model, opt, scaler: LossSc
         torch.distributed.all_gather_object(rngs, torch.get_rng_state())
         state["torch_rng_ranks"] = rngs
     if main:
-        checkpoint.save_checkpoint(ckpt_root, step, _weights(weights), state, c.to_dict(), keep=c.keep_checkpoints)
+        checkpoint.save_checkpoint(ckpt_root, step, task.checkpoint_weights(inner, weights), state, c.to_dict(),
+                                   keep=c.keep_checkpoints)
     if world > 1:
         torch.distributed.barrier()
 
@@ -339,12 +322,13 @@ def _unwrap(model):
     return getattr(model, "_orig_mod", model)
 
 
-def _enable_activation_checkpointing(model) -> None:
+def _enable_activation_checkpointing(model, blocks: list[torch.nn.Module] | None = None) -> None:
+    """Recompute each of `blocks` (the built-in GPT's by default) in backward."""
     from torch.utils.checkpoint import checkpoint as ckpt
 
-    for block in _unwrap(model).blocks:
+    for block in _unwrap(model).blocks if blocks is None else blocks:
         fwd = block.forward
-        block.forward = lambda x, fwd=fwd: ckpt(fwd, x, use_reentrant=False)
+        block.forward = lambda *args, fwd=fwd, **kwargs: ckpt(fwd, *args, use_reentrant=False, **kwargs)
 
 
 def _telemetry(mon) -> dict:
