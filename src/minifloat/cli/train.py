@@ -1,4 +1,5 @@
-"""`minifloat train`: train the built-in GPT in one precision, with checkpoints and a JSONL log."""
+"""`minifloat train`: train the built-in GPT in one precision, or fine-tune a pretrained model
+(MODEL: full, SFT, LoRA on a packed base), with checkpoints and a JSONL log."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import argparse
 import os
 
 from minifloat.cli.defaults import keyword_defaults
+from minifloat.errors import MinifloatError
 from minifloat.io import jsonio
 from minifloat.models.gpt import GPT_SIZES
 from minifloat.optim.states import MASTERS, STATE_FORMATS
-from minifloat.train.config import PRECISIONS, TrainConfig
+from minifloat.train.config import ADAPTER_DTYPES, BASE_FORMATS, BASE_METHODS, PRECISIONS, TrainConfig
 
 DEFAULTS = keyword_defaults(TrainConfig)  # the flags' defaults are TrainConfig's
 
@@ -27,12 +29,16 @@ INTEGER_FLAGS = {
 def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
     """The options `train` and `compare` share: model, schedule, data (defaults: `TrainConfig`'s).
     `eval_zero` says what ``--eval-every 0`` does in the command."""
-    p.add_argument("--model", default=DEFAULTS["model"], choices=list(GPT_SIZES), help="GPT size")
+    p.add_argument("pretrained", nargs="?", default=None, metavar="MODEL",
+                   help="fine-tune this pretrained model (a transformers folder, a .gguf file, or an earlier fine-tune's "
+                        "output) instead of training the built-in GPT (--model) from scratch")  # fmt: skip
+    p.add_argument("--model", default=DEFAULTS["model"], choices=list(GPT_SIZES), help="GPT size (without MODEL)")
     for name, text in INTEGER_FLAGS.items():
         text += f"; 0 for {eval_zero}" if name == "eval_every" else ""
         p.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name], help=text)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128, or the model's block size if smaller)")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak AdamW learning rate")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak AdamW learning rate (default 1e-3 from scratch, 3e-5 for a full fine-tune, 2e-4 for LoRA)")
     p.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"], help="largest gradient norm, 0 for no clipping")
     p.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"], help="held-out batches per evaluation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -54,15 +60,32 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
     p.add_argument(
         "--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)"
     )
+    ft = p.add_argument_group("fine-tuning a pretrained MODEL")
+    ft.add_argument("--sft", default=None, metavar="JSONL",
+                    help="supervised fine-tuning on these records ('messages' with the chat template, or 'prompt' / "
+                         "'completion'); the loss counts the responses only")  # fmt: skip
+    ft.add_argument("--lora", dest="lora_rank", type=int, default=0, metavar="RANK",
+                    help="train LoRA adapters of this rank on the frozen base (--base) instead of every weight")
+    ft.add_argument("--lora-alpha", type=float, default=DEFAULTS["lora_alpha"], help="the adapters' scale is alpha / rank")
+    ft.add_argument("--lora-dropout", type=float, default=DEFAULTS["lora_dropout"], help="dropout on the adapters' input")
+    ft.add_argument("--lora-targets", default=None, metavar="GLOBS",
+                    help="comma-separated module names or globs to adapt (default: every Linear of the decoder layers)")
+    ft.add_argument("--base-method", default=DEFAULTS["base_method"], choices=BASE_METHODS,
+                    help="how a packed LoRA base is quantized: round to nearest, or GPTQ on the training text")
+    ft.add_argument("--adapter-dtype", default=DEFAULTS["adapter_dtype"], choices=ADAPTER_DTYPES,
+                    help="the adapters' parameters")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train the built-in GPT in one precision")
+    p = sub.add_parser("train", help="train the built-in GPT in one precision, or fine-tune a pretrained MODEL")
     p.add_argument(
-        "--precision", default=DEFAULTS["precision"], choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}",
-        help="the number formats of the run (`minifloat info`: how each computes here)",
+        "--precision", default=None, choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}",
+        help=f"the number formats of the run (`minifloat info`: how each computes here; default {DEFAULTS['precision']})",
     )
     add_training_arguments(p, eval_zero="none")
+    p.add_argument("--base", default=None, choices=BASE_FORMATS,
+                   help="with --lora: the frozen base's format (default bf16; fp8 … mxfp4: packed, weight-only)")
+    p.add_argument("--merge", action="store_true", help="with --lora: also write the merged model (out/merged)")
     p.add_argument(
         "--checkpoint-every", type=int, default=DEFAULTS["checkpoint_every"], help="steps between checkpoints, 0 for none by steps"
     )
@@ -103,8 +126,21 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         warmup=args.warmup, grad_accum=args.grad_accum, grad_clip=args.grad_clip, seed=args.seed,
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
+        pretrained=args.pretrained, sft=args.sft, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        lora_targets=None if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+        base_method=args.base_method, adapter_dtype=args.adapter_dtype,
     )  # fmt: skip
-    for name in ("precision", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "optimizer_states", "master", "fsdp", "fp8_all_gather"):
+    precision, base = getattr(args, "precision", None), getattr(args, "base", None)
+    if base is not None and not args.lora_rank:
+        raise MinifloatError("--base is the frozen base of a LoRA run: add --lora RANK (a full fine-tune takes --precision)")
+    if args.lora_rank and precision is not None:
+        raise MinifloatError("with --lora the base is frozen and --base names its format; --precision is a full "
+                             "fine-tune's recipe: pass --base instead")  # fmt: skip
+    if args.lora_rank and hasattr(args, "base"):
+        fields["precision"] = base or "bf16"
+    elif precision is not None:
+        fields["precision"] = precision
+    for name in ("merge", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "optimizer_states", "master", "fsdp", "fp8_all_gather"):
         if hasattr(args, name):
             fields[name] = getattr(args, name)
     fields.update(override)
@@ -114,11 +150,16 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     from minifloat.train.loop import train
 
-    result = train(
-        config_from_args(args), args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet
-    )
+    c = config_from_args(args)
+    task = None
+    if c.pretrained is not None:
+        from minifloat.finetune import PretrainedTask
+
+        task = PretrainedTask()
+    result = train(c, args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, task=task)
     final = {k: v for k, v in result["final"].items() if k != "telemetry"}
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the run
         return 0
-    print(jsonio.dumps({"final": final, "log": result["log"], "params": result["params"]}))
+    delivered = {k: result[k] for k in ("model", "adapter", "merged") if k in result}
+    print(jsonio.dumps({"final": final, "log": result["log"], "params": result["params"], **delivered}))
     return 0

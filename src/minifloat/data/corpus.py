@@ -44,28 +44,41 @@ def _split(raw: bytes, source: str) -> Corpus:
     return Corpus(data[:-n_val].clone(), data[-n_val:].clone(), source, hashlib.sha256(raw).hexdigest())
 
 
-def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
-    """The embedded default: sorted stdlib sources, concatenated up to `max_bytes`."""
+def stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> list[bytes]:
+    """The embedded default's documents: sorted stdlib sources, one a file, up to `max_bytes` in all."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
         p for p in root.rglob("*.py") if not (_SKIP_DIRS & set(p.relative_to(root).parts)) and p.is_file()
     )
     chunks, total = [], 0
     for path in files:
-        text = path.read_bytes()
+        text = path.read_bytes()[: max_bytes - total]
         chunks.append(text)
         total += len(text)
         if total >= max_bytes:
             break
-    raw = b"".join(chunks)[:max_bytes]
-    if len(raw) < 10_000:
+    if total < 10_000:
         raise MinifloatError(f"the Python standard library at {root} has too little source for a corpus; use --data PATH")
+    return chunks
+
+
+def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
+    """The embedded default: sorted stdlib sources, concatenated up to `max_bytes`."""
+    raw = b"".join(stdlib_documents(max_bytes))
+    root = Path(sysconfig.get_paths()["stdlib"])
     return _split(raw, f"python stdlib {root} ({len(raw):,} bytes)")
 
 
 def load_corpus(path: str | Path, max_bytes: int | None = None, *, option: str = "--data") -> Corpus:
     """A UTF-8 text file, or a folder of them (sorted, recursively), as a corpus; `option` is the
     command-line option that named it, for the errors (``--calib`` for calibration text)."""
+    raw = b"".join(read_documents(path, max_bytes, option=option))
+    return _split(raw, f"{path} ({len(raw):,} bytes)")
+
+
+def read_documents(path: str | Path, max_bytes: int | None = None, *, option: str = "--data") -> list[bytes]:
+    """The UTF-8 text of a file, or of each file of a folder (sorted, recursively): one document a
+    file, `max_bytes` in all at most (a large folder or file is not read whole)."""
     path = Path(path)
     if not path.exists():
         raise MinifloatError(f"{option} {path}: no such file or folder")
@@ -78,7 +91,7 @@ def load_corpus(path: str | Path, max_bytes: int | None = None, *, option: str =
     chunks, total = [], 0
     for f in files:
         if max_bytes is not None and total >= max_bytes:
-            break  # enough: a large folder (or file) is not read whole
+            break  # enough
         limit = -1 if max_bytes is None else max_bytes - total
         try:
             with open(f, "rb") as fh:
@@ -93,10 +106,9 @@ def load_corpus(path: str | Path, max_bytes: int | None = None, *, option: str =
             raise MinifloatError(f"{option} {f}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         chunks.append(raw)
         total += len(raw)
-    raw = b"".join(chunks)[:max_bytes]
-    if len(raw) < 2 * 1024:
-        raise MinifloatError(f"{option} {path}: only {len(raw)} bytes of text; give at least 2 KiB")
-    return _split(raw, f"{path} ({len(raw):,} bytes)")
+    if total < 2 * 1024:
+        raise MinifloatError(f"{option} {path}: only {total} bytes of text; give at least 2 KiB")
+    return chunks
 
 
 def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):

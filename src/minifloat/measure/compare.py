@@ -142,6 +142,22 @@ def weight_bytes(c: TrainConfig) -> dict[str, int]:
     }
 
 
+def held_bytes(run_dir: Path) -> dict:
+    """A fine-tune's sizes, as its run counted them (``footprint.json``, `minifloat.train.loop.state_bytes`):
+    ``weight_bytes`` the model as training held it (parameters and buffers: a packed base's codes
+    and scales), ``state_bytes`` that plus the optimizer state and the gradients, and
+    ``base_val_loss``, the model's validation loss before the first step."""
+    path = run_dir / "footprint.json"
+    held = json.loads(path.read_text()) if path.is_file() else {}
+    state = held.get("state_bytes", {})
+    out = {"base_val_loss": held.get("base_val_loss")}
+    if state:
+        out |= {"weight_bytes": state["trained_parameters"] + state["frozen_parameters"] + state["buffers"],
+                "frozen_bytes": state["frozen_parameters"] + state["buffers"], "state_bytes": state["total"],
+                "optimizer_bytes": state["optimizer"]}  # fmt: skip
+    return out
+
+
 def run_metrics(records: list[dict], c: TrainConfig) -> dict:
     """The per-run metrics (module docstring) from the JSONL `records` of one run."""
     n = len(records)
@@ -249,6 +265,12 @@ def compare(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise MinifloatError(f"--out {out} is a file; give a folder for the report and the runs")
+    if base.pretrained is not None and not Path(base.pretrained).exists():
+        raise MinifloatError(f"{base.pretrained}: no such model folder or file")
+    if base.sft is not None:
+        from minifloat.data.sft import read_records
+
+        read_records(base.sft)  # a malformed record fails here once, naming its line
     if base.data is not None:  # a bad --data fails here once, not in every run
         load_corpus(base.data, base.max_bytes)
     _clear_previous(out, overwrite)
@@ -261,7 +283,8 @@ def compare(
             c = dataclasses.replace(base, **run_fields(precision), seed=seed)
             run_dir = out / "runs" / precision / (f"seed{seed}" if seeds > 1 else "")
             of = f"[{k * len(precisions) + i + 1}/{seeds * len(precisions)}] {precision}"
-            echo(f"{of}: {c.model} model, {c.steps} steps" + (f", seed {seed}" if seeds > 1 else ""))
+            what = f"{c.model} model" if c.pretrained is None else c.pretrained + (f", LoRA rank {c.lora_rank}" if c.lora_rank else "")
+            echo(f"{of}: {what}, {c.steps} steps" + (f", seed {seed}" if seeds > 1 else ""))
             runs.append(_run(c, run_dir, lambda line, p=precision: echo(f"  [{p}] {line}"), label=precision))
         _relative_to_first(runs)
         by_seed.append(runs)
@@ -285,7 +308,8 @@ def _run(c: TrainConfig, run_dir: Path, echo: Callable[[str], None], label: str)
     t0 = time.perf_counter()
     code, rss, last = _run_child(config_path, run_dir, echo)
     records = read_log(run_dir / "log.jsonl")
-    m = {"precision": label, **run_metrics(records, c), **weight_bytes(c), "peak_rss_bytes": rss,
+    sizes = weight_bytes(c) if c.pretrained is None else held_bytes(run_dir)
+    m = {"precision": label, **run_metrics(records, c), **sizes, "peak_rss_bytes": rss,
          "wall_time_s": time.perf_counter() - t0, "log": str(run_dir / "log.jsonl"),
          "recipe": recipe_description(c.precision)}  # fmt: skip
     if code != 0 or m["steps_completed"] < c.steps:

@@ -26,14 +26,18 @@ SCALE_OPERANDS = ("blocks.0.attn.qkv:input", "blocks.0.mlp.fc:weight", "blocks.0
 
 def summary_table(metrics: dict) -> str:
     """The runs as a Markdown table (readable as plain text too)."""
-    head = ("precision", "status", "final train", "final val", "Δ val vs " + metrics["runs"][0]["precision"],
-            "step s", "× step time", "tokens/s", "weights MiB", "peak RSS MiB", "skipped", "non-finite")  # fmt: skip
+    finetune = any(m.get("base_val_loss") is not None for m in metrics["runs"])  # a pretrained model's runs
+    head = ("precision", "status", *(("base val",) if finetune else ()), "final train", "final val",
+            "Δ val vs " + metrics["runs"][0]["precision"], "step s", "× step time", "tokens/s", "weights MiB",
+            *(("state MiB",) if finetune else ()), "peak RSS MiB", "skipped", "non-finite")  # fmt: skip
     rows = []
     for i, m in enumerate(metrics["runs"]):
         rows.append((
-            m["precision"], m["status"], cell(m.get("final_train_loss"), ".4f"), cell(m.get("final_val_loss"), ".4f"),
+            m["precision"], m["status"], *((cell(m.get("base_val_loss"), ".4f"),) if finetune else ()),
+            cell(m.get("final_train_loss"), ".4f"), cell(m.get("final_val_loss"), ".4f"),
             delta_cell(m, reference=i == 0), cell(m.get("step_time_s"), ".3f"),
             cell(m.get("step_time_ratio"), ".2f"), cell(m.get("tokens_per_s"), ",.0f"), mib(m.get("weight_bytes")),
+            *((mib(m.get("state_bytes")),) if finetune else ()),
             mib(m.get("peak_rss_bytes")), str(m.get("skipped_steps", "—")), str(m.get("nonfinite_steps", "—")),
         ))  # fmt: skip
     return markdown_table(head, rows)

@@ -21,6 +21,7 @@ PRECISIONS = HIGH_PRECISIONS + tuple(RECIPES)
 BASE_FORMATS = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4", "mxfp4")
 BASE_METHODS = ("rtn", "gptq")
 ADAPTER_DTYPES = ("fp32", "bf16")
+DEFAULT_LRS = {"gpt": 1e-3, "full": 3e-5, "lora": 2e-4}  # the peak learning rate when --lr is not given
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +31,9 @@ class TrainConfig:
     steps: int = 200
     batch_size: int = 16
     seq_len: int | None = None  # None: 128, or the model's block size where that is smaller
-    lr: float = 1e-3  # 3e-3 trains the small GPT unstably (BF16 val loss 1.71 vs 1.31 at 600 steps)
+    # None: 1e-3 for the built-in GPT from scratch (3e-3 trains the small GPT unstably: BF16 val loss
+    # 1.71 vs 1.31 at 600 steps), 3e-5 for a full fine-tune, 2e-4 for LoRA adapters
+    lr: float | None = None
     warmup: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -65,12 +68,15 @@ class TrainConfig:
     lora_targets: tuple[str, ...] | None = None  # module-name globs; None: every Linear of the decoder layers
     base_method: str = "rtn"  # how a packed base is quantized: rtn, gptq
     adapter_dtype: str = "fp32"  # the adapters' parameters: fp32, bf16
+    merge: bool = False  # a LoRA run also writes the merged model (out/merged)
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_targets, list | str):  # JSON gives a list back; one glob may come as a string
             targets = [self.lora_targets] if isinstance(self.lora_targets, str) else self.lora_targets
             object.__setattr__(self, "lora_targets", tuple(targets))
         self._check_finetune()
+        if self.lr is None:
+            object.__setattr__(self, "lr", DEFAULT_LRS["lora" if self.lora_rank else "full" if self.pretrained else "gpt"])
         if self.precision not in PRECISIONS and not (self.lora_rank and self.precision in BASE_FORMATS):
             raise MinifloatError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.pretrained is not None:  # the model's own context bounds seq_len, checked where it is loaded
@@ -106,6 +112,8 @@ class TrainConfig:
         if self.lora_rank < 0:
             raise MinifloatError(f"--lora must be a rank ≥ 1 (0: a full fine-tune), got {self.lora_rank}")
         if not self.lora_rank:
+            if self.merge:
+                raise MinifloatError("--merge folds LoRA adapters into the base: it needs --lora RANK")
             return
         if self.precision not in BASE_FORMATS:
             raise MinifloatError(f"--base {self.precision!r}: a LoRA run holds its frozen base in one of {', '.join(BASE_FORMATS)}")

@@ -20,6 +20,7 @@ every recipe of `minifloat.RECIPES`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -30,6 +31,7 @@ import torch
 from minifloat import checkpoint
 from minifloat.data.corpus import Corpus
 from minifloat.errors import MinifloatError
+from minifloat.io.atomic import atomic_path
 from minifloat.models.gpt import GPT
 from minifloat.nn import rounded
 from minifloat.nn.loss_scaling import LossScaler
@@ -143,7 +145,10 @@ def train(
         model = torch.compile(model)
     if c.activation_checkpointing:
         _enable_activation_checkpointing(model, task.blocks(_unwrap(model)))
-    mon = Monitor(model, every=c.telemetry_every) if monitor and c.telemetry_every and c.precision in RECIPES else None
+    recipe = c.precision in RECIPES and not c.lora_rank  # a LoRA run's precision names its frozen base's format
+    mon = Monitor(model, every=c.telemetry_every) if monitor and c.telemetry_every and recipe else None
+    if start == 0 and main and c.eval_every and task.evaluate_before:  # where the fine-tune starts from
+        footprint(out, base_val_loss=evaluate(model, val, c, task))
     bar = _progress(c.steps, start, progress and main)
     saved_at = time.monotonic()  # the last checkpoint (or the start): the time-interval clock
 
@@ -155,6 +160,8 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr
         loss, grad_norm, stepped = _step(task, model, opt, scaler, data_gen, c, rank, world)
+        if step == start and main:
+            footprint(out, state_bytes=state_bytes(_unwrap(model), opt))
         dt = time.perf_counter() - t0
         last = {
             "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
@@ -184,6 +191,38 @@ def train(
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return {"config": c.to_dict(), "final": last, "log": str(log_path), "params": task.num_params(_unwrap(model)), **delivered}
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """The training state's bytes, counted from the tensors themselves (each storage once):
+    parameters (trained and frozen), buffers (a packed base's codes and scales), optimizer state
+    (moments, masters) and gradients (one per trained parameter, as at the optimizer step)."""
+    seen: set[int] = set()
+
+    def count(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
+    params = list(model.parameters())
+    out = {"trained_parameters": count(p for p in params if p.requires_grad),
+           "frozen_parameters": count(p for p in params if not p.requires_grad),
+           "buffers": count(model.buffers()),
+           "optimizer": count(v for st in opt.state.values() for v in st.values()),
+           "gradients": sum(p.numel() * p.element_size() for p in params if p.requires_grad)}  # fmt: skip
+    out["total"] = sum(out.values())
+    return out
+
+
+def footprint(out: Path, **figures) -> None:
+    """Add `figures` to the run's ``footprint.json`` (what `minifloat compare` reports beside the log)."""
+    path = out / "footprint.json"
+    held = json.loads(path.read_text()) if path.is_file() else {}
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps({**held, **figures}, indent=2))
 
 
 def _optimizer(model: torch.nn.Module, c: TrainConfig) -> torch.optim.Optimizer:
@@ -312,6 +351,8 @@ def _time_is_up(since: float, minutes: float, world: int) -> bool:
 def _clear_previous_run(ckpt_root: Path, log_path: Path, overwrite: bool, main: bool) -> None:
     """Refuse to start over an earlier run's results, or (`overwrite`) delete them (rank 0)."""
     found = [p for p in (log_path, ckpt_root) if p.exists()]
+    if found and (log_path.parent / "footprint.json").exists():
+        found.append(log_path.parent / "footprint.json")
     latest = checkpoint.latest_checkpoint(ckpt_root, verify=False) if found else None
     held = f"a checkpoint ({latest.name})" if latest is not None else " and ".join(p.name for p in found)
     clear_previous(found, overwrite, held=f"a run ({held})", delete=main,

@@ -39,6 +39,7 @@ class Task:
     """What a run trains (see the module docstring). Subclasses fill in the model and the data."""
 
     name = "task"
+    evaluate_before = False  # whether the run scores the model before its first step (a pretrained one)
 
     def prepare(self, c: TrainConfig) -> None:
         """Read the data (before the model is built: bad data fails before minutes of loading)."""
