@@ -96,6 +96,17 @@ def _free_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{n}")
 
 
+# The model a `minifloat train MODEL` output folder delivers, beside its checkpoints: the merged
+# model of a LoRA run (--merge), or a full fine-tune's model (transformers folders), first found wins.
+RUN_MODELS = ("merged", "model")
+
+
+def run_model(path: str | Path) -> Path | None:
+    """The transformers folder a fine-tune's output folder `path` holds (`RUN_MODELS`), or None."""
+    path = Path(path)
+    return next((path / sub for sub in RUN_MODELS if path.is_dir() and (path / sub / "config.json").is_file()), None)
+
+
 def latest_checkpoint(root: str | Path, verify: bool = True) -> Path | None:
     """The folder ``latest`` points to under `root`, None when there is no checkpoint.
 

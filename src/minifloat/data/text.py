@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from minifloat import checkpoint
 from minifloat.data.corpus import Corpus, load_corpus, stdlib_corpus
 from minifloat.errors import MinifloatError
 
@@ -46,7 +47,9 @@ class TextSource:
 
 def tokenizer_for(path: str | os.PathLike[str] | None):
     """The transformers tokenizer saved in the model folder `path` or held by the GGUF file
-    `path`, or None (byte tokens)."""
+    `path`, or None (byte tokens); a fine-tune's output folder: its model's."""
+    if path is not None and checkpoint.run_model(path) is not None:
+        path = checkpoint.run_model(path)
     if path is not None and Path(path).is_file() and Path(path).suffix.lower() == ".gguf":
         from transformers import AutoTokenizer
 

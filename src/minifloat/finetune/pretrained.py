@@ -41,15 +41,12 @@ from minifloat.recipes import RECIPES
 from minifloat.train.config import TrainConfig
 from minifloat.train.task import Task, cross_entropy
 
-OUTPUTS = ("merged", "model")  # what a fine-tune's output folder holds that loads as a model, in that order
-
 
 def resolve(path: str | Path) -> Path:
     """The model file or folder `path` names: a fine-tune's output folder stands for its model."""
     path = Path(path)
-    for sub in OUTPUTS:
-        if path.is_dir() and (path / sub / "config.json").is_file():
-            return path / sub
+    if checkpoint.run_model(path) is not None:
+        return checkpoint.run_model(path)
     if path.is_dir() and (path / "adapter" / "adapter_config.json").is_file():
         raise MinifloatError(f"{path}: a LoRA run's output holds adapters, not a model; train it again with --merge "
                              f"(out/merged), or load its adapter onto the base model with peft")  # fmt: skip

@@ -139,6 +139,8 @@ def load_gguf(path: str | os.PathLike[str]) -> torch.nn.Module:
 
 LOADERS: list[Loader] = [
     Loader("gguf", _is_gguf, load_gguf, "a GGUF file (.gguf) of a causal LM"),
+    Loader("minifloat-finetune", lambda p: checkpoint.run_model(p) is not None,
+           lambda p: _load_transformers(checkpoint.run_model(p)), "a `minifloat train MODEL` output (model/ or merged/)"),
     Loader("minifloat-gpt", lambda p: (p / "checkpoints").is_dir() or (p / "manifest.json").is_file(), load_gpt,
            "a `minifloat train` output (checkpoints/) or checkpoint (manifest.json)"),
     Loader("transformers", lambda p: hf_config(p) is not None, _load_transformers,

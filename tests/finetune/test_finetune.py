@@ -1,0 +1,273 @@
+"""Fine-tuning pretrained transformers models (tiny random Llama and Qwen2 with a real byte-level
+tokenizer): full fine-tunes in the recipes with a transformers folder as the result, continued
+pretraining windows that follow the tokenizer, SFT's loss on the responses of packed records
+against each record run alone, bit-exact resume, and LoRA on a packed base whose adapters the
+real peft loads with the same logits."""
+
+import json
+
+import pytest
+import torch
+
+import minifloat
+from minifloat import checkpoint
+from minifloat.cli import main
+from minifloat.train.config import TrainConfig
+from minifloat.train.loop import train
+from minifloat.train.runlog import read_log
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from minifloat.data.sft import IGNORE  # noqa: E402
+from minifloat.data.tokens import tokenize_documents  # noqa: E402
+from minifloat.finetune import PretrainedTask  # noqa: E402
+from minifloat.finetune.lora import FrozenPacked, LoRALinear, PackedMatmul  # noqa: E402
+from tests.finetune.tiny import byte_tokenizer, tiny_model  # noqa: E402
+
+TEXT = ("The list type is a mutable sequence. Lists hold items of any type, in order. " * 4 + "\n\n") * 60
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("llama") / "model", "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("qwen") / "model", "qwen2", tied=False)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("docs")
+    for i in range(4):
+        (folder / f"doc{i}.txt").write_text(f"Document {i}. " + TEXT)
+    return str(folder)
+
+
+def _cfg(model, **kw):
+    fields = dict(pretrained=str(model), steps=4, batch_size=4, seq_len=48, warmup=1, eval_every=4, eval_batches=2,
+                  lr=5e-3, checkpoint_minutes=0, telemetry_every=0)  # fmt: skip
+    return TrainConfig(**{**fields, **kw})
+
+
+def _run(c, out, **kw):
+    return train(c, out, progress=False, task=PretrainedTask(), **kw)
+
+
+@pytest.mark.parametrize(("family", "precision"), [("llama", "nvfp4"), ("qwen2", "mxfp8")])
+def test_a_full_fine_tune_converts_the_decoder_layers_and_writes_a_transformers_folder(
+    family, precision, llama, qwen, text, tmp_path
+):
+    model_path = llama if family == "llama" else qwen
+    c = _cfg(model_path, precision=precision, data=text)
+    task = PretrainedTask()
+    task.prepare(c)
+    model = task.build_model(c)
+    kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert all(t is minifloat.nn.Linear for n, t in kinds.items() if ".layers." in n)
+    assert kinds["lm_head"] is torch.nn.Linear  # the head in high precision by default
+    result = _run(c, tmp_path / "run")
+    log = read_log(tmp_path / "run" / "log.jsonl")
+    footprint = json.loads((tmp_path / "run" / "footprint.json").read_text())
+    assert log[-1]["val_loss"] < footprint["base_val_loss"]  # the fine-tune helps
+    # the result: a transformers folder holding the checkpoint's FP32 master weights and the tokenizer
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(result["model"])
+    _, weights, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], weights[k].float()) for k in weights)
+    assert loaded.config.tie_word_embeddings == (family == "llama")
+    assert transformers.AutoTokenizer.from_pretrained(result["model"]).encode("list") == byte_tokenizer(family == "llama").encode("list")
+    # and minifloat's own commands take it (the output folder stands for its model)
+    assert main(["quantize", str(tmp_path / "run"), "--scheme", "mxfp8", "--out", str(tmp_path / "q")]) == 0
+
+
+def test_quantize_head_and_high_precision_layers_choose_which_linears_convert(llama, text):
+    c = _cfg(llama, precision="mxfp8", data=text, quantize_head=True, high_precision_last=1)
+    task = PretrainedTask()
+    task.prepare(c)
+    kinds = {n: type(m) for n, m in task.build_model(c).named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds["lm_head"] is minifloat.nn.Linear
+    assert kinds["model.layers.0.mlp.up_proj"] is minifloat.nn.Linear and kinds["model.layers.1.mlp.up_proj"] is torch.nn.Linear
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_pretraining_windows_follow_the_tokenizers_conventions(family, tmp_path):
+    """Documents joined with EOS; a window starts with BOS where the tokenizer puts one in front of
+    a text (the byte Llama tokenizer), with no BOS where it does not (the Qwen one)."""
+    tok = byte_tokenizer(bos=family == "llama")
+    docs = [b"first document " * 30, b"second one " * 40]
+    stream = tokenize_documents(docs, tok, "two docs")
+    whole = torch.cat([stream.train, stream.val]).tolist()
+    expect = tok.encode(docs[0].decode(), add_special_tokens=False) + [2] + tok.encode(docs[1].decode(), add_special_tokens=False) + [2]
+    assert whole == expect and len(stream.val) == len(whole) // 10
+    assert stream.bos == (1 if family == "llama" else None)
+    model = tiny_model(tmp_path / "m", family)
+    (tmp_path / "d.txt").write_text(TEXT)
+    c = _cfg(model, data=str(tmp_path / "d.txt"))
+    task = PretrainedTask()
+    task.prepare(c)
+    batch = task.batch(c, torch.Generator().manual_seed(0))
+    x, y = batch["input_ids"], batch["labels"]
+    assert x.shape == y.shape == (4, 48) and torch.equal(x[:, 1:], y[:, :-1])
+    assert bool((x[:, 0] == 1).all()) == (family == "llama")
+
+
+def test_sft_loss_counts_the_responses_of_packed_records_as_each_record_alone(llama, tmp_path):
+    """The packed batch's loss (block-causal attention, positions restarting per record, labels on
+    the responses) equals the loss over the response tokens of each record run by itself."""
+    records = [{"messages": [{"role": "user", "content": f"what is {w}?"}, {"role": "assistant", "content": f"{w} is a word."}]}
+               for w in ("list", "dict", "set", "tuple", "str", "int", "bytes", "float", "range", "map")]  # fmt: skip
+    records.append({"prompt": "say hi", "completion": " hi"})
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    c = _cfg(llama, sft=str(path), seq_len=96, precision="fp32")
+    task = PretrainedTask()
+    task.prepare(c)
+    model = task.build_model(c).eval()
+    rows = task.sft_train[:3]
+    batch = {k: v for k, v in task.batch(c, torch.Generator().manual_seed(0)).items()}
+    from minifloat.finetune.pretrained import _sft_batch
+
+    batch = _sft_batch(rows)
+    assert int((batch["input_ids"][0] != 0).sum()) > 0 and int(batch["position_ids"][0].eq(0).sum()) >= 2  # ≥ 2 records a row
+    with torch.no_grad():
+        packed = task.loss(model, batch).item()
+        total, count = 0.0, 0
+        for row in rows:
+            for s in range(int(row.segment_ids.max()) + 1):
+                idx = (row.segment_ids == s).nonzero().flatten()
+                ids, labels = row.input_ids[idx][None], row.labels[idx]
+                logits = model(input_ids=ids).logits[0].double()
+                keep = labels != IGNORE
+                total += torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum").item()
+                count += int(keep.sum())
+    assert packed == pytest.approx(total / count, rel=1e-5)
+    # the prompt's tokens are not labels: a record's counted labels are its response's (and the end marker)
+    tok = task.tokenizer
+    counted = tok.decode(rows[0].labels[(rows[0].labels != IGNORE) & (rows[0].segment_ids == 0)])
+    assert counted == "list is a word.<|end|>"
+
+
+def test_sft_errors_name_the_line_and_the_fix(llama, tmp_path):
+    long = {"prompt": "x" * 200, "completion": "y"}
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps(long) + "\n")
+    with pytest.raises(minifloat.MinifloatError, match="the record on line 2 has 20[0-9] tokens, more than the 48 of a window"):
+        _run(_cfg(llama, sft=str(path)), tmp_path / "run")
+    with pytest.raises(minifloat.MinifloatError, match="--sft trains on instruction records, --data on plain text"):
+        _cfg(llama, sft=str(path), data=str(path))
+    with pytest.raises(minifloat.MinifloatError, match="fine-tune a pretrained model: name it"):
+        TrainConfig(lora_rank=4)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_fine_tune_resumes_bit_identically(kind, llama, text, tmp_path):
+    extra = dict(precision="mxfp8", master="bf16-sr") if kind == "full" else dict(precision="nvfp4", lora_rank=4)
+    _run(_cfg(llama, data=text, steps=4, eval_every=2, **extra), tmp_path / "whole")
+    _run(_cfg(llama, data=text, steps=2, eval_every=2, **extra), tmp_path / "half")
+    _run(_cfg(llama, data=text, steps=4, eval_every=2, **extra), tmp_path / "half", resume=True)
+    a, b = read_log(tmp_path / "whole" / "log.jsonl"), read_log(tmp_path / "half" / "log.jsonl")
+    assert [(r["loss"], r.get("val_loss")) for r in a] == [(r["loss"], r.get("val_loss")) for r in b]
+    wa = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "whole" / "checkpoints"))[1]
+    wb = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "half" / "checkpoints"))[1]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    if kind == "lora":  # a LoRA checkpoint holds the adapters only: the base is rebuilt from MODEL
+        assert wa and all(".lora_A." in k or ".lora_B." in k for k in wa)
+
+
+def test_the_packed_base_passes_the_input_gradient_of_its_dequantized_weight():
+    from minifloat.infer.modules.linear import QuantizedLinear
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 48), "nvfp4-weight-only")
+    x = torch.randn(5, 64, requires_grad=True)
+    g = torch.randn(5, 48)
+    y = PackedMatmul.apply(x, layer)
+    (gx,) = torch.autograd.grad(y, x, g)
+    w = layer.weight.dequantize(torch.float64)  # the weight the forward multiplies by, in float64
+    ref = x.detach().double().requires_grad_()
+    (gref,) = torch.autograd.grad(torch.nn.functional.linear(ref, w), ref, g.double())
+    assert torch.allclose(gx.double(), gref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(y.double(), x.detach().double() @ w.T + layer.bias.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_lora_adapters_load_in_peft_with_the_same_logits_and_merge(llama, text, tmp_path):
+    peft = pytest.importorskip("peft")
+    c = _cfg(llama, data=text, precision="fp32", lora_rank=4, lora_alpha=8, merge=True, lr=2e-2)
+    task = PretrainedTask()
+    result = train(c, tmp_path / "run", progress=False, task=task)
+    ids = torch.randint(6, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    ours = PretrainedTask()
+    ours.prepare(c)
+    model = ours.build_model(c).eval()
+    _, weights, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    model.load_state_dict(weights, strict=False)
+    assert any(float(m.lora_B.weight.abs().max()) > 0 for m in model.modules() if isinstance(m, LoRALinear))  # trained
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(llama)
+        theirs = peft.PeftModel.from_pretrained(base, result["adapter"]).eval()(input_ids=ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(result["merged"]).eval()(input_ids=ids).logits
+    assert torch.allclose(theirs, expect, atol=1e-5) and torch.allclose(merged, expect, atol=1e-4)
+    config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("base", ["nvfp4", "mxfp4", "fp8"])
+def test_lora_on_a_packed_base_holds_it_packed_and_trains(base, llama, text, tmp_path):
+    """The frozen base in packed layers (with the head quantized too: the tied table stays one
+    packed table), by an independent count of the model's storages, against the BF16 base's
+    bytes; the adapters train (the loss falls) and nothing else gets a gradient."""
+    from minifloat.infer.modules.embedding import QuantizedEmbedding
+
+    c = _cfg(llama, data=text, precision=base, lora_rank=4, quantize_head=True, base_method="gptq" if base == "nvfp4" else "rtn")
+    task = PretrainedTask()
+    task.prepare(c)
+    model = task.build_model(c)
+    assert isinstance(model.lm_head, FrozenPacked) and isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert model.model.embed_tokens.tied_to is model.lm_head.layer
+    seen, frozen = set(), 0
+    for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)]:
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            frozen += t.untyped_storage().nbytes()
+    bf16 = 2 * sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(llama).parameters())
+    limit = {"nvfp4": 0.36, "mxfp4": 0.36, "fp8": 0.6}[base]  # tiny layers: norms and scales weigh more than in a real model
+    assert frozen < limit * bf16
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}  # fmt: skip
+    _run(c, tmp_path / "run")
+    log = read_log(tmp_path / "run" / "log.jsonl")
+    assert log[-1]["val_loss"] < json.loads((tmp_path / "run" / "footprint.json").read_text())["base_val_loss"]
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_the_command_line_fine_tunes_and_refuses_what_does_not_fit(llama, text, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", str(llama), "--data", text, "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",
+            "--eval-batches", "1", "--quiet", "--out", str(out)]  # fmt: skip
+    assert main([*argv, "--lora", "4", "--base", "mxfp4", "--merge"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["adapter"].endswith("adapter") and printed["merged"].endswith("merged")
+    assert main(["eval", str(out), "--batch-size", "1", "--seq-len", "16", "--eval-batches", "1"]) == 0  # the merged model
+    capsys.readouterr()
+    assert main([*argv, "--base", "nvfp4", "--overwrite"]) == 2
+    assert "--base is the frozen base of a LoRA run: add --lora RANK" in capsys.readouterr().err
+    assert main([*argv, "--lora", "4", "--precision", "fp8", "--overwrite"]) == 2
+    assert "pass --base instead" in capsys.readouterr().err
+    assert main([*argv, "--lora", "4", "--lora-targets", "nothing_here", "--overwrite"]) == 2
+    assert "--lora-targets nothing_here matches no Linear" in capsys.readouterr().err
+
+
+def test_a_gguf_file_fine_tunes(tmp_path):
+    pytest.importorskip("gguf")
+    from tests.infer.test_gguf_and_bad_inputs import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    (tmp_path / "d.txt").write_text(TEXT)
+    result = _run(_cfg(tmp_path / "tiny.gguf", data=str(tmp_path / "d.txt"), precision="fp8", seq_len=24), tmp_path / "run")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(result["model"])
+    assert "quantization_config" not in loaded.config.to_dict()  # a plain model, not a GGUF-quantized one
