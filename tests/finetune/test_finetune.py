@@ -147,7 +147,7 @@ def test_sft_loss_counts_the_responses_of_packed_records_as_each_record_alone(ll
     # the prompt's tokens are not labels: a record's counted labels are its response's (and the end marker)
     tok = task.tokenizer
     counted = tok.decode(rows[0].labels[(rows[0].labels != IGNORE) & (rows[0].segment_ids == 0)])
-    assert counted == "list is a word.<|end|>"
+    assert counted == "list is a word.</s>"
 
 
 def test_sft_errors_name_the_line_and_the_fix(llama, tmp_path):
@@ -271,3 +271,34 @@ def test_a_gguf_file_fine_tunes(tmp_path):
     result = _run(_cfg(tmp_path / "tiny.gguf", data=str(tmp_path / "d.txt"), precision="fp8", seq_len=24), tmp_path / "run")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(result["model"])
     assert "quantization_config" not in loaded.config.to_dict()  # a plain model, not a GGUF-quantized one
+
+
+def test_an_sft_model_answers_in_the_templates_format(llama, tmp_path, capsys):
+    """SFT on question / answer records, then `generate --chat`: the prompt rendered with the chat
+    template, the answer the records taught, ended by the end-of-turn token (generation stops there)."""
+    words = ("list", "dict", "set", "tuple", "str", "int", "bytes", "float")
+    records = [{"messages": [{"role": "user", "content": f"what is {w}?"}, {"role": "assistant", "content": f"{w} is a type."}]}
+               for w in words] * 3  # fmt: skip
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "run"
+    assert main(["train", str(llama), "--sft", str(path), "--steps", "60", "--batch-size", "4", "--seq-len", "64", "--lr", "1e-2",
+                 "--warmup", "5", "--eval-every", "0", "--quiet", "--out", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["generate", str(out), "--chat", "--prompt", "what is dict?", "--max-new-tokens", "40", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["text"] == "dict is a type.</s>" and answer["new_tokens"] == len("dict is a type.") + 1
+
+
+@pytest.mark.parametrize("options", [["--precision", "fp8"], ["--precision", "bf16", "--master", "bf16+remainder"],
+                                     ["--lora", "8", "--base", "nvfp4", "--quantize-head"], ["--lora", "4", "--base", "fp8"]])  # fmt: skip
+def test_memory_plans_a_fine_tune_within_ten_percent_of_the_measured_state(options, llama, text, capsys):
+    """The plan from the shapes alone (meta device) against one real training step's state, its
+    tensors counted: every category within 10 %."""
+    assert main(["memory", str(llama), *options, "--measure", "--batch", "2", "--seq", "32", "--data", text, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    from minifloat.planner.finetune import MEASURED
+
+    for category, planned in result["planned"].items():
+        measured = sum(result["measured"][k] for k in MEASURED[category])
+        assert measured == pytest.approx(planned, rel=0.10, abs=256), category

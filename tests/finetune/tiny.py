@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-SPECIAL = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+SPECIAL = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]  # a turn ends with EOS (</s>), as SmolLM2's
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
 
 

@@ -19,6 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize-head", action="store_true", help="with --scheme: the LM head and the embedding too (weight-only)")
     p.add_argument("--prompt", required=True, help="the text to continue (the folder's tokenizer, else UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user message: render it with the tokenizer's chat template and stop at the end of the answer (EOS)")
     p.add_argument("--kv-cache", default="bf16", metavar="FORMAT[+RECENT][@OPTION]",
                    help=f"KV-cache format ({', '.join(KV_FORMATS)}), optionally +RECENT (e.g. +bf16: the sinks and last tokens "
                         f"in it) and @hadamard, @hadamard-kv, @channel (KIVI's per-channel keys), @pre-rope")  # fmt: skip
@@ -78,7 +80,17 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tokenizer_for(args.model)
     if args.scheme:
         quantize_in_memory(model, args.scheme, tokenizer, quantize_head=args.quantize_head)
-    ids = torch.tensor([tokenizer.encode(args.prompt) if tokenizer else list(args.prompt.encode("utf-8"))])
+    stop: list[int] = []
+    if args.chat:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise MinifloatError(f"--chat renders the prompt with the model's chat template; {args.model} has "
+                                 f"{'no tokenizer' if tokenizer is None else 'a tokenizer without one'}")  # fmt: skip
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = torch.tensor([list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)])
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        stop = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+    else:
+        ids = torch.tensor([tokenizer.encode(args.prompt) if tokenizer else list(args.prompt.encode("utf-8"))])
     pending: list[int] = []
 
     def text_of(tokens: list[int]) -> str:
@@ -98,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         pending.clear()
 
-    if not args.json:
+    if not args.json and not args.chat:
         sys.stdout.write(args.prompt)
     g = generate(model, ids, args.max_new_tokens, kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, draft=args.draft, draft_tokens=args.draft_tokens,
                  kv_budget_bytes=args.kv_budget, kv_pressure_format=args.kv_pressure_format, kv_recent_format=args.kv_recent, kv_drop=args.kv_drop,
-                 stream=None if args.json else stream)  # fmt: skip
+                 stream=None if args.json else stream, stop_tokens=stop)  # fmt: skip
     stats = g.to_dict()
     if args.json:
         new = g.tokens[0, ids.shape[1] :].tolist()

@@ -12,7 +12,9 @@ from minifloat.errors import MinifloatError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("memory", help="training memory per device: parameters, master weights, gradients, "
                        "accumulator, optimizer states, activations")  # fmt: skip
-    which = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("pretrained", nargs="?", default=None, metavar="MODEL",
+                   help="plan the fine-tune of this pretrained model (a transformers folder or .gguf): full, or --lora on a --base")
+    which = p.add_mutually_exclusive_group()
     which.add_argument("--params", help="model size: 7B, 13B, 70B (Llama 2 shapes), or a count such as 350M")
     which.add_argument("--model", choices=("tiny", "small", "base"), help="a built-in GPT (its exact shape)")
     p.add_argument("--precision", default="fp8", choices=("fp32", "bf16", "fp8", "mxfp8", "nvfp4"), help="compute format")
@@ -36,7 +38,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=int, help="attention heads")
     p.add_argument("--vocab", type=int, help="vocabulary size (the loss' logits)")
     p.add_argument("--no-flash", action="store_true", help="count the attention scores (no fused attention)")
-    p.add_argument("--measure", action="store_true", help="with --model: build the real training state and compare")
+    p.add_argument("--measure", action="store_true",
+                   help="with --model or MODEL: build the real training state (MODEL: one training step) and compare")
+    ft = p.add_argument_group("a fine-tune of MODEL")
+    ft.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA adapters of this rank on a frozen base")
+    ft.add_argument("--base", default="bf16", choices=("fp32", "bf16", "fp8", "mxfp8", "nvfp4", "mxfp4"),
+                    help="with --lora: the frozen base's format (packed: fp8 … mxfp4)")
+    ft.add_argument("--quantize-head", action="store_true", help="with a packed base: the head (and a tied embedding) packed too")
+    ft.add_argument("--adapter-dtype", default="fp32", choices=("fp32", "bf16"), help="the adapters' parameters")
+    ft.add_argument("--data", default=None, help="with --measure: text for the training step (default: the Python stdlib sources)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
 
@@ -45,6 +55,12 @@ def run(args: argparse.Namespace) -> int:
     from minifloat.planner.memory import OFFLOADABLE, SHAPES, measured_state, parse_params, plan
     from minifloat.report.table import markdown_table
 
+    if args.pretrained is not None:
+        if args.params or args.model:
+            raise MinifloatError("give MODEL, --model or --params, one of them")
+        return _finetune(args)
+    if not (args.params or args.model):
+        raise MinifloatError("what to plan: a pretrained MODEL, --model (a built-in GPT) or --params (a size)")
     offload = tuple(o.strip() for o in args.offload.split(",") if o.strip())
     for o in offload:
         if o not in OFFLOADABLE:
@@ -89,3 +105,50 @@ def run(args: argparse.Namespace) -> int:
                              [(k, f"{v['planned']:,.0f}", f"{v['measured']:,}", f"{v['measured'] / v['planned']:.3f}" if v["planned"] else "")
                               for k, v in result["measured"].items()]))  # fmt: skip
     return 0
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    """`memory MODEL`: the fine-tune's planned state (`minifloat.planner.finetune`), and with
+    --measure the state of one real training step beside it."""
+    from minifloat.planner.finetune import MEASURED, plan_finetune
+    from minifloat.report.table import markdown_table
+
+    full = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}[args.precision]
+    planned = plan_finetune(args.pretrained, precision=full, lora_rank=args.lora, base=args.base, quantize_head=args.quantize_head,
+                            adapter_dtype=args.adapter_dtype, master=args.master, optimizer_states=args.optimizer_states)  # fmt: skip
+    what = f"LoRA rank {args.lora} on a {args.base} base" if args.lora else f"full fine-tune, {full}"
+    result: dict = {"model": args.pretrained, "plan": what, "planned": planned}
+    if args.measure:
+        result["measured"] = _measure(args, full)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.pretrained}: {what}; the training state (activations not counted)")
+    rows = []
+    for k, v in planned.items():
+        row = [k, f"{v:,}", f"{v / 2**20:,.1f}"]
+        if "measured" in result:
+            got = sum(result["measured"][m] for m in MEASURED[k])
+            row += [f"{got:,}", f"{got / v:.3f}" if v else ""]
+        rows.append(row)
+    head = ("category", "planned bytes", "MiB") + (("measured bytes", "measured / planned") if "measured" in result else ())
+    print(markdown_table(head, rows))
+    return 0
+
+
+def _measure(args: argparse.Namespace, precision: str) -> dict:
+    """One training step of the fine-tune in a scratch folder; the state it held, counted."""
+    import tempfile
+    from pathlib import Path
+
+    from minifloat.finetune import PretrainedTask
+    from minifloat.train.config import TrainConfig
+    from minifloat.train.loop import train
+
+    c = TrainConfig(pretrained=args.pretrained, precision=args.base if args.lora else precision, lora_rank=args.lora,
+                    quantize_head=args.quantize_head, adapter_dtype=args.adapter_dtype, master=args.master,
+                    optimizer_states=args.optimizer_states, steps=1, batch_size=args.batch, seq_len=min(args.seq, 128),
+                    eval_every=0, data=args.data, checkpoint_minutes=0, telemetry_every=0)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        train(c, Path(tmp) / "run", progress=False, task=PretrainedTask())
+        return json.loads((Path(tmp) / "run" / "footprint.json").read_text())["state_bytes"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -167,6 +167,7 @@ def generate(
     kv_recent_format: str | None = None,
     kv_drop: bool = False,
     stream: Callable[[int], None] | None = None,
+    stop_tokens: Sequence[int] = (),
 ) -> Generation:
     """Continue `input_ids` (1, T) by `max_new_tokens` tokens; see the module docstring.
     `kv_cache`: a format, or ``FORMAT[+RECENT][@OPTION…]`` (`minifloat.infer.generation.kvcache.parse_kv_spec`:
@@ -178,7 +179,8 @@ def generate(
     recent window) to `kv_pressure_format` to stay within it (`KVCache`); `kv_drop=True` allows
     dropping the oldest tokens after the sinks when even that cannot fit (the built-in GPT, plain
     decoding: positions keep counting the dropped tokens). `stream` is called with each new token
-    id as it is decided."""
+    id as it is decided. Generation ends after the first of `stop_tokens` (an end of turn, EOS),
+    which the result keeps."""
     # the names first: a typo in kv_cache is reported as such, not as whatever else is wrong
     kv_name, kv_options = parse_kv_spec(kv_cache)  # an unknown format or option: a clear error before any work
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
@@ -203,11 +205,13 @@ def generate(
     t0 = time.perf_counter()
     try:
         if draft is None:
-            seq, cache, forwards, stats = _plain(model, input_ids, max_new_tokens, make_cache, temperature, top_k, top_p, gen, stream)
+            seq, cache, forwards, stats = _plain(model, input_ids, max_new_tokens, make_cache, temperature, top_k, top_p, gen,
+                                                 stream, set(stop_tokens))  # fmt: skip
         else:
             d = draft_model(model, draft)
             seq, cache, forwards, stats = _speculative(model, d, input_ids, max_new_tokens, make_cache, temperature, top_k,
                                                        top_p, gen, stream, draft_tokens)  # fmt: skip
+            seq = _cut_at_stop(seq, input_ids.shape[1], set(stop_tokens))
     finally:
         model.train(was)
     return Generation(seq, seq.shape[1] - input_ids.shape[1], time.perf_counter() - t0, cache.nbytes(), kv_cache,
@@ -220,18 +224,29 @@ def _pick(logits: torch.Tensor, temperature, top_k, top_p, gen) -> int:
     return int(torch.multinomial(probabilities(logits, temperature, top_k, top_p), 1, generator=gen))
 
 
-def _plain(model, ids, n, make_cache, temperature, top_k, top_p, gen, stream):
+def _cut_at_stop(seq: torch.Tensor, prompt: int, stop: set[int]) -> torch.Tensor:
+    """`seq` up to and with its first new token among `stop` (speculative decoding decides a few at once)."""
+    new = seq[0, prompt:].tolist()
+    at = next((i for i, t in enumerate(new) if t in stop), None)
+    return seq if at is None else seq[:, : prompt + at + 1]
+
+
+def _plain(model, ids, n, make_cache, temperature, top_k, top_p, gen, stream, stop=frozenset()):
     cache = make_cache(model)
     logits = forward(model, ids, cache)[0, -1]
     seq = ids
+    forwards = 1
     for i in range(n):
         tok = _pick(logits, temperature, top_k, top_p, gen)
         seq = torch.cat((seq, torch.tensor([[tok]], dtype=seq.dtype, device=seq.device)), 1)
         if stream:
             stream(tok)
+        if tok in stop:
+            break
         if i + 1 < n:
             logits = forward(model, seq[:, -1:], cache)[0, -1]
-    return seq, cache, n, {}
+            forwards += 1
+    return seq, cache, forwards, {}
 
 
 def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, gen, stream, k):
