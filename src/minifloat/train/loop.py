@@ -147,8 +147,10 @@ def train(
         _enable_activation_checkpointing(model, task.blocks(_unwrap(model)))
     recipe = c.precision in RECIPES and not c.lora_rank  # a LoRA run's precision names its frozen base's format
     mon = Monitor(model, every=c.telemetry_every) if monitor and c.telemetry_every and recipe else None
-    if start == 0 and main and c.eval_every and task.evaluate_before:  # where the fine-tune starts from
-        footprint(out, base_val_loss=evaluate(model, val, c, task))
+    if start == 0 and c.eval_every and task.evaluate_before:  # where the fine-tune starts from (collective under FSDP)
+        base_val_loss = evaluate(model, val, c, task)
+        if main:
+            footprint(out, base_val_loss=base_val_loss)
     bar = _progress(c.steps, start, progress and main)
     saved_at = time.monotonic()  # the last checkpoint (or the start): the time-interval clock
 
@@ -202,9 +204,16 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     def count(tensors) -> int:
         total = 0
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = _local(t)  # an FSDP2 shard: this rank's part
+            try:
+                key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            except RuntimeError:  # a wrapper subclass (the quantized all-gather's) has no storage of its own
+                key, size = id(t), t.numel() * t.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
         return total
 
     params = list(model.parameters())
@@ -212,9 +221,13 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
            "frozen_parameters": count(p for p in params if not p.requires_grad),
            "buffers": count(model.buffers()),
            "optimizer": count(v for st in opt.state.values() for v in st.values()),
-           "gradients": sum(p.numel() * p.element_size() for p in params if p.requires_grad)}  # fmt: skip
+           "gradients": sum(_local(p).numel() * p.element_size() for p in params if p.requires_grad)}  # fmt: skip
     out["total"] = sum(out.values())
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def footprint(out: Path, **figures) -> None:
