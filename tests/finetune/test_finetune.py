@@ -333,3 +333,23 @@ def test_activation_checkpointing_recomputes_decoder_layers_and_changes_no_numbe
     _run(_cfg(llama, data=text, precision="fp8", steps=2, eval_every=2, activation_checkpointing=True), tmp_path / "ckpt")
     a, b = read_log(tmp_path / "plain" / "log.jsonl"), read_log(tmp_path / "ckpt" / "log.jsonl")
     assert [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in a] == [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in b]
+
+
+def test_compare_runs_the_peft_peer_on_the_same_windows(llama, text, tmp_path):
+    """`compare MODEL --lora --peers peft-bf16`: PEFT's LoRA in its own process (here this venv's
+    python, which has peft), on the windows minifloat's runs draw: the same BF16 base scores the
+    same held-out batches to rounding before training, and both fine-tunes are reported."""
+    import sys
+
+    pytest.importorskip("peft")
+    from minifloat.measure.compare import compare
+
+    c = _cfg(llama, data=text, precision="bf16", lora_rank=4, steps=3, eval_every=3)
+    metrics = compare(["bf16"], c, tmp_path / "cmp", plots=False, peers=["peft-bf16"], peer_python=sys.executable, echo=lambda s: None)
+    ours, peer = metrics["runs"]
+    assert peer["precision"] == "peft-bf16" and peer["status"] == "ok", peer.get("error")
+    assert peer["base_val_loss"] == pytest.approx(ours["base_val_loss"], rel=2e-3)
+    assert peer["final_val_loss"] == pytest.approx(ours["final_val_loss"], rel=2e-2)
+    assert peer["state_bytes"] > 0 and "peft-bf16" in (tmp_path / "cmp" / "report.md").read_text()
+    with pytest.raises(minifloat.MinifloatError, match="--peers runs PEFT's LoRA beside minifloat's: it needs MODEL, --lora RANK"):
+        compare(["bf16"], _cfg(llama, data=text), tmp_path / "x", plots=False, peers=["peft-bf16"], peer_python=sys.executable)

@@ -197,7 +197,7 @@ def test_compare_reports_failed_and_diverged_runs(tmp_path, capsys, monkeypatch)
     assert stale.exists() and (tmp_path / "fail" / "report.md").read_text() == "an earlier report"
     # Runs that fail (here: children that exit before logging a step) are reported as failed,
     # never with the figures the earlier comparison left.
-    monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (1, 0, ["RuntimeError: out of memory"]))
+    monkeypatch.setattr(cmp, "_run_child", lambda cmd, echo: (1, 0, ["RuntimeError: out of memory"]))
     assert main([*args, "--overwrite"]) == 1
     metrics = json.loads((tmp_path / "fail" / "metrics.json").read_text())
     assert [r["status"] for r in metrics["runs"]] == ["failed", "failed"]
@@ -420,14 +420,14 @@ def test_compare_evaluates_at_the_end_when_told_never_to_and_keeps_earlier_resul
 def test_a_child_that_exits_cleanly_before_its_last_step_failed(tmp_path, monkeypatch):
     import minifloat.measure.compare as cmp
 
-    monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (0, 0, ["killed by the scheduler"]))
+    monkeypatch.setattr(cmp, "_run_child", lambda cmd, echo: (0, 0, ["killed by the scheduler"]))
     run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False)["runs"][0]
     assert run["status"] == "failed" and run["error"] == "killed by the scheduler" and run["steps_completed"] == 0
     lines = [f"line {i}" for i in range(12)]  # the error keeps the last 8 lines of the child's output
-    monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (1, 0, lines))
+    monkeypatch.setattr(cmp, "_run_child", lambda cmd, echo: (1, 0, lines))
     run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False, overwrite=True)["runs"][0]
     assert run["error"] == "\n".join(lines[4:])
-    monkeypatch.setattr(cmp, "_run_child", lambda config, out, echo: (-9, 0, []))  # silent: the exit code
+    monkeypatch.setattr(cmp, "_run_child", lambda cmd, echo: (-9, 0, []))  # silent: the exit code
     run = compare(["fp32"], _base(), tmp_path, echo=lambda s: None, plots=False, overwrite=True)["runs"][0]
     assert run["error"] == "exit code -9"
 

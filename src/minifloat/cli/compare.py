@@ -21,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, default=1,
                    help="train every precision with this many seeds (--seed, --seed + 1, …) and report each Δ "
                         "as mean ± std, marking those within noise")  # fmt: skip
+    p.add_argument("--peers", default="", help="with MODEL --lora: the LoRA runs users know, side by side on the same "
+                   "windows: peft-bf16 (transformers + PEFT, BF16 base), bnb-nf4 (bitsandbytes NF4 base, QLoRA)")
+    p.add_argument("--peer-python", default=None, metavar="PYTHON",
+                   help="the python of the peers' own venv (transformers, peft, bitsandbytes); minifloat never imports them")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier comparison in --out first")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
@@ -33,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
     precisions = parse_precisions(args.precisions)
     base = config_from_args(args, **run_fields(precisions[0]))
-    metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite, seeds=args.seeds)
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite, seeds=args.seeds,
+                      peers=peers, peer_python=args.peer_python)  # fmt: skip
     print_result(metrics, summary_table(metrics), args.out, args.json)
     return 0 if all(m["status"] != "failed" for m in metrics["runs"]) else 1

@@ -192,10 +192,9 @@ def _diverged(m: dict) -> bool:
     return m["final_train_loss"] > m["first_train_loss"]
 
 
-def _run_child(config_path: Path, out: Path, echo: Callable[[str], None]) -> tuple[int, int, list[str]]:
-    """Run one ``minifloat train`` child; returns (exit code, peak RSS bytes, last lines)."""
+def _run_child(cmd: list[str], echo: Callable[[str], None]) -> tuple[int, int, list[str]]:
+    """Run one child (a ``minifloat train``, a peer); returns (exit code, peak RSS bytes, last lines)."""
     env = dict(os.environ, MINIFLOAT_NO_TQDM="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "minifloat", "train", "--config", str(config_path), "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     last: deque[str] = deque(maxlen=20)
     assert proc.stdout is not None
@@ -239,6 +238,8 @@ def compare(
     plots: bool = True,
     overwrite: bool = False,
     seeds: int = 1,
+    peers: Sequence[str] = (),
+    peer_python: str | None = None,
 ) -> dict:
     """Train `base` in each of `precisions` and write ``metrics.json``, ``report.md`` and the
     plots under `out`; returns the metrics. The first precision is the reference.
@@ -248,11 +249,15 @@ def compare(
     the Δ val's standard deviation over the seeds and whether it is within noise, and each
     seed's own figures (module docstring).
 
+    `peers` (with a LoRA `base` and `peer_python`, the Python of a venv with transformers, peft
+    and bitsandbytes): the LoRA runs users know, on the same windows (`PEERS`, `peft_peer`).
+
     An `out` that holds an earlier comparison (its report or runs) is refused unless
     `overwrite`, which deletes that comparison first."""
     precisions = parse_precisions(precisions)
     for p in precisions:  # every run's options checked before minutes of training
         dataclasses.replace(base, **run_fields(p))
+    _check_peers(peers, peer_python, base)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise MinifloatError(f"--seeds must be a whole number ≥ 1, got {seeds!r}")
     if plots:  # checked before minutes of training, not after
@@ -286,6 +291,10 @@ def compare(
             what = f"{c.model} model" if c.pretrained is None else c.pretrained + (f", LoRA rank {c.lora_rank}" if c.lora_rank else "")
             echo(f"{of}: {what}, {c.steps} steps" + (f", seed {seed}" if seeds > 1 else ""))
             runs.append(_run(c, run_dir, lambda line, p=precision: echo(f"  [{p}] {line}"), label=precision))
+        for name in peers:
+            c = dataclasses.replace(base, **run_fields(precisions[0]), seed=seed)
+            echo(f"peer {name}" + (f", seed {seed}" if seeds > 1 else ""))
+            runs.append(_peer_run(c, name, peer_python, out / "runs" / name / (f"seed{seed}" if seeds > 1 else "")))
         _relative_to_first(runs)
         by_seed.append(runs)
     runs = by_seed[0] if seeds == 1 else [_over_seeds(list(per), seed_list) for per in zip(*by_seed, strict=True)]
@@ -306,7 +315,8 @@ def _run(c: TrainConfig, run_dir: Path, echo: Callable[[str], None], label: str)
     with atomic_path(config_path) as tmp:
         tmp.write_text(json.dumps(c.to_dict(), indent=2))
     t0 = time.perf_counter()
-    code, rss, last = _run_child(config_path, run_dir, echo)
+    cmd = [sys.executable, "-m", "minifloat", "train", "--config", str(config_path), "--out", str(run_dir)]
+    code, rss, last = _run_child(cmd, echo)
     records = read_log(run_dir / "log.jsonl")
     sizes = weight_bytes(c) if c.pretrained is None else held_bytes(run_dir)
     m = {"precision": label, **run_metrics(records, c), **sizes, "peak_rss_bytes": rss,
@@ -317,6 +327,60 @@ def _run(c: TrainConfig, run_dir: Path, echo: Callable[[str], None], label: str)
     else:
         m["status"] = "diverged" if _diverged(m) else "ok"
     return m
+
+
+# The LoRA runs users know, run by their own venv (`peft_peer`): the base each holds
+PEERS = {"peft-bf16": "bf16", "bnb-nf4": "nf4"}
+
+
+def _check_peers(peers: Sequence[str], python: str | None, base: TrainConfig) -> None:
+    if not peers:
+        return
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise MinifloatError(f"--peers {unknown[0]!r}: use {', '.join(PEERS)}")
+    if not base.lora_rank or base.sft is not None:
+        raise MinifloatError("--peers runs PEFT's LoRA beside minifloat's: it needs MODEL, --lora RANK and --data text "
+                             "(plain windows, not packed SFT records)")  # fmt: skip
+    if python is None or not Path(python).is_file():
+        raise MinifloatError(f"--peers needs --peer-python: the python of a venv with transformers, peft (and bitsandbytes "
+                             f"for bnb-nf4), got {python!r}")  # fmt: skip
+
+
+def _peer_run(c: TrainConfig, name: str, python: str, run_dir: Path) -> dict:
+    """A peer's LoRA fine-tune (`peft_peer`, in its own process and venv) on the windows `c`'s runs
+    draw: the same training batches step by step and the same held-out batches."""
+    import numpy as np
+
+    from minifloat.finetune import PretrainedTask
+    from minifloat.measure import peft_peer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = PretrainedTask()
+    task.prepare(c)
+    gen = torch.Generator().manual_seed(c.seed)  # the loop's data generator: the same draws
+    train = [[task.batch(c, gen) for _ in range(c.grad_accum)] for _ in range(c.steps)]
+    val = task.val_batches(c)
+    windows = run_dir / "windows.npz"
+    np.savez(windows, train_ids=np.stack([[b["input_ids"].numpy() for b in s] for s in train]),
+             train_labels=np.stack([[b["labels"].numpy() for b in s] for s in train]),
+             val_ids=np.stack([b["input_ids"].numpy() for b in val]), val_labels=np.stack([b["labels"].numpy() for b in val]))  # fmt: skip
+    cmd = [python, peft_peer.__file__, c.pretrained, "--windows", str(windows), "--base", PEERS[name], "--rank", str(c.lora_rank),
+           "--alpha", str(c.lora_alpha), "--lr", str(c.lr), "--warmup", str(c.warmup), "--min-lr-ratio", str(c.min_lr_ratio),
+           "--weight-decay", str(c.weight_decay), "--grad-clip", str(c.grad_clip), "--seed", str(c.seed)]  # fmt: skip
+    t0 = time.perf_counter()
+    code, rss, last = _run_child(cmd, lambda line: None)
+    m = {"precision": name, "recipe": {"peer": name, "python": python}, "log": None, "peak_rss_bytes": rss,
+         "wall_time_s": time.perf_counter() - t0}  # fmt: skip
+    result = next((json.loads(line) for line in reversed(last) if line.startswith("{")), None)
+    if code != 0 or result is None:
+        return {**m, "status": "failed", "error": "\n".join(last[-8:]) or f"exit code {code}"}
+    state = result["state_bytes"]
+    return {**m, "status": "ok", "base_val_loss": result["base_val_loss"], "final_val_loss": result["final_val_loss"],
+            "step_time_s": result["step_time_s"], "tokens_per_s": result["tokens_per_s"], "state_bytes": state["total"],
+            "weight_bytes": state["trained_parameters"] + state["frozen_parameters"] + state["buffers"],
+            "frozen_bytes": state["frozen_parameters"] + state["buffers"], "optimizer_bytes": state["optimizer"],
+            "steps_completed": result["steps"], "nonfinite_steps": 0, "skipped_steps": 0}  # fmt: skip
 
 
 # Student's t at 95 % (two-sided) by degrees of freedom; 2.0 past 10.

@@ -82,6 +82,8 @@ def loss_curves(metrics: dict) -> list[dict]:
     ref = None
     curves = []
     for i, m in enumerate(metrics["runs"]):
+        if m.get("log") is None:  # a peer's run: figures, no per-step log
+            continue
         logs = [read_log(Path(log)) for log in m.get("logs", [m["log"]])]
         n = min(len(recs) for recs in logs)
         if not n:
