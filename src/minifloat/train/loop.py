@@ -364,10 +364,10 @@ def _time_is_up(since: float, minutes: float, world: int) -> bool:
 def _clear_previous_run(ckpt_root: Path, log_path: Path, overwrite: bool, main: bool) -> None:
     """Refuse to start over an earlier run's results, or (`overwrite`) delete them (rank 0)."""
     found = [p for p in (log_path, ckpt_root) if p.exists()]
-    if found and (log_path.parent / "footprint.json").exists():
-        found.append(log_path.parent / "footprint.json")
     latest = checkpoint.latest_checkpoint(ckpt_root, verify=False) if found else None
     held = f"a checkpoint ({latest.name})" if latest is not None else " and ".join(p.name for p in found)
+    if found and (log_path.parent / "footprint.json").exists():  # the run's counted sizes go with it
+        found.append(log_path.parent / "footprint.json")
     clear_previous(found, overwrite, held=f"a run ({held})", delete=main,
                    remedy="--resume to continue it, --overwrite to delete it and start over, or another --out")  # fmt: skip
 
