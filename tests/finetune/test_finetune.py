@@ -81,6 +81,13 @@ def test_a_full_fine_tune_converts_the_decoder_layers_and_writes_a_transformers_
     assert transformers.AutoTokenizer.from_pretrained(result["model"]).encode("list") == byte_tokenizer(family == "llama").encode("list")
     # and minifloat's own commands take it (the output folder stands for its model)
     assert main(["quantize", str(tmp_path / "run"), "--scheme", "mxfp8", "--out", str(tmp_path / "q")]) == 0
+    # a checkpoint of the run is a model to fine-tune further: the base's architecture, the checkpoint's weights
+    from minifloat.finetune import load_pretrained
+
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    again = load_pretrained(ckpt)
+    assert all(torch.equal(again.state_dict()[k], state[k]) for k in weights)
+    _run(_cfg(ckpt, precision="bf16", data=text, steps=1, eval_every=0), tmp_path / "again")
 
 
 def test_quantize_head_and_high_precision_layers_choose_which_linears_convert(llama, text):

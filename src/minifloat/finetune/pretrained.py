@@ -43,8 +43,13 @@ from minifloat.train.task import Task, cross_entropy
 
 
 def resolve(path: str | Path) -> Path:
-    """The model file or folder `path` names: a fine-tune's output folder stands for its model."""
+    """The model file or folder `path` names: a fine-tune's output folder stands for its model, a
+    fine-tune's checkpoint for the model it fine-tuned (whose tokenizer it uses)."""
     path = Path(path)
+    if (path / "manifest.json").is_file():
+        pretrained = json.loads((path / "manifest.json").read_text()).get("config", {}).get("pretrained")
+        if pretrained:
+            return resolve(pretrained)
     if checkpoint.run_model(path) is not None:
         return checkpoint.run_model(path)
     if path.is_dir() and (path / "adapter" / "adapter_config.json").is_file():
@@ -54,7 +59,11 @@ def resolve(path: str | Path) -> Path:
 
 
 def load_pretrained(path: str | Path) -> torch.nn.Module:
-    """The transformers causal LM at `path` (`resolve`), in FP32, with the KV cache off (training)."""
+    """The transformers causal LM at `path` (`resolve`), in FP32, with the KV cache off (training);
+    a full fine-tune's checkpoint (``ckpt-N``): the model it fine-tuned with the checkpoint's weights."""
+    own = _fine_tune_checkpoint(Path(path))
+    if own is not None:
+        return own
     model = load_model(resolve(path))
     if not is_transformers(model):
         raise MinifloatError(f"{path}: a built-in GPT; fine-tuning takes a pretrained transformers model or GGUF "
@@ -62,6 +71,26 @@ def load_pretrained(path: str | Path) -> torch.nn.Module:
     _plain(model)
     torch.nn.Module.float(model).train()
     model.config.use_cache = False
+    return model
+
+
+def _fine_tune_checkpoint(path: Path) -> torch.nn.Module | None:
+    """A ``ckpt-N`` folder of a full fine-tune as its model, or None for any other path."""
+    if not (path / "manifest.json").is_file():
+        return None
+    manifest, weights, _ = checkpoint.load_checkpoint(path)
+    config = manifest.get("config", {})
+    if not config.get("pretrained"):
+        return None
+    if config.get("lora_rank"):
+        raise MinifloatError(f"{path}: a LoRA run's checkpoint holds adapters only; use its run's --merge output "
+                             f"(out/merged) or load out/adapter onto {config['pretrained']} with peft")  # fmt: skip
+    model = load_pretrained(config["pretrained"])
+    keys = plain_keys(model)
+    missing = [k for k in keys if k not in weights]
+    if missing:
+        raise MinifloatError(f"{path}: the checkpoint lacks {missing[:3]} of {config['pretrained']}")
+    model.load_state_dict({k: weights[k].float() for k in keys}, strict=False)
     return model
 
 
