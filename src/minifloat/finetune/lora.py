@@ -44,16 +44,17 @@ ADAPTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
     """The (out, in) FP32 weight a frozen layer multiplies by: a Linear's own, a packed layer's
-    dequantized (with a folded input transform, ``x ↦ layer(x)`` read on the identity: exact,
-    as each output is one weight times 1)."""
+    dequantized."""
     if isinstance(layer, QuantizedLinear):
-        if layer.input_transform is None:
-            return layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features]
-        with torch.no_grad():
-            eye = torch.eye(layer.in_features)
-            y = layer(eye).float()
-            return (y - (layer.bias.float() if layer.bias is not None else 0)).T.contiguous()
+        _plain_packed(layer)
+        return layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features]
     return layer.weight.detach().float()
+
+
+def _plain_packed(layer: QuantizedLinear) -> None:
+    if layer.input_transform is not None:  # a base quantized after a rotation or smoothing (PTQ's own)
+        raise MinifloatError("a LoRA base is packed without a rotation or smoothing (what an exported checkpoint holds); "
+                             "this layer folds an input transform in")  # fmt: skip
 
 
 class PackedMatmul(torch.autograd.Function):
@@ -62,6 +63,7 @@ class PackedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+        _plain_packed(layer)
         ctx.layer = layer
         with torch.no_grad():
             return layer(x)
@@ -70,11 +72,7 @@ class PackedMatmul(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         layer = ctx.layer
         w = layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features]
-        g = grad.float().reshape(-1, layer.out_features) @ w  # (…, in) in the transformed input's space
-        if layer.input_transform is not None:  # a rotation or smoothing x ↦ x·R (linear): back through Rᵀ
-            with torch.no_grad():
-                r = layer.input_transform(torch.eye(layer.in_features)).float()
-            g = g @ r.T
+        g = grad.float().reshape(-1, layer.out_features) @ w
         return g.to(grad.dtype).reshape(*grad.shape[:-1], layer.in_features), None
 
 

@@ -222,14 +222,17 @@ class PretrainedTask(Task):
     def _attach_lora(self, model: torch.nn.Module, c: TrainConfig) -> torch.nn.Module:
         names = lora.target_names(model, self.layers_prefix, c.lora_targets)
         if c.precision in lora.PACKED_BASES:
+            from minifloat.infer.ptq.method import recommended
             from minifloat.infer.quantize import quantize_model
 
             calibration = None
             if c.base_method == "gptq":  # calibration windows of the training text
                 g = torch.Generator().manual_seed(20_000 + c.seed)
                 calibration = [self.batch(c, g)["input_ids"] for _ in range(8)]
+            # GPTQ's pipeline as an exported checkpoint holds it (no rotation): the base stays a plain packed model
+            method = recommended(lora.PACKED_BASES[c.precision], export=True) if c.base_method == "gptq" else "rtn"
             with torch.no_grad():
-                quantize_model(model, lora.PACKED_BASES[c.precision], method=c.base_method, calibration=calibration,
+                quantize_model(model, lora.PACKED_BASES[c.precision], method=method, calibration=calibration,
                                quantize_head=c.quantize_head)  # fmt: skip
         if c.precision != "fp32":
             model.to(torch.bfloat16)  # the frozen rest: BF16 (a packed layer keeps its codes and FP32 scales)
