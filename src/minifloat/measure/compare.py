@@ -146,11 +146,13 @@ def held_bytes(run_dir: Path) -> dict:
     """A fine-tune's sizes, as its run counted them (``footprint.json``, `minifloat.train.loop.state_bytes`):
     ``weight_bytes`` the model as training held it (parameters and buffers: a packed base's codes
     and scales), ``state_bytes`` that plus the optimizer state and the gradients, and
-    ``base_val_loss``, the model's validation loss before the first step."""
+    ``base_val_loss``, the model's validation loss before the first step, and
+    ``rss_after_first_step_bytes``, the process's resident memory then (what training holds,
+    without the peak of loading the model in FP32)."""
     path = run_dir / "footprint.json"
     held = json.loads(path.read_text()) if path.is_file() else {}
     state = held.get("state_bytes", {})
-    out = {"base_val_loss": held.get("base_val_loss")}
+    out = {"base_val_loss": held.get("base_val_loss"), "rss_after_first_step_bytes": held.get("rss_after_first_step")}
     if state:
         out |= {"weight_bytes": state["trained_parameters"] + state["frozen_parameters"] + state["buffers"],
                 "frozen_bytes": state["frozen_parameters"] + state["buffers"], "state_bytes": state["total"],

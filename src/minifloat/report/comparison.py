@@ -29,7 +29,7 @@ def summary_table(metrics: dict) -> str:
     finetune = any(m.get("base_val_loss") is not None for m in metrics["runs"])  # a pretrained model's runs
     head = ("precision", "status", *(("base val",) if finetune else ()), "final train", "final val",
             "Δ val vs " + metrics["runs"][0]["precision"], "step s", "× step time", "tokens/s", "weights MiB",
-            *(("state MiB",) if finetune else ()), "peak RSS MiB", "skipped", "non-finite")  # fmt: skip
+            *(("state MiB", "RSS training MiB") if finetune else ()), "peak RSS MiB", "skipped", "non-finite")  # fmt: skip
     rows = []
     for i, m in enumerate(metrics["runs"]):
         rows.append((
@@ -37,7 +37,7 @@ def summary_table(metrics: dict) -> str:
             cell(m.get("final_train_loss"), ".4f"), cell(m.get("final_val_loss"), ".4f"),
             delta_cell(m, reference=i == 0), cell(m.get("step_time_s"), ".3f"),
             cell(m.get("step_time_ratio"), ".2f"), cell(m.get("tokens_per_s"), ",.0f"), mib(m.get("weight_bytes")),
-            *((mib(m.get("state_bytes")),) if finetune else ()),
+            *((mib(m.get("state_bytes")), mib(m.get("rss_after_first_step_bytes"))) if finetune else ()),
             mib(m.get("peak_rss_bytes")), str(m.get("skipped_steps", "—")), str(m.get("nonfinite_steps", "—")),
         ))  # fmt: skip
     return markdown_table(head, rows)

@@ -163,7 +163,7 @@ def train(
             group["lr"] = lr
         loss, grad_norm, stepped = _step(task, model, opt, scaler, data_gen, c, rank, world)
         if step == start and main:
-            footprint(out, state_bytes=state_bytes(_unwrap(model), opt))
+            footprint(out, state_bytes=state_bytes(_unwrap(model), opt), rss_after_first_step=resident_bytes())
         dt = time.perf_counter() - t0
         last = {
             "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
@@ -224,6 +224,21 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
            "gradients": sum(_local(p).numel() * p.element_size() for p in params if p.requires_grad)}  # fmt: skip
     out["total"] = sum(out.values())
     return out
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux: /proc/self/statm), after handing freed heap back
+    to the system (glibc's malloc_trim), so that what loading a model freed does not count."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
