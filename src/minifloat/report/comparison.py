@@ -24,6 +24,23 @@ from minifloat.train.runlog import read_log
 SCALE_OPERANDS = ("blocks.0.attn.qkv:input", "blocks.0.mlp.fc:weight", "blocks.0.mlp.proj:grad_output")
 
 
+def _what_text(c: dict) -> str:
+    if not c.get("pretrained"):
+        return f"The `{c['model']}` GPT"
+    lora = f" with LoRA adapters of rank {c['lora_rank']} on a frozen base (the precision names the base's format)" if c.get("lora_rank") else ""
+    return f"The pretrained model `{c['pretrained']}`{lora}"
+
+
+def _sizes_text(metrics: dict) -> str:
+    if not metrics["config"].get("pretrained"):
+        return ("Weights: quantized Linear weights packed with their scales, the rest in BF16 (FP32 for fp32); every run "
+                f"also keeps a master copy ({_masters_text(metrics['runs'])}). Peak RSS: the whole training process.")  # fmt: skip
+    return ("Base val: the validation loss before the first step (for a packed base, the quantized model's). Weights: the "
+            "parameters and buffers as training held them; state: those, the optimizer state and the gradients — both "
+            "counted from the tensors themselves. RSS training: the process's resident memory after the first step; "
+            "peak RSS: the whole process, loading the model included.")  # fmt: skip
+
+
 def summary_table(metrics: dict) -> str:
     """The runs as a Markdown table (readable as plain text too)."""
     finetune = any(m.get("base_val_loss") is not None for m in metrics["runs"])  # a pretrained model's runs
@@ -248,16 +265,14 @@ def write_report(metrics: dict, out: str | Path, *, plots: bool = True) -> Path:
     lines = [
         "# minifloat compare",
         "",
-        f"The `{c['model']}` GPT trained for {c['steps']} steps of {c['batch_size']}×{c['seq_len']} tokens "
+        f"{_what_text(c)} trained for {c['steps']} steps of {c['batch_size']}×{c['seq_len']} tokens "
         f"(×{c['grad_accum']} accumulation) in each precision, " + _seeds_text(c)
-        + f" Data: {c['data'] or 'the Python standard library sources on this machine'}.",
+        + f" Data: {c.get('sft') or c['data'] or 'the Python standard library sources on this machine'}.",
         "",
         summary_table(metrics),
         "",
         f"Δ val and × step time are relative to `{ref}`. Final train loss: mean of the last 10 % of steps. "
-        "Step time: median after the first 10 % of steps. Weights: quantized Linear weights packed with "
-        "their scales, the rest in BF16 (FP32 for fp32); every run also keeps a master copy "
-        f"({_masters_text(metrics['runs'])}). Peak RSS: the whole training process.",
+        "Step time: median after the first 10 % of steps. " + _sizes_text(metrics),
         "",
     ]
     bad = [m for m in metrics["runs"] if m["status"] != "ok"]
