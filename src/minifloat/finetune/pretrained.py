@@ -33,7 +33,7 @@ from minifloat.data.tokens import tokenize_documents, window_batch
 from minifloat.errors import MinifloatError
 from minifloat.finetune import lora
 from minifloat.io.atomic import make_dir_beside
-from minifloat.models.loading import is_transformers, load_model, logits_of
+from minifloat.models.loading import is_transformers, load_model, logits_of, require_transformers
 from minifloat.nn import rounded
 from minifloat.nn.convert import convert
 from minifloat.optim import bf16_parameters
@@ -151,6 +151,9 @@ class PretrainedTask(Task):
     # -- data --------------------------------------------------------------------------------
     def prepare(self, c: TrainConfig) -> None:
         self.config = c
+        require_transformers()  # a clear error without the extra, before the tokenizer's import
+        if not Path(c.pretrained).exists():
+            raise MinifloatError(f"{c.pretrained}: no such model folder or file")
         self.tokenizer = tokenizer_for(resolve(c.pretrained))
         if self.tokenizer is None:
             raise MinifloatError(f"{c.pretrained}: no tokenizer beside the model (tokenizer.json), which fine-tuning "
