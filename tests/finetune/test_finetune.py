@@ -133,10 +133,9 @@ def test_sft_loss_counts_the_responses_of_packed_records_as_each_record_alone(ll
     task = PretrainedTask()
     task.prepare(c)
     model = task.build_model(c).eval()
-    rows = task.sft_train[:3]
-    batch = {k: v for k, v in task.batch(c, torch.Generator().manual_seed(0)).items()}
     from minifloat.finetune.pretrained import _sft_batch
 
+    rows = task.sft_train[:3]
     batch = _sft_batch(rows)
     assert int((batch["input_ids"][0] != 0).sum()) > 0 and int(batch["position_ids"][0].eq(0).sum()) >= 2  # ≥ 2 records a row
     with torch.no_grad():
