@@ -20,6 +20,7 @@ every recipe of `minifloat.RECIPES`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -76,10 +77,11 @@ def _resume_state(c: TrainConfig, task: Task, model, ckpt_root: Path) -> dict:
     theirs = manifest["config"]
     # the optimizer state's layout follows the state format and the master (absent from older checkpoints: the defaults)
     for key in RESUME_KEYS:
-        if theirs.get(key, RESUME_DEFAULTS.get(key)) != getattr(c, key):
+        had = theirs.get(key, RESUME_DEFAULTS[key])
+        had = tuple(had) if isinstance(had, list) else had  # JSON holds a tuple (lora_targets) as a list
+        if had != getattr(c, key):
             raise MinifloatError(
-                f"{path}: checkpoint has {key}={theirs.get(key, RESUME_DEFAULTS.get(key))!r}, this run {key}={getattr(c, key)!r}; "
-                f"resume with the same {key}"
+                f"{path}: checkpoint has {key}={had!r}, this run {key}={getattr(c, key)!r}; resume with the same {key}"
             )
     task.load_weights(model, weights, path)
     state["path"] = str(path)
@@ -90,8 +92,7 @@ def _resume_state(c: TrainConfig, task: Task, model, ckpt_root: Path) -> dict:
 # fields absent from older checkpoints read as their defaults here.
 RESUME_KEYS = ("model", "batch_size", "seq_len", "grad_accum", "seed", "data", "max_bytes", "optimizer_states", "master",
                "pretrained", "sft", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_dtype", "base_method")  # fmt: skip
-RESUME_DEFAULTS = {"optimizer_states": "fp32", "master": "fp32", "pretrained": None, "sft": None, "lora_rank": 0,
-                   "lora_alpha": 16.0, "lora_targets": None, "lora_dropout": 0.0, "adapter_dtype": "fp32", "base_method": "rtn"}  # fmt: skip
+RESUME_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 def train(
