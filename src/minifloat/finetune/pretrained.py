@@ -32,7 +32,7 @@ from minifloat.data.text import tokenizer_for
 from minifloat.data.tokens import tokenize_documents, window_batch
 from minifloat.errors import MinifloatError
 from minifloat.finetune import lora
-from minifloat.io.atomic import make_dir_beside
+from minifloat.io.atomic import make_dir_beside, remove, replace_dir
 from minifloat.models.loading import is_transformers, load_model, logits_of, require_transformers
 from minifloat.nn import rounded
 from minifloat.nn.convert import convert
@@ -297,8 +297,6 @@ class PretrainedTask(Task):
     def _save_pretrained(self, model: torch.nn.Module, folder: Path, state: dict) -> Path:
         """`state` saved as a transformers folder with the model's config and the tokenizer, atomically
         (written beside `folder`, then renamed over it)."""
-        import shutil
-
         tmp = make_dir_beside(folder, "save-tmp-")
         try:
             model.config.use_cache = True
@@ -306,13 +304,11 @@ class PretrainedTask(Task):
             self.tokenizer.save_pretrained(tmp)
             (tmp / "minifloat.json").write_text(json.dumps({"fine_tuned_from": str(self.config.pretrained),
                                                             "config": self.config.to_dict()}, indent=2))  # fmt: skip
-            if folder.exists():
-                shutil.rmtree(folder)
-            tmp.rename(folder)
+            replace_dir(tmp, folder)
         finally:
             model.config.use_cache = False
             if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove(tmp)
         return folder
 
 

@@ -67,6 +67,21 @@ def make_dir_beside(target: Path, prefix: str) -> Path:
     return _unique_beside(target, lambda tag: f".{prefix}{tag}", lambda p: p.mkdir(0o777))
 
 
+def replace_dir(tmp: Path, target: Path) -> None:
+    """Put the finished folder `tmp` (from `make_dir_beside`) in place of `target`: its files get
+    the mode a plain open() gives (`new_file_mode`) and reach the disk, then the rename does."""
+    mode = new_file_mode(tmp)
+    for f in tmp.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fchmod(fh.fileno(), mode)
+                os.fsync(fh.fileno())
+    if target.exists():
+        remove(target)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+
+
 def new_file_mode(folder: Path) -> int:
     """The mode a plain open() gives a new file, for a `folder` made by `make_dir_beside` (0777
     less the umask): 0666 less the umask. Writers that make their files 0600 (safetensors'

@@ -33,7 +33,7 @@ from minifloat.formats.registry import E4M3
 from minifloat.infer.checkpoints import compressed_tensors, hf_fp8
 from minifloat.infer.modules.embedding import QuantizedEmbedding
 from minifloat.infer.modules.linear import QuantizedLinear
-from minifloat.io.atomic import atomic_path, fsync_dir, make_dir_beside, new_file_mode, remove
+from minifloat.io.atomic import atomic_path, make_dir_beside, replace_dir
 from minifloat.scaling.schemes import Scheme
 
 FORMATS = {m.NAME: m for m in (compressed_tensors, hf_fp8)}
@@ -155,15 +155,7 @@ def export(
             for name in TOKENIZER_FILES:
                 if (source / name).is_file():
                     shutil.copyfile(source / name, tmp / name)
-        mode = new_file_mode(tmp)  # safetensors writes 0600: the umask's mode, as for any file the user writes
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fchmod(fh.fileno(), mode)
-                os.fsync(fh.fileno())
-        if out.exists():
-            remove(out)
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        replace_dir(tmp, out)  # safetensors writes 0600: the umask's mode, as for any file the user writes
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
