@@ -130,7 +130,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(jsonio.dumps(m, indent=2))
         return 0
-    print(f"perplexity {m['ppl']:.4f} over {m['tokens']:,} tokens; weights {m['weight_bytes']:,} bytes; "
+    print(f"perplexity {m['ppl']:.4f} over {m['tokens']:,} tokens ({m['text']}); weights {m['weight_bytes']:,} bytes; "
           f"{m['tokens_per_s']:,.0f} tokens/s")  # fmt: skip
     if "ppl_ref" in m:
         print(f"reference perplexity {m['ppl_ref']:.4f}: Δppl {m['delta_ppl_pct']:+.3f} %, KL {m['kl']:.3e}, "

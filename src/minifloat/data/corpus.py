@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import itertools
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +37,22 @@ class Corpus:
     val: torch.Tensor
     source: str  # what it was built from
     sha256: str  # of the whole byte string, for the report
+    starts: tuple[int, ...] = (0,)  # where each document begins in train + val (byte offsets, ascending)
+
+    def documents(self, split: str) -> list[bytes]:
+        """The split's bytes cut where documents begin (a document the split boundary cuts: its part)."""
+        data, offset = (self.train, 0) if split == "train" else (self.val, len(self.train))
+        cuts = sorted({0, len(data)} | {s - offset for s in self.starts if 0 < s - offset < len(data)})
+        raw = bytes(data.numpy())
+        return [raw[a:b] for a, b in itertools.pairwise(cuts) if b > a]
 
 
-def _split(raw: bytes, source: str) -> Corpus:
+def _split(chunks: list[bytes], source: str) -> Corpus:
+    raw = b"".join(chunks)
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     n_val = max(int(len(data) * VAL_FRACTION), 1)
-    return Corpus(data[:-n_val].clone(), data[-n_val:].clone(), source, hashlib.sha256(raw).hexdigest())
+    starts = tuple(itertools.accumulate((len(c) for c in chunks[:-1]), initial=0))
+    return Corpus(data[:-n_val].clone(), data[-n_val:].clone(), source, hashlib.sha256(raw).hexdigest(), starts)
 
 
 def stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> list[bytes]:
@@ -64,16 +75,16 @@ def stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> list[bytes]:
 
 def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     """The embedded default: sorted stdlib sources, concatenated up to `max_bytes`."""
-    raw = b"".join(stdlib_documents(max_bytes))
+    chunks = stdlib_documents(max_bytes)
     root = Path(sysconfig.get_paths()["stdlib"])
-    return _split(raw, f"python stdlib {root} ({len(raw):,} bytes)")
+    return _split(chunks, f"python stdlib {root} ({sum(map(len, chunks)):,} bytes)")
 
 
 def load_corpus(path: str | Path, max_bytes: int | None = None, *, option: str = "--data") -> Corpus:
     """A UTF-8 text file, or a folder of them (sorted, recursively), as a corpus; `option` is the
     command-line option that named it, for the errors (``--calib`` for calibration text)."""
-    raw = b"".join(read_documents(path, max_bytes, option=option))
-    return _split(raw, f"{path} ({len(raw):,} bytes)")
+    chunks = read_documents(path, max_bytes, option=option)
+    return _split(chunks, f"{path} ({sum(map(len, chunks)):,} bytes)")
 
 
 def read_documents(path: str | Path, max_bytes: int | None = None, *, option: str = "--data") -> list[bytes]:

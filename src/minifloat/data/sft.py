@@ -59,11 +59,12 @@ class Packed:
     segment_ids: torch.Tensor
 
 
-def read_records(path: str | os.PathLike[str]) -> list[tuple[int, dict]]:
-    """The records of a JSONL file as (line number, record), each checked for one of the two shapes."""
+def read_records(path: str | os.PathLike[str], option: str = "--sft") -> list[tuple[int, dict]]:
+    """The records of a JSONL file as (line number, record), each checked for one of the two
+    shapes; `option` names the command-line option in the errors."""
     path = Path(path)
     if not path.is_file():
-        raise MinifloatError(f"--sft {path}: no such file")
+        raise MinifloatError(f"{option} {path}: no such file")
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
@@ -72,16 +73,15 @@ def read_records(path: str | os.PathLike[str]) -> list[tuple[int, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise MinifloatError(f"--sft {path}, line {n}: not JSON ({err.msg} at column {err.colno})") from None
-            _check(record, path, n)
+                raise MinifloatError(f"{option} {path}, line {n}: not JSON ({err.msg} at column {err.colno})") from None
+            _check(record, f"{option} {path}, line {n}")
             out.append((n, record))
     if not out:
-        raise MinifloatError(f"--sft {path}: no records")
+        raise MinifloatError(f"{option} {path}: no records")
     return out
 
 
-def _check(record, path: Path, n: int) -> None:
-    where = f"--sft {path}, line {n}"
+def _check(record, where: str) -> None:
     if not isinstance(record, dict):
         raise MinifloatError(f"{where}: a record is a JSON object with 'messages', or 'prompt' and 'completion'")
     if "messages" in record:

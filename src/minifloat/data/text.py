@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from minifloat import checkpoint
-from minifloat.data.corpus import Corpus, load_corpus, stdlib_corpus
+from minifloat.data.corpus import VAL_FRACTION, Corpus, load_corpus, stdlib_corpus
+from minifloat.data.tokens import adds_bos, encode_documents
 from minifloat.errors import MinifloatError
 
 
@@ -75,17 +76,61 @@ def _check_vocab(model: torch.nn.Module, tokenizer) -> None:
         raise MinifloatError(f"the model's vocabulary has {vocab} tokens and its folder no tokenizer: byte tokens need ≥ 256")
 
 
-def batches_for(model: torch.nn.Module, source: TextSource, split: str, tokenizer=None) -> list[torch.Tensor]:
-    """Evaluation (``split="val"``) or calibration (``"train"``) batches of the model's context."""
-    _check_vocab(model, tokenizer)
+def _path(source: TextSource, split: str) -> str | None:
+    return source.calib if split == "train" and source.calib is not None else source.data
+
+
+def is_chat(source: TextSource, split: str = "val") -> bool:
+    """Whether the split's text is conversations (a ``.jsonl`` file of SFT records) rather than documents."""
+    path = _path(source, split)
+    return path is not None and Path(path).suffix.lower() == ".jsonl"
+
+
+def text_ids(source: TextSource, split: str, tokenizer) -> tuple[torch.Tensor, int | None]:
+    """The split's token ids as one stream, by `tokenizer`'s conventions, and the BOS each window
+    starts with (None: none). Documents: each encoded and followed by EOS, BOS in front of a window
+    where the tokenizer puts one in front of a text. Conversations (``.jsonl``): each record
+    rendered with the chat template (which places BOS itself), the last 10 % of the records held out."""
+    if is_chat(source, split):
+        from minifloat.data.sft import read_records, render
+
+        path = _path(source, split)
+        records = read_records(path, option="--calib" if split == "train" and source.calib else "--data")
+        n_val = max(int(len(records) * VAL_FRACTION), 1)
+        part = records if split == "train" and source.calib is not None else (
+            records[-n_val:] if split == "val" else records[:-n_val])  # fmt: skip
+        return torch.tensor([t for n, r in part for t in render(r, tokenizer, n).input_ids], dtype=torch.long), None
     corpus = source.corpus(split)
-    text = bytes(corpus.val.numpy()) if split == "val" else bytes(corpus.train.numpy())
+    return encode_documents(corpus.documents(split), tokenizer, corpus.source), adds_bos(tokenizer)
+
+
+def text_conventions(source: TextSource, tokenizer) -> str:
+    """How the text became windows, in words, for the report."""
+    if tokenizer is None:
+        return "byte tokens, windows anywhere in the text"
+    if is_chat(source):
+        return "conversations rendered with the tokenizer's chat template, one stream"
+    eos, bos = tokenizer.eos_token_id, adds_bos(tokenizer)
+    start = f"each window starts with BOS {tokenizer.convert_ids_to_tokens(bos)!r}" if bos is not None else \
+        "windows without BOS (the tokenizer puts none in front of a text)"  # fmt: skip
+    return f"documents end with EOS {tokenizer.convert_ids_to_tokens(eos)!r}; {start}"
+
+
+def batches_for(model: torch.nn.Module, source: TextSource, split: str, tokenizer=None) -> list[torch.Tensor]:
+    """Evaluation (``split="val"``) or calibration (``"train"``) batches of the model's context,
+    cut by the tokenizer's conventions (`text_ids`), or from the bytes."""
+    _check_vocab(model, tokenizer)
     context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", None)
     seq_len = min(source.seq_len, context - 1) if context else source.seq_len
     n = source.eval_batches if split == "val" else source.calib_batches
     what = "evaluation text (held-out split)" if split == "val" else "calibration text (training split)"
-    return token_batches(text, batch_size=source.batch_size, seq_len=seq_len, n_batches=n, tokenizer=tokenizer, what=what,
-                         disjoint=split == "train")
+    if tokenizer is None:
+        corpus = source.corpus(split)
+        text, bos = bytes(corpus.val.numpy()) if split == "val" else bytes(corpus.train.numpy()), None
+    else:
+        text, bos = text_ids(source, split, tokenizer)
+    return token_batches(text, batch_size=source.batch_size, seq_len=seq_len, n_batches=n, what=what,
+                         disjoint=split == "train", bos=bos)
 
 
 def token_ids(text: bytes | str | Sequence[int] | torch.Tensor, tokenizer=None) -> torch.Tensor:
@@ -108,14 +153,16 @@ def token_batches(
     tokenizer=None,
     what: str = "evaluation text",
     disjoint: bool = False,
+    bos: int | None = None,
 ) -> list[torch.Tensor]:
     """`n_batches` batches (batch_size, seq_len + 1) of token ids from `text`: evenly spaced
     windows (deterministic), each a context and its next tokens. Bytes are the tokens unless a
     `tokenizer` (``encode(str) -> list[int]``) is given; `what` names the text in the error; `disjoint`:
-    the windows may not overlap (calibration samples: each one new text)."""
+    the windows may not overlap (calibration samples: each one new text); with a `bos`, each
+    window is BOS and `seq_len` tokens of the text (BOS is never a target)."""
     ids = token_ids(text, tokenizer)
     need = batch_size * n_batches
-    span = seq_len + 1
+    span = seq_len + 1 if bos is None else seq_len
     least = need * span if disjoint else span + need - 1
     if len(ids) < least:
         raise MinifloatError(
@@ -124,4 +171,6 @@ def token_batches(
         )
     starts = torch.linspace(0, len(ids) - span, need).long()
     windows = torch.stack([ids[s : s + span] for s in starts.tolist()])
-    return list(windows.view(n_batches, batch_size, span))
+    if bos is not None:
+        windows = torch.cat([torch.full((need, 1), bos, dtype=windows.dtype), windows], dim=1)
+    return list(windows.view(n_batches, batch_size, windows.shape[1]))

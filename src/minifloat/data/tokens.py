@@ -43,8 +43,9 @@ def adds_bos(tokenizer) -> int | None:
     return bos if ids and ids[0] == bos else None
 
 
-def tokenize_documents(documents: list[bytes], tokenizer, source: str) -> TokenStream:
-    """The documents as one stream (each followed by EOS), split into training and held-out ids."""
+def encode_documents(documents: list[bytes], tokenizer, source: str) -> torch.Tensor:
+    """The documents as one stream of token ids (int64), each encoded without special tokens and
+    followed by the tokenizer's EOS."""
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise MinifloatError(f"the tokenizer has no EOS token, which separates the documents of {source}")
@@ -52,7 +53,12 @@ def tokenize_documents(documents: list[bytes], tokenizer, source: str) -> TokenS
     for doc in documents:
         ids += tokenizer(doc.decode("utf-8", "replace"), add_special_tokens=False)["input_ids"]
         ids.append(eos)
-    stream = torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def tokenize_documents(documents: list[bytes], tokenizer, source: str) -> TokenStream:
+    """The documents as one stream (each followed by EOS), split into training and held-out ids."""
+    stream = encode_documents(documents, tokenizer, source)
     n_val = max(int(len(stream) * VAL_FRACTION), 1)
     return TokenStream(stream[:-n_val].clone(), stream[-n_val:].clone(), adds_bos(tokenizer), source)
 

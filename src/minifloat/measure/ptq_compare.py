@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from minifloat.data.text import TextSource, batches_for, tokenizer_for
+from minifloat.data.text import TextSource, batches_for, text_conventions, tokenizer_for
 from minifloat.errors import MinifloatError
 from minifloat.infer import QUANT_CONFIGS, get_quant_config, quantize_model
 from minifloat.infer.checkpoints.loaders import load_model
@@ -178,7 +178,8 @@ def ptq_compare(
     calib = batches_for(reference, source, "train", tokenizer)
     n_weights = sum(m.weight.numel() for m in weight_layers(reference).values())
     echo(f"reference: {type(reference).__name__}, {n_weights:,} Linear weights (bits/weight over them: the head and "
-         f"the embedding not counted), {len(batches)} × {tuple(batches[0].shape)} tokens")  # fmt: skip
+         f"the embedding not counted), {len(batches)} × {tuple(batches[0].shape)} tokens; "
+         f"{text_conventions(source, tokenizer)}")  # fmt: skip
     base = evaluate(reference, None, batches)
     base_row = {"config": "reference", "status": "ok", **base, "bits_per_weight": bits_per_weight(reference),
                 "bits_per_weight_all": bits_per_weight(reference, head=True, embedding=True),
@@ -216,7 +217,8 @@ def ptq_compare(
             peers.append(p)
     metrics = {
         "model": str(model_path), "reference": base_row, "runs": runs, "torchao": peers, "llmcompressor": lc_peers,
-        "data": {**dataclasses.asdict(source), "tokens": base["tokens"]}, "env": environment(),
+        "data": {**dataclasses.asdict(source), "tokens": base["tokens"], "text": text_conventions(source, tokenizer)},
+        "env": environment(),
     }  # fmt: skip
     with atomic_path(out / "metrics.json") as tmp:
         tmp.write_text(jsonio.dumps(metrics, indent=2))

@@ -68,7 +68,7 @@ def write_ptq_report(metrics: dict, out: str | Path, *, plots: bool = True) -> P
         "",
         f"`{metrics['model']}` quantized after training with each config, evaluated against the unquantized model on "
         f"{d['tokens']:,} held-out tokens ({d['eval_batches']} batches of {d['batch_size']} × {d['seq_len']}; data: "
-        f"{d['data'] or 'the Python standard library sources'}); calibrated on "
+        f"{d['data'] or 'the Python standard library sources'}; {d.get('text', 'byte tokens')}); calibrated on "
         f"{('the training split of ' + d['calib']) if d.get('calib') else 'the training split'} (static input scales, and "
         f"every layer's statistics for GPTQ, rotations and smoothing, layer by layer).",
         "",

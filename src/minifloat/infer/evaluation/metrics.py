@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from minifloat.errors import MinifloatError
 from minifloat.infer.modules.accounting import linear_weight_bytes, model_bytes
 from minifloat.models.loading import logits_of
+
+ELEMENTS_AT_ONCE = 1 << 24  # logits scored at once (64 MiB in float32): the bound on evaluation's working memory
 
 
 def kl_and_agreement(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, int]:
@@ -62,18 +64,29 @@ class Quality:
 
     def add(self, logits: torch.Tensor, targets: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> None:
         """One batch: `logits` (..., vocab), the next tokens `targets` (...) for perplexity, the
-        unquantized model's `reference` logits for KL and top-1."""
+        unquantized model's `reference` logits for KL and top-1. Scored `ELEMENTS_AT_ONCE` logits
+        at a time (whole rows), so that a large vocabulary's float32 softmaxes stay bounded."""
+        vocab = logits.shape[-1]
+        lg = logits.reshape(-1, vocab)
+        tg = targets.reshape(-1) if targets is not None else None
+        ref = reference.reshape(-1, vocab) if reference is not None else None
+        step = max(1, ELEMENTS_AT_ONCE // vocab)
+        for i in range(0, lg.shape[0], step):
+            rows = slice(i, i + step)
+            self._add_rows(lg[rows], tg[rows] if tg is not None else None, ref[rows] if ref is not None else None)
+
+    def _add_rows(self, logits: torch.Tensor, targets: torch.Tensor | None, reference: torch.Tensor | None) -> None:
         lg = logits.float()
         if targets is not None:
-            self.nll += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), reduction="sum").item()
+            self.nll += F.cross_entropy(lg, targets, reduction="sum").item()
             self.scored = True
         if reference is not None:
             ref = reference.float()
             k, a = kl_and_agreement(ref, lg)
             self.kl, self.agree, self.compared = self.kl + k, self.agree + a, True
             if targets is not None:
-                self.ref_nll += F.cross_entropy(ref.reshape(-1, ref.shape[-1]), targets.reshape(-1), reduction="sum").item()
-        self.tokens += lg[..., 0].numel()
+                self.ref_nll += F.cross_entropy(ref, targets, reduction="sum").item()
+        self.tokens += lg.shape[0]
 
     def result(self) -> dict:
         """``tokens``; with targets ``nll``, ``ppl``; with a reference ``kl``, ``top1``; with both
@@ -91,33 +104,46 @@ class Quality:
         return out
 
 
-@torch.no_grad()
-def _logits(model: torch.nn.Module, batches: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], float, int]:
-    out, tokens = [], 0
-    t0 = time.perf_counter()
-    for b in batches:
-        x = b[:, :-1]
-        out.append(logits_of(model(x)).float())
-        tokens += x.numel()
-    return out, time.perf_counter() - t0, tokens
+def _pieces(batch: torch.Tensor, vocab: int | None) -> list[torch.Tensor]:
+    """`batch` (B, T + 1) split along B so that one forward's logits hold about `ELEMENTS_AT_ONCE`."""
+    if not vocab:
+        return [batch]
+    rows = max(1, ELEMENTS_AT_ONCE // (vocab * max(batch.shape[1] - 1, 1)))
+    return list(batch.split(rows))
 
 
 def evaluate(model: torch.nn.Module, reference: torch.nn.Module | None, batches: Sequence[torch.Tensor]) -> dict:
     """Quality and cost of `model` on `batches` (from `token_batches`: each (B, T + 1)), against
     `reference` when given. Returns ``ppl``, ``ppl_ref``, ``delta_ppl_pct``, ``kl``, ``top1``
-    (`Quality`), ``weight_bytes``, ``model_bytes``, ``tokens_per_s``, ``tokens``."""
+    (`Quality`), ``weight_bytes``, ``model_bytes``, ``tokens_per_s``, ``tokens``.
+
+    Both models run on one batch (or a piece of it: a large vocabulary's logits are cut along the
+    batch) and it is scored before the next, so memory does not grow with the number of batches;
+    tokens/s counts the model's forwards only."""
     if not batches:
         raise MinifloatError("evaluate needs at least one batch (minifloat.infer.token_batches cuts them from text)")
-    was = model.training
+    was, ref_was = model.training, reference.training if reference is not None else False
     model.eval()
+    if reference is not None:
+        reference.eval()
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    q, seconds, tokens = Quality(), 0.0, 0
     try:
-        logits, seconds, tokens = _logits(model, batches)
+        with torch.no_grad():
+            for batch in batches:
+                for piece in _pieces(batch, vocab):
+                    x = piece[:, :-1]
+                    t0 = time.perf_counter()
+                    logits = logits_of(model(x))
+                    seconds += time.perf_counter() - t0
+                    tokens += x.numel()
+                    ref = logits_of(reference(x)) if reference is not None else None
+                    q.add(logits, piece[:, 1:], ref)
+                    del logits, ref
     finally:
         model.train(was)
-    ref_logits = _logits(reference.eval(), batches)[0] if reference is not None else [None] * len(logits)
-    q = Quality()
-    for lg, ref, b in zip(logits, ref_logits, batches, strict=True):
-        q.add(lg, b[:, 1:], ref)
+        if reference is not None:
+            reference.train(ref_was)
     r = q.result()
     if not math.isfinite(r["nll"]):
         raise MinifloatError(f"the model's loss is {r['nll']} on the evaluation text: its outputs hold NaN or inf")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from minifloat.data.text import TextSource, batches_for, tokenizer_for
+from minifloat.data.text import TextSource, batches_for, text_conventions, tokenizer_for
 from minifloat.errors import MinifloatError
 from minifloat.infer.checkpoints import hf_fp8
 from minifloat.infer.checkpoints.export import FORMATS, export
@@ -107,7 +107,7 @@ def evaluate_paths(
 ) -> dict:
     """`evaluate` the model at `model_path` on `source`'s held-out split against the one at
     `reference_path`; with `scheme`, quantize it first (by `method`), and compare with itself
-    unquantized when no reference is given."""
+    unquantized when no reference is given. ``text`` says how the text became windows."""
     model = load_model(model_path)  # the built-in GPT as it is: evaluation needs no transformers
     reference = load_model(reference_path) if reference_path else None
     tokenizer = tokenizer_for(model_path)
@@ -115,4 +115,5 @@ def evaluate_paths(
         method = resolve_method(method, get_quant_config(scheme))  # an unknown name: an error before the copy
         reference = reference if reference is not None else copy.deepcopy(model)
         quantize_in_memory(model, scheme, tokenizer, source=source, quantize_head=quantize_head, method=method)
-    return evaluate(model, reference, batches_for(model, source, "val", tokenizer))
+    return evaluate(model, reference, batches_for(model, source, "val", tokenizer)) | {
+        "text": text_conventions(source, tokenizer)}
