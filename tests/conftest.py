@@ -13,6 +13,8 @@ import minifloat
 ML_DTYPES = {
     "e4m3": ml_dtypes.float8_e4m3fn,
     "e5m2": ml_dtypes.float8_e5m2,
+    "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
     "e3m2": ml_dtypes.float6_e3m2fn,
     "e2m3": ml_dtypes.float6_e2m3fn,
     "e2m1": ml_dtypes.float4_e2m1fn,

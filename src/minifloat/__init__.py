@@ -27,7 +27,9 @@ from minifloat.formats import (
     E2M3,
     E3M2,
     E4M3,
+    E4M3FNUZ,
     E5M2,
+    E5M2FNUZ,
     E8M0,
     FORMATS,
     FloatFormat,
@@ -69,6 +71,8 @@ __all__ = [
     "E2M3",
     "E2M1",
     "E8M0",
+    "E4M3FNUZ",
+    "E5M2FNUZ",
     # codecs and packing
     "encode",
     "decode",

@@ -21,7 +21,7 @@ def test_derived_properties_match_ml_dtypes_finfo(name):
     assert fmt.min_normal == float(info.smallest_normal)
     assert fmt.min_subnormal == float(info.smallest_subnormal)
     assert fmt.epsilon == float(info.eps)
-    assert fmt.emax == OCP_EMAX[name]
+    assert fmt.emax == OCP_EMAX.get(name, int(np.floor(np.log2(float(info.max)))))  # fnuz: not OCP, from its max
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -50,7 +50,7 @@ def test_get_format_accepts_ml_dtypes_and_torch_spellings(spelling, name):
 
 
 def test_unknown_format_lists_known_names():
-    with pytest.raises(UnknownFormatError, match=r"unknown format 'e4m4'; known: e4m3, e5m2, e3m2, e2m3, e2m1, e8m0"):
+    with pytest.raises(UnknownFormatError, match=r"unknown format 'e4m4'; known: e4m3, e5m2, e4m3fnuz, e5m2fnuz, e3m2, e2m3, e2m1, e8m0"):
         get_format("e4m4")
     with pytest.raises(UnknownFormatError, match="torch.float32"):
         get_format(torch.float32)
@@ -83,7 +83,26 @@ def test_table_figures_match_ml_dtypes_finfo(name):
 def test_published_dynamic_ranges():
     # e4m3: 448 / 2**-9; e5m2: 57344 / 2**-16; e2m1: 6 / 0.5 (binades, as the format tables print them)
     assert [round(FORMATS[n].dynamic_range_binades, 2) for n in ("e4m3", "e5m2", "e2m1")] == [17.81, 31.81, 3.58]
-    assert [FORMATS[n].has_subnormals for n in FORMAT_NAMES] == [True, True, True, True, True, False]
+    assert [FORMATS[n].has_subnormals for n in FORMAT_NAMES] == [True, True, True, True, True, True, True, False]
+
+
+@pytest.mark.parametrize(("ocp", "fnuz"), [("e4m3", "e4m3fnuz"), ("e5m2", "e5m2fnuz")])
+def test_an_fn_checkpoint_read_as_fnuz_is_halved(ocp, fnuz):
+    """The factor of two AMD's loaders correct: every finite, non-zero fn code's bits read as fnuz
+    are half its value (ml_dtypes both sides); −0 (0x80) reads as fnuz's NaN."""
+    codes = np.arange(256, dtype=np.uint8)
+    as_fn, as_fnuz = codes.view(ML_DTYPES[ocp]).astype(np.float64), codes.view(ML_DTYPES[fnuz]).astype(np.float64)
+    ok = np.isfinite(as_fn) & (as_fn != 0)
+    factor = minifloat.formats.fnuz_scale_factor(FORMATS[ocp], FORMATS[fnuz])
+    assert factor == 0.5 and np.array_equal(as_fnuz[ok], factor * as_fn[ok])
+    assert np.isnan(as_fnuz[0x80]) and not np.isnan(as_fn[0x80])
+    with pytest.raises(MinifloatError, match="do not share a bit layout"):
+        minifloat.formats.fnuz_scale_factor(FORMATS["e4m3"], FORMATS["e5m2fnuz"])
+
+
+def test_fnuz_has_no_negative_zero():
+    codes = minifloat.encode(torch.tensor([-0.0, -1e-9, float("nan"), -float("nan"), -1.0]), "e4m3fnuz", saturate=False)
+    assert codes.tolist() == [0, 0, 0x80, 0x80, 0xC0]  # ml_dtypes agrees: tests/formats/test_codec.py, every pattern
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ def _oracle_pack(codes: list[int], bits: int) -> list[int]:
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 8, 13, 64, 1001])
 def test_round_trip_and_layout_any_length(name, n):
-    bits = {"e4m3": 8, "e5m2": 8, "e8m0": 8, "e3m2": 6, "e2m3": 6, "e2m1": 4}[name]
+    bits = {"e4m3": 8, "e5m2": 8, "e4m3fnuz": 8, "e5m2fnuz": 8, "e8m0": 8, "e3m2": 6, "e2m3": 6, "e2m1": 4}[name]
     g = torch.Generator().manual_seed(n)
     codes = torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
     data = pack(codes, name)

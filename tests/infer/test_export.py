@@ -59,7 +59,7 @@ def read_with_transformers(folder, fmt):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=qc).eval()
 
 
-@pytest.mark.parametrize("name", [*QUANT_CONFIGS, "nvfp4-pow2", "nvfp4-weight-only-pow2"])
+@pytest.mark.parametrize("name", [*(n for n in QUANT_CONFIGS if "fnuz" not in n), "nvfp4-pow2", "nvfp4-weight-only-pow2"])
 def test_compressed_tensors_export_is_read_bit_exactly_by_transformers(name, tmp_path):
     model = tiny_llama()
     if name.endswith("-pow2"):  # a power-of-two global scale: exact in every reader
@@ -332,6 +332,7 @@ CT_FORMATS = {
     "nvfp4-4over6-weight-only": "nvfp4-pack-quantized", "nvfp4-4over6": "nvfp4-pack-quantized",
     "fp8-block-weight-only": "float-quantized", "mxfp8-weight-only": "mxfp8-quantized",
     "mxfp6-weight-only": "mxfp6-pack-quantized",
+    "fp8-dynamic-fnuz": None, "fp8-weight-only-fnuz": None,  # AMD's E4M3FNUZ: no compressed-tensors format holds it
 }  # fmt: skip
 
 

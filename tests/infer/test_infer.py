@@ -96,6 +96,7 @@ def _scale_bytes(name: str, n: int, k: int) -> int:
     """The weight's scale bytes by each format's definition."""
     return {
         "fp8-weight-only": 4 * n, "fp8-dynamic": 4 * n, "fp8-static": 4,
+        "fp8-weight-only-fnuz": 4 * n, "fp8-dynamic-fnuz": 4 * n,
         "fp8-block": 4 * math.ceil(n / 128) * math.ceil(k / 128),
         "fp8-block-weight-only": 4 * math.ceil(n / 128) * math.ceil(k / 128),
         "mxfp8-weight-only": n * k // 32, "mxfp6-weight-only": n * k // 32,

@@ -23,6 +23,9 @@ PUBLISHED = {
     "nvfp4_2d": ("e2m1", "block", (16, 16), "e4m3"),
     "fp6_e3m2": ("e3m2", "tensor", None, "fp32"),
     "fp4": ("e2m1", "tensor", None, "fp32"),
+    "fp8_fnuz": ("e4m3fnuz", "tensor", None, "fp32"),  # AMD MI300's FP8
+    "fp8_e5m2fnuz": ("e5m2fnuz", "tensor", None, "fp32"),
+    "fp8_rowwise_fnuz": ("e4m3fnuz", "row", None, "fp32"),
 }
 
 

@@ -20,11 +20,15 @@ format    NaN in              overflow / ±inf, saturate=False        saturate=T
 ========  ==================  =====================================  =======================
 e4m3      ±NaN (S.1111.111)   NaN                                    ±448
 e5m2      ±NaN (S.11111.10)   ±inf                                   ±57344
+e4m3fnuz  NaN (0x80)          NaN                                    ±240
+e5m2fnuz  NaN (0x80)          NaN                                    ±57344
 e3m2      ∓0 (*)              ±28 (no inf/NaN: saturates)            ±28
 e2m3      ∓0 (*)              ±7.5                                   ±7.5
 e2m1      ∓0 (*)              ±6                                     ±6
 e8m0      NaN (0xFF)          NaN; zero and negatives are NaN too    +inf → 2**127
 ========  ==================  =====================================  =======================
+
+The fnuz formats have no −0: −0 and a negative value that rounds to zero encode to 0x00.
 
 (*) FP6 and FP4 have no NaN code. Like ml_dtypes, a NaN encodes to a zero whose sign bit is
 the NaN's sign bit flipped (+NaN → 0x20 for FP6, 0x8 for FP4), and `encode` warns that it did.
@@ -226,7 +230,10 @@ def encode_with_bits(
 
     nan = torch.isnan(xd)
     neg = torch.signbit(xd) & ~nan if canonical_nan else torch.signbit(xd)
-    if fmt.signed:
+    if fmt.nan is NaNEncoding.NEG_ZERO:  # no −0: a negative value that rounds to zero is +0; 0x80 is NaN
+        code = torch.where(neg & (code != 0), code | fmt.sign_mask, code)
+        code = torch.where(nan, fmt.nan_code, code)
+    elif fmt.signed:
         code = code | torch.where(neg, fmt.sign_mask, 0)
         if fmt.nan_code is not None:
             code = torch.where(nan, fmt.nan_code | torch.where(neg, fmt.sign_mask, 0), code)
@@ -263,6 +270,8 @@ def value_table(fmt: FloatFormat, dtype: torch.dtype = torch.float64, device: st
         values = torch.where(top & (man_field != 0), torch.nan, values)
     elif fmt.nan is NaNEncoding.ALL_ONES:
         values = torch.where(mag == fmt.magnitude_mask, torch.nan, values)
+    elif fmt.nan is NaNEncoding.NEG_ZERO:
+        values = torch.where(codes == fmt.sign_mask, torch.nan, values)
     return values.to(dtype=dtype, device=device)
 
 

@@ -32,6 +32,8 @@ class NaNEncoding(str, enum.Enum):
     """Exponent all ones with a non-zero mantissa is NaN; with a zero mantissa it is inf."""
     ALL_ONES = "all_ones"
     """Only the all-ones magnitude is NaN (E4M3 "fn": S.1111.111; E8M0: 0xFF)."""
+    NEG_ZERO = "neg_zero"
+    """The code of −0 (sign bit alone, 0x80) is the one NaN; there is no −0 and no inf (AMD's "fnuz")."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class FloatFormat:
             bad = f"{self.bits} bits: minifloat's codes and packing hold formats of at most 8 bits"
         elif self.has_inf and self.nan is not NaNEncoding.IEEE:
             bad = "has_inf=True: only IEEE-style formats (nan=NaNEncoding.IEEE) encode infinities"
+        elif self.nan is NaNEncoding.NEG_ZERO and not (self.signed and self.has_zero):
+            bad = "nan=NaNEncoding.NEG_ZERO spells NaN as −0: it needs a sign bit and a zero"
         elif self.nan is NaNEncoding.IEEE and self.man_bits == 0:
             bad = "nan=NaNEncoding.IEEE needs ≥ 1 mantissa bit to tell NaN from inf; use ALL_ONES or NONE"
         if bad:
@@ -104,15 +108,17 @@ class FloatFormat:
             return (((1 << self.exp_bits) - 2) << self.man_bits) | ((1 << self.man_bits) - 1)
         if self.nan is NaNEncoding.ALL_ONES:  # only the all-ones magnitude is NaN
             return self.magnitude_mask - 1
-        return self.magnitude_mask
+        return self.magnitude_mask  # NONE, NEG_ZERO: every magnitude is a number
 
     @property
     def nan_code(self) -> int | None:
-        """Positive canonical NaN code (the one ml_dtypes produces), or None."""
+        """The canonical NaN code (the positive one ml_dtypes produces; fnuz's only NaN, 0x80), or None."""
         if self.nan is NaNEncoding.IEEE:  # quiet NaN: top mantissa bit set
             return (((1 << self.exp_bits) - 1) << self.man_bits) | (1 << (self.man_bits - 1))
         if self.nan is NaNEncoding.ALL_ONES:
             return self.magnitude_mask
+        if self.nan is NaNEncoding.NEG_ZERO:
+            return self.sign_mask
         return None
 
     @property
@@ -210,6 +216,19 @@ E5M2 = FloatFormat(
     aliases=("float8_e5m2", "fp8_e5m2"), torch_dtype="float8_e5m2",
     role="FP8 gradients: more range, less precision",
 )
+# AMD's FP8 (MI300): one more binade below, none above, no −0 — the same bits as an "fn" code read
+# with a bias one larger, so a value stored in e4m3fn reads back halved as e4m3fnuz (the factor of two
+# between an OCP checkpoint and its fnuz reading: `fnuz_scale_factor`).
+E4M3FNUZ = FloatFormat(
+    "e4m3fnuz", exp_bits=4, man_bits=3, bias=8, has_inf=False, nan=NaNEncoding.NEG_ZERO,
+    aliases=("float8_e4m3fnuz", "fp8_e4m3fnuz"), torch_dtype="float8_e4m3fnuz",
+    role="AMD FP8 (MI300) weights and activations",
+)
+E5M2FNUZ = FloatFormat(
+    "e5m2fnuz", exp_bits=5, man_bits=2, bias=16, has_inf=False, nan=NaNEncoding.NEG_ZERO,
+    aliases=("float8_e5m2fnuz", "fp8_e5m2fnuz"), torch_dtype="float8_e5m2fnuz",
+    role="AMD FP8 (MI300) gradients",
+)
 E3M2 = FloatFormat(
     "e3m2", exp_bits=3, man_bits=2, bias=3, has_inf=False, nan=NaNEncoding.NONE,
     aliases=("float6_e3m2fn", "fp6_e3m2"),
@@ -233,12 +252,27 @@ E8M0 = FloatFormat(
     role="MX block scale: an unsigned power of two",
 )
 
-FORMATS: dict[str, FloatFormat] = {f.name: f for f in (E4M3, E5M2, E3M2, E2M3, E2M1, E8M0)}
+FORMATS: dict[str, FloatFormat] = {f.name: f for f in (E4M3, E5M2, E4M3FNUZ, E5M2FNUZ, E3M2, E2M3, E2M1, E8M0)}
 """Every format by canonical name, in table order."""
 
 _BY_ALIAS: dict[str, FloatFormat] = {
     key: f for f in FORMATS.values() for key in (f.name, *f.aliases)
 }
+
+
+def fnuz_scale_factor(ocp: FloatFormat, fnuz: FloatFormat) -> float:
+    """The factor an ``fn`` code's value takes when its bits are read as the ``fnuz`` format of the
+    same layout: ``2 ** (ocp.bias - fnuz.bias)`` (½ for E4M3 → E4M3FNUZ). Loading an OCP FP8
+    checkpoint on fnuz hardware bit for bit means doubling its scales (and mapping 0x80, −0,
+    to 0x00, since it is fnuz's NaN); AMD's stacks do exactly that.
+
+    Example:
+        >>> fnuz_scale_factor(E4M3, E4M3FNUZ), fnuz_scale_factor(E5M2, E5M2FNUZ)
+        (0.5, 0.5)
+    """
+    if (ocp.exp_bits, ocp.man_bits) != (fnuz.exp_bits, fnuz.man_bits) or fnuz.nan is not NaNEncoding.NEG_ZERO:
+        raise MinifloatError(f"{ocp.name} and {fnuz.name} do not share a bit layout with fnuz's reading")
+    return 2.0 ** (ocp.bias - fnuz.bias)
 
 
 def get_format(fmt: str | FloatFormat | torch.dtype) -> FloatFormat:

@@ -31,14 +31,15 @@ def quantize(
     generator: torch.Generator | None = None,
 ) -> reference.Parts:
     """``(data, scale, tensor_scale)`` of `x` under `scheme` (arguments as the reference's)."""
-    fast = _use_fast() and x.numel() > 0 and cpu.supports(x)  # empty: nothing to measure
+    fast = _use_fast() and x.numel() > 0 and cpu.supports(x) and cpu.encodes(scheme.element_format)  # empty: nothing to measure
     impl = cpu.quantize if fast else reference.quantize
     return impl(x, scheme, scale=scale, amax=amax, rounding=rounding, generator=generator)
 
 
 def dequantize(data, scale, tensor_scale, shape, scheme: Scheme, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values the parts stand for, cropped to `shape`, in `dtype`."""
-    impl = cpu.dequantize if _use_fast() and cpu.runs_on(data.device) else reference.dequantize
+    fast = _use_fast() and cpu.runs_on(data.device) and cpu.encodes(scheme.element_format)
+    impl = cpu.dequantize if fast else reference.dequantize
     return impl(data, scale, tensor_scale, shape, scheme, dtype)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.formats.codec import sr_seed, value_table
-from minifloat.formats.registry import E4M3, E8M0, FloatFormat
+from minifloat.formats.registry import E4M3, E8M0, FloatFormat, NaNEncoding
 from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
 
@@ -208,6 +208,12 @@ def runs_on(device: torch.device) -> bool:
 
 def supports(x: torch.Tensor) -> bool:
     return x.dtype in _DTYPES and runs_on(x.device)
+
+
+def encodes(fmt: FloatFormat) -> bool:
+    """Whether the bit-trick encoder and decoder serve `fmt`: every format but the fnuz ones, whose
+    −0 is their NaN (the kernels put a sign on a rounded zero); those take the reference."""
+    return fmt.nan is not NaNEncoding.NEG_ZERO
 
 
 SERIAL_BELOW = 1 << 15  # elements: below it one thread is faster than waking the others

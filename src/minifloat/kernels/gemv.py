@@ -150,7 +150,7 @@ def _plan(data: torch.Tensor, scale: torch.Tensor, tensor_scale, shape, scheme: 
 
 def _has_nan_codes(data: torch.Tensor, fmt) -> bool:
     """Whether any code is NaN: E4M3's S.1111.111 (the kernels decode the others' NaN as they
-    are, and FP6 / FP4 have none)."""
+    are, and FP6 / FP4 have none; the fnuz formats never reach them)."""
     return fmt.name == "e4m3" and bool(((data & 0x7F) == 0x7F).any())
 
 

@@ -49,7 +49,11 @@ from minifloat.scaling.history import WINDOW_ALGOS
 from minifloat.scaling.schemes import Scheme, get_scheme, named
 
 ROLES = ("input", "weight", "grad_output")
-FP8_FORMATS = ("hybrid", "e4m3")
+# An FP8 recipe's `format`: the element of (input and weight, grad_output). The fnuz ones are AMD's
+# (MI300): the same bits read with a bias one larger, no inf, no −0.
+FP8_ELEMENTS = {"hybrid": ("e4m3", "e5m2"), "e4m3": ("e4m3", "e4m3"),
+                "hybrid-fnuz": ("e4m3fnuz", "e5m2fnuz"), "e4m3fnuz": ("e4m3fnuz", "e4m3fnuz")}  # fmt: skip
+FP8_FORMATS = tuple(FP8_ELEMENTS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,11 +99,16 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
+def _fp8_element(fmt: str, role: str) -> str:
+    if fmt not in FP8_ELEMENTS:
+        raise MinifloatError(f"unknown FP8 format {fmt!r}; use 'hybrid' (E4M3 forward, E5M2 gradients), 'e4m3', "
+                             f"or AMD's 'hybrid-fnuz' / 'e4m3fnuz'")  # fmt: skip
+    return FP8_ELEMENTS[fmt][role == "grad_output"]
+
+
 def _fp8_schemes(fmt: str, role: str, margin: int) -> Scheme:
-    if fmt not in FP8_FORMATS:
-        raise MinifloatError(f"unknown FP8 format {fmt!r}; use 'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3'")
-    name = "fp8_e5m2" if (fmt == "hybrid" and role == "grad_output") else "fp8"
-    return get_scheme(name).replace(margin=margin) if margin else get_scheme(name)
+    scheme = named(get_scheme("fp8").replace(element=_fp8_element(fmt, role)))
+    return scheme.replace(margin=margin) if margin else scheme
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +171,7 @@ class Float8BlockScaling(Recipe):
 
     def _scheme(self, role: str) -> Scheme:
         role = _role(role)
-        element = "e5m2" if (self.format == "hybrid" and role == "grad_output") else "e4m3"
+        element = _fp8_element(self.format, role)
         return named(get_scheme("fp8_block128x128" if role == "weight" else "fp8_block128").replace(element=element))
 
 
@@ -266,6 +275,8 @@ RECIPES: dict[str, Recipe] = {
     "fp8": DelayedScaling(),
     "fp8-current": CurrentScaling(),
     "fp8-block": Float8BlockScaling(),
+    "fp8-fnuz": DelayedScaling(format="hybrid-fnuz"),  # AMD MI300's FP8: E4M3FNUZ forward, E5M2FNUZ gradients
+    "fp8-current-fnuz": CurrentScaling(format="hybrid-fnuz"),
     "mxfp8": MXScaling(element="e4m3"),
     # the E8M0 exponent rounded up (NVIDIA's rule, torchao's default): no block saturates its largest
     # value — what a pretrained model's outliers ask for (docs/benchmarks/finetune-smollm2.md)

@@ -184,6 +184,9 @@ SCHEMES: dict[str, Scheme] = {
         Scheme(name="nvfp4_2d", element="e2m1", granularity="block", block=(16, 16), scale_format="e4m3"),
         Scheme(name="fp6_e3m2", element="e3m2"),
         Scheme(name="fp4", element="e2m1"),
+        Scheme(name="fp8_fnuz", element="e4m3fnuz"),  # AMD's FP8 (MI300)
+        Scheme(name="fp8_e5m2fnuz", element="e5m2fnuz"),
+        Scheme(name="fp8_rowwise_fnuz", element="e4m3fnuz", granularity="row"),
     )
 }
 """Every named preset."""

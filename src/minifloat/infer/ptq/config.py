@@ -13,6 +13,7 @@ fp8-weight-only     E4M3 per row            high precision                torcha
 fp8-dynamic         E4M3 per row            E4M3 per token, dynamic       compressed-tensors FP8_DYNAMIC
 fp8-static          E4M3 per tensor         E4M3 per tensor, calibrated   compressed-tensors FP8
 fp8-block           E4M3 128×128            E4M3 1×128, dynamic           DeepSeek-V3, HF fine-grained FP8
+fp8-dynamic-fnuz    E4M3FNUZ per row        E4M3FNUZ per token, dynamic   AMD MI300's FP8 (in memory only)
 mxfp8/mxfp6/mxfp4   MX 1×32, E8M0           the same, dynamic             OCP MX
 mxfp4-weight-only   MXFP4                   high precision                W4A16
 nvfp4-weight-only   NVFP4 1×16              high precision                W4A16
@@ -137,6 +138,9 @@ QUANT_CONFIGS: dict[str, QuantConfig] = {
         QuantConfig(name="fp8-dynamic", weight="fp8_rowwise", activation="fp8_rowwise"),
         QuantConfig(name="fp8-static", weight="fp8", activation="fp8", static=True),
         QuantConfig(name="fp8-block", weight="fp8_block128x128", activation="fp8_block128"),
+        # AMD's FP8 (MI300): E4M3FNUZ, the same layout with one binade less on top (max 240)
+        QuantConfig(name="fp8-dynamic-fnuz", weight="fp8_rowwise_fnuz", activation="fp8_rowwise_fnuz"),
+        QuantConfig(name="fp8-weight-only-fnuz", weight="fp8_rowwise_fnuz"),
         # MX: the scale exponent rounded up (rceil, as torchao's default), not the OCP spec's floor,
         # whose largest values saturate (docs/benchmarks/cpu-kernels.md: what each costs)
         QuantConfig(name="mxfp8", weight="mxfp8", activation="mxfp8", scale_rule="rceil"),
