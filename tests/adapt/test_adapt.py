@@ -177,3 +177,30 @@ def test_measuring_only_the_close_layers(tiny):
     assert s.measured == ["blocks.0.attn.qkv"] and s.kl["blocks.0.attn.qkv"] == full.kl["blocks.0.attn.qkv"]
     ratio = sorted(full.kl["blocks.0.attn.qkv"][c] / s.estimate["blocks.0.attn.qkv"][c] for c in s.candidates)[1]
     assert s.kl["blocks.1.mlp.fc"]["mxfp4"] == pytest.approx(s.estimate["blocks.1.mlp.fc"]["mxfp4"] * ratio, rel=1e-12)
+
+
+def test_gptq_candidates_are_the_uniform_gptq_models_layers(tiny):
+    """With method="gptq" every candidate's layers come from the model GPTQ'd whole (plain GPTQ: no
+    rotation, no smoothing); the uniform policy rebuilt from them is that model, and the auto
+    assignment is scored on those layers."""
+    from minifloat.adapt.auto import evaluate_policy
+    from minifloat.infer.ptq.config import get_quant_config
+    from minifloat.infer.ptq.method import PTQMethod
+
+    model, data, _ = tiny
+    s = sensitivity(model, data, ["fp8-dynamic", "nvfp4-weight-only"], method="gptq")
+    assert s.method == "gptq" and s.to_dict()["method"] == "gptq"
+    q = copy.deepcopy(model)  # independently: the library's quantize_model with a hand-built plain GPTQ method
+    quantize_model(q, "nvfp4-weight-only", calibration=data, method=PTQMethod(method="gptq"))
+    uniform = evaluate_policy(model, {n: "nvfp4-weight-only" for n in s.layers}, data, sens=s)
+    assert uniform["kl"] == pytest.approx(evaluate(q, model, data)["kl"], rel=1e-6)
+    rtn = sensitivity(model, data, ["nvfp4-weight-only"], method="rtn")
+    err = {m: sum(float((x.built[n]["nvfp4-weight-only"].weight.dequantize() - model.get_submodule(n).weight).square().sum())
+                  for n in s.layers) for m, x in (("gptq", s), ("rtn", rtn))}  # fmt: skip
+    assert err["gptq"] > err["rtn"]  # GPTQ trades weight error for output error: the weights moved more …
+    assert s.kl["blocks.0.mlp.fc"]["nvfp4-weight-only"] < rtn.kl["blocks.0.mlp.fc"]["nvfp4-weight-only"]  # … the outputs less
+    r = auto_precision(model, data, s.candidates, 6.0, sens=s)
+    assert r.average_bits <= 6.0 and r.metrics["kl"] >= 0
+    with pytest.raises(minifloat.MinifloatError, match="method='awq'"):
+        sensitivity(model, data, ["fp8-dynamic"], method="awq")
+    assert get_quant_config("nvfp4-weight-only").activation is None

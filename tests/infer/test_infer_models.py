@@ -211,6 +211,14 @@ def test_adapt_and_sensitivity_commands(trained, tmp_path, capsys):
     assert main(["adapt", str(trained), "--candidates", "fp8-dynamic,mxfp4", "--budget-bits", "4,5", "--out", str(tmp_path / "y")]) == 2
     out, err = capsys.readouterr()
     assert "--budget-bits 4: the cheapest candidate takes 4.25 bits" in err and "sensitivity" not in out  # before any work
+    assert main(["adapt", str(trained), "--candidates", "fp8-dynamic,nvfp4-weight-only", "--budget-bits", "6", "--method", "gptq",
+                 "--calib-batches", "1", "--eval-batches", "1", "--batch-size", "2", "--seq-len", "32", "--no-plots",
+                 "--out", str(tmp_path / "g"), "--json"]) == 0  # fmt: skip
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["method"] == "gptq" and metrics["measure"] == "all" and metrics["sensitivity"]["method"] == "gptq"
+    assert metrics["auto"][0]["average_bits"] <= 6
+    assert main(["adapt", str(trained), "--strategy", "layer", "--method", "gptq", "--out", str(tmp_path / "z")]) == 2
+    assert "--method gptq goes with --strategy auto" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("strategy", ["layer", "token", "confidence", "memory"])

@@ -84,8 +84,10 @@ def choose(s: Sensitivity, budget_bits: float) -> dict[str, str]:
 
 def _solve(s: Sensitivity, budget_bits: float) -> Solution:
     unit = math.gcd(*s.params.values())
-    # a layer's cost: its bits (codes + scales) in 1/64 bit per weight × its weights / unit, a whole number
-    options = [[(round(s.bits[n][c] * BIT_STEPS * s.params[n] / unit), s.kl[n][c]) for c in s.candidates]
+    # a layer's cost: its bits (codes + scales) in 1/64 bit per weight × its weights / unit, rounded up to a
+    # whole number, so that the chosen assignment keeps the budget whatever its bits (a GPTQ layer's
+    # act-order permutation adds a fraction)
+    options = [[(math.ceil(s.bits[n][c] * BIT_STEPS * s.params[n] / unit - 1e-9), s.kl[n][c]) for c in s.candidates]
                for n in s.layers]  # fmt: skip
     budget = math.floor(budget_bits * BIT_STEPS * sum(s.params.values()) // unit + 1e-9)
     least = min(min(s.bits[n].values()) for n in s.layers)
@@ -132,30 +134,39 @@ def auto_precision(
     ignore: Sequence[str] = ("lm_head",),
     measure: str = "all",
     most: int | None = None,
+    method: str = "rtn",
 ) -> AutoPrecision:
     """Choose and evaluate a per-layer assignment (see the module docstring); `sens` reuses a
     `sensitivity` of the same model and candidates; `eval_data` (default `data`) scores it.
     `measure`: ``"all"`` measures every layer's KL; ``"close"`` starts from the Fisher estimate
     and measures only the `close_layers` at this budget (at most `most` of them: a real model's
-    hundreds of layers)."""
+    hundreds of layers). `method`: how the candidates' layers are quantized (`sensitivity`)."""
     if measure not in ("all", "close"):
         raise MinifloatError(f"measure={measure!r}: use 'all' or 'close'")
-    s = sens if sens is not None else sensitivity(model, data, candidates, ignore=ignore,
+    s = sens if sens is not None else sensitivity(model, data, candidates, ignore=ignore, method=method,
                                                   measure="all" if measure == "all" else "none")  # fmt: skip
     if measure == "close":
         refine(s, model, data, close_layers(s, budget_bits, most=most))
     sol = _solve(s, budget_bits)
     assignment = dict(zip(s.layers, (s.candidates[i] for i in sol.picks), strict=True))
-    metrics = evaluate_policy(model, assignment, eval_data or data, calib=data)
+    metrics = evaluate_policy(model, assignment, eval_data or data, calib=data, sens=s)
     return AutoPrecision(assignment, average_bits(assignment, s), budget_bits,
                          sum(s.kl[n][c] for n, c in assignment.items()), metrics, sol.method, sol.gap)  # fmt: skip
 
 
-def evaluate_policy(model: torch.nn.Module, policy: dict[str, str | None], data, *, calib=None) -> dict:
-    """`evaluate` a copy of `model` quantized with `policy` (layer globs → configs) against it."""
+def evaluate_policy(model: torch.nn.Module, policy: dict[str, str | None], data, *, calib=None,
+                    sens: Sensitivity | None = None) -> dict:  # fmt: skip
+    """`evaluate` a copy of `model` quantized with `policy` (layer globs → configs) against it; with
+    a GPTQ `sens`, `policy` names each layer (as `choose` does) and the layers are the GPTQ'd ones
+    it holds (every layer from one candidate: that candidate's uniform GPTQ model)."""
     q = copy.deepcopy(model)
-    cal = calibrate(model, [b[:, :-1] for b in (calib or data)])
-    quantize_model(q, {**policy}, calibration=cal, ignore=())
+    if sens is not None and sens.method == "gptq":
+        for name, c in policy.items():
+            if c is not None:
+                q.set_submodule(name, copy.deepcopy(sens.built[name][c]))
+    else:
+        cal = calibrate(model, [b[:, :-1] for b in (calib or data)])
+        quantize_model(q, {**policy}, calibration=cal, ignore=())
     return {**evaluate(q, model, data), "average_bits": bits_per_weight(q)}
 
 

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,9 +35,11 @@ from minifloat.infer.evaluation.metrics import Quality
 from minifloat.infer.modules.accounting import layer_bytes
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import get_quant_config
-from minifloat.infer.quantize import calibrate, matches, why_not
+from minifloat.infer.ptq.method import resolve_method
+from minifloat.infer.quantize import calibrate, matches, quantize_model, why_not
 from minifloat.models.loading import logits_of
 
+METHODS = ("rtn", "gptq")
 DEFAULT_CANDIDATES = ("fp8-dynamic", "mxfp6", "mxfp4", "nvfp4", "nvfp4-4over6")  # the last: the heuristic's FP4
 
 
@@ -54,12 +57,13 @@ class Sensitivity:
     estimate: dict[str, dict[str, float]] = field(default_factory=dict)
     spearman: float = float("nan")
     measured: list[str] = field(default_factory=list)  # layers whose KL was measured; the others' is the scaled estimate
+    method: str = "rtn"  # how each candidate's layers were quantized: rtn, or gptq (the model quantized whole, sequentially)
     # what `refine` measures more layers with: each layer's quantized copies, the reference logits and loss
     built: dict = field(default_factory=dict, repr=False, compare=False)
     reference: tuple | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        keys = ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman", "measured")
+        keys = ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman", "measured", "method")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -132,6 +136,7 @@ def sensitivity(
     estimate_batches: int = 2,
     measure: str | Sequence[str] = "all",
     progress: Callable[[str, int, int], None] | None = None,
+    method: str = "rtn",
 ) -> Sensitivity:
     """Measure and estimate each quantizable layer's sensitivity to each candidate on `data`
     (token-id batches (B, T + 1), as `minifloat.infer.token_batches` cuts them).
@@ -140,7 +145,14 @@ def sensitivity(
     candidate); ``"none"`` only the one-backward Fisher estimate; a list of layer names measures
     those (`refine` adds more later). A layer not measured takes its estimate scaled by the median
     measured / estimated ratio (the estimate itself when nothing was measured). `progress(what,
-    done, total)` is called as the work goes."""
+    done, total)` is called as the work goes.
+
+    `method`: ``"rtn"`` rounds each layer's weights to nearest; ``"gptq"`` quantizes the whole model
+    with each candidate by GPTQ on `data` (layer by layer, each layer's inputs those of the layers
+    before it quantized; no rotation or smoothing, so that any layer can be swapped in alone) and
+    takes each layer's weights from there — the weights a user would ship."""
+    if method not in METHODS:
+        raise MinifloatError(f"method={method!r}: use one of {', '.join(METHODS)}")
     if not data:
         raise MinifloatError("sensitivity needs data: token-id batches (B, T + 1)")
     configs = {c: get_quant_config(c) for c in candidates}
@@ -154,15 +166,16 @@ def sensitivity(
     model.eval()
     calibration = calibrate(model, [b[:, :-1] for b in data]) if any(c.needs_calibration for c in configs.values()) else None
     try:
-        res = Sensitivity(layers, list(candidates), {}, {})
+        res = Sensitivity(layers, list(candidates), {}, {}, method=method)
         built: dict[str, dict[str, QuantizedLinear]] = {}
+        gptq = {c: gptq_layers(model, cfg, data, layers, ignore) for c, cfg in configs.items()} if method == "gptq" else {}
         for i, name in enumerate(layers):
             lin = model.get_submodule(name)
             res.params[name] = lin.weight.numel()
             built[name] = {}
             for c, cfg in configs.items():
                 amax = calibration.get(name) if cfg.needs_calibration else None
-                q = QuantizedLinear.from_linear(lin, cfg, input_amax=amax)
+                q = gptq[c][name] if gptq else QuantizedLinear.from_linear(lin, cfg, input_amax=amax)
                 built[name][c] = q
                 res.bits.setdefault(name, {})[c] = 8 * layer_bytes(q, bias=False) / res.params[name]
             if progress:
@@ -175,6 +188,20 @@ def sensitivity(
     finally:
         model.train(was)
     return res
+
+
+def gptq_layers(model: torch.nn.Module, config, data: Sequence[torch.Tensor], layers: Sequence[str],
+                ignore: Sequence[str] = ("lm_head",)) -> dict[str, QuantizedLinear]:  # fmt: skip
+    """`layers` of a copy of `model` quantized whole with `config` by plain GPTQ on `data` (the
+    recommended observer; no rotation, no smoothing: each layer stands alone in the original model)."""
+    q = copy.deepcopy(model)
+    method = resolve_method("gptq", config, export=True, rotation="none", smooth=-1)
+    quantize_model(q, config, calibration=list(data), ignore=ignore, method=method)
+    out = {n: q.get_submodule(n) for n in layers}
+    missing = [n for n, m in out.items() if not isinstance(m, QuantizedLinear)]
+    if missing:
+        raise MinifloatError(f"GPTQ with {config.name} left {missing[:3]} unquantized; leave that candidate out")
+    return out
 
 
 def refine(s: Sensitivity, model: torch.nn.Module, data: Sequence[torch.Tensor], layers: Sequence[str], *,

@@ -23,9 +23,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/adapt", help="output folder (metrics.json, report.md, plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
     p.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
-    p.add_argument("--measure", default="all", choices=("all", "close"),
+    p.add_argument("--measure", default="auto", choices=("auto", "all", "close"),
                    help="measure every layer's KL, or only the layers whose choice is close at a budget "
-                        "(the Fisher estimate for the rest: a real model's hundreds of layers)")
+                        "(the Fisher estimate for the rest: a real model's hundreds of layers); auto: close "
+                        "past 64 quantizable layers, else all")
+    p.add_argument("--method", default="rtn", choices=("rtn", "gptq"),
+                   help="how each candidate quantizes the weights: round to nearest, or GPTQ over the whole model "
+                        "(the weights a user would ship; uniform rows and rules of thumb too)")
     p.add_argument("--measure-most", type=int, default=12,
                    help="with --measure close: at most this many layers measured per budget, those nearest the margin")
 
@@ -60,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
                         calib_batches=args.calib_batches, eval_batches=args.eval_batches)  # fmt: skip
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
     echo = (lambda s: None) if args.json else print
+    if getattr(args, "strategy", "auto") != "auto" and args.method != "rtn":
+        raise MinifloatError(f"--method {args.method} goes with --strategy auto (the runtime strategies quantize by RTN)")
     if getattr(args, "strategy", "auto") != "auto":
         from minifloat.measure.adapt import run_strategy
         from minifloat.report.adapt import strategy_table
@@ -69,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         print_result(metrics, strategy_table(metrics), args.out, args.json)
         return 0
     metrics = run_adapt(args.model, args.out, candidates=candidates, budgets=budgets, source=source,
-                        plots=not args.no_plots, echo=echo, measure=args.measure, most=args.measure_most)  # fmt: skip
+                        plots=not args.no_plots, echo=echo, measure=args.measure, most=args.measure_most,
+                        method=args.method)  # fmt: skip
     print_result(metrics, adapt_table(metrics), args.out, args.json)
     return 0

@@ -22,7 +22,7 @@ from minifloat.adapt import (
     sensitivity,
 )
 from minifloat.adapt.auto import FILL_ENDS, average_bits, close_layers, uniform_bits
-from minifloat.adapt.sensitivity import quantizable, refine
+from minifloat.adapt.sensitivity import METHODS, quantizable, refine
 from minifloat.data.text import TextSource, batches_for, tokenizer_for
 from minifloat.errors import MinifloatError
 from minifloat.infer.checkpoints.loaders import load_model
@@ -31,6 +31,10 @@ from minifloat.io import jsonio
 from minifloat.io.atomic import atomic_path
 from minifloat.measure.compare import environment
 from minifloat.report.adapt import write_adapt_report
+
+# Up to this many quantizable layers --measure auto measures every one (a small model: seconds);
+# past it only the close ones — SmolLM2-135M's 210 Linears: 11+ min measuring all, 4 measuring the close
+MEASURE_ALL_UP_TO = 64
 
 
 def _progress(what: str, done: int, total: int) -> None:
@@ -48,13 +52,17 @@ def run_adapt(
     source: TextSource = TextSource(calib_batches=4, eval_batches=16),  # noqa: B008 - frozen
     plots: bool = True,
     echo: Callable[[str], None] = print,
-    measure: str = "all",
+    measure: str = "auto",
     most: int = 12,
+    method: str = "rtn",
 ) -> dict:
     """Sensitivity, then (with `budgets`) automatic precision against the uniform candidates and
     the rules of thumb; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`.
     `measure="close"` measures the KL of only the layers whose choice is close at each budget (the
-    `most` nearest the margin)."""
+    `most` nearest the margin); ``"auto"`` (the default) does so where the model has more than
+    `MEASURE_ALL_UP_TO` quantizable layers, and measures every layer otherwise. `method`: ``"gptq"``
+    quantizes the candidates by GPTQ (`minifloat.adapt.sensitivity.sensitivity`), the uniform rows
+    and the rules of thumb too."""
     for c in candidates:
         get_quant_config(c)  # an unknown name fails before any work
     if any(b <= 0 for b in budgets):
@@ -70,17 +78,27 @@ def run_adapt(
         if min(budgets) < least:
             raise MinifloatError(f"--budget-bits {min(budgets):g}: the cheapest candidate takes {least:.2f} bits "
                                  f"per weight on this model; give budgets ≥ {least:.2f}")  # fmt: skip
-    if measure not in ("all", "close"):
-        raise MinifloatError(f"--measure {measure!r}: use all or close")
-    echo(f"sensitivity of every layer to {', '.join(candidates)} ({len(train)} batches) …")
+    if measure not in ("auto", "all", "close"):
+        raise MinifloatError(f"--measure {measure!r}: use auto, all or close")
+    if method not in METHODS:
+        raise MinifloatError(f"--method {method!r}: use one of {', '.join(METHODS)}")
+    if measure == "auto":
+        n = len(quantizable(model, candidates))
+        measure = "close" if n > MEASURE_ALL_UP_TO and budgets else "all"
+        if measure == "close":
+            echo(f"{n} quantizable layers (more than {MEASURE_ALL_UP_TO}): measuring only the layers whose choice is close "
+                 f"at a budget (at most {most} each), the Fisher estimate for the rest; --measure all measures every one")  # fmt: skip
+    what = " by GPTQ (the whole model per candidate)" if method == "gptq" else ""
+    echo(f"sensitivity of every layer to {', '.join(candidates)}{what} ({len(train)} batches) …")
     s = sensitivity(model, train, candidates, measure="all" if measure == "all" or not budgets else "none",
-                    progress=_progress)  # fmt: skip
+                    progress=_progress, method=method)  # fmt: skip
     if measure == "close" and budgets:
         for b in budgets:
             refine(s, model, train, close_layers(s, b, most=most), progress=_progress)
         echo(f"  {len(s.layers)} layers, {len(s.measured)} measured (close at a budget), the rest estimated")
     echo(f"  {len(s.layers)} layers; the Fisher estimate ranks the measured KL with Spearman ρ = {s.spearman:.3f}")
-    metrics: dict = {"model": str(model_path), "sensitivity": s.to_dict(), "auto": [], "uniform": [], "env": environment()}
+    metrics: dict = {"model": str(model_path), "sensitivity": s.to_dict(), "auto": [], "uniform": [], "env": environment(),
+                     "method": method, "measure": measure}  # fmt: skip
     for b in budgets:
         r = auto_precision(model, train, candidates, b, sens=s, eval_data=val)
         metrics["auto"].append({"name": f"auto {b:g} bits", "budget_bits": b, "average_bits": r.average_bits,
@@ -90,7 +108,7 @@ def run_adapt(
         echo(f"  auto ≤ {b:g} bits: {r.average_bits:.2f} bits, Δppl {r.metrics['delta_ppl_pct']:+.2f} %, "
              f"KL {r.metrics['kl']:.2e}{gap}")  # fmt: skip
     for c in candidates:
-        m = evaluate_policy(model, {n: c for n in s.layers}, val, calib=train)
+        m = evaluate_policy(model, {n: c for n in s.layers}, val, calib=train, sens=s)
         metrics["uniform"].append({"name": c, "average_bits": average_bits({n: c for n in s.layers}, s), **_q(m)})
         echo(f"  uniform {c}: Δppl {m['delta_ppl_pct']:+.2f} %, KL {m['kl']:.2e}")
     high, low = candidates[0], candidates[-1]
@@ -106,7 +124,7 @@ def run_adapt(
                 rules.append((f"{word} layers {high} to {b:g} bits, rest {low}", f"{word} {b:g}", h))
     metrics["heuristics"] = []
     for name, short, h in rules:
-        m = evaluate_policy(model, h, val, calib=train)
+        m = evaluate_policy(model, h, val, calib=train, sens=s)
         row = {"name": name, "short": short, "average_bits": average_bits(h, s), "assignment": h, **_q(m)}
         metrics["heuristics"].append(row)
         echo(f"  {name}: {row['average_bits']:.2f} bits, Δppl {m['delta_ppl_pct']:+.2f} %, KL {m['kl']:.2e}")
