@@ -19,7 +19,7 @@ from tests.conftest import requires_cuda, sqnr_db
 # SQNR floors per recipe (output, grad_input, grad_weight) against a float64 nn.Linear.
 FLOORS = {"fp8": 20, "fp8-current": 20, "fp8-block": 20, "mxfp8": 20, "mxfp6": 14, "mxfp6-e2m3": 14, "mxfp6-e3m2": 14, "mxfp6-hybrid": 14, "mxfp4": 8, "nvfp4": 8, "nvfp4-4over6": 8,
           "mxfp4-rtn": 8, "mxfp4-rht": 8, "mxfp4-sr": 8, "mxfp4-tseng": 8, "mxfp4-tseng-rht32": 8, "mxfp4-tseng-fwd": 8, "mxfp4-tseng-least-error": 8,
-          "mxfp8-rceil": 20, "mxfp4-rceil": 8}
+          "mxfp8-rceil": 20, "mxfp4-rceil": 8, "fp8-fnuz": 20, "fp8-current-fnuz": 20}
 CEILING = 60  # above this a layer is not quantizing
 
 
@@ -533,5 +533,5 @@ def test_which_weights_fsdp_gathers_quantized_follows_what_the_scheme_is():
     agree on with one all-reduce (per tensor); not 128×128 blocks, FP6 / FP4 or NVFP4."""
     from minifloat.nn.all_gather import gathers
 
-    want = {"fp8", "fp8_e5m2", "fp8_rowwise", "fp8_block128", "mxfp8", "mxfp8_e5m2"}
+    want = {"fp8", "fp8_e5m2", "fp8_rowwise", "fp8_block128", "mxfp8", "mxfp8_e5m2", "fp8_fnuz", "fp8_rowwise_fnuz", "fp8_e5m2fnuz"}
     assert {n for n, s in minifloat.SCHEMES.items() if gathers(s)} == want

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from minifloat.infer.ptq.rotation import HadamardRotation, parse_rotation
 from minifloat.infer.ptq.rtn import Transform, WeightQuantizer, round_to_nearest, tensor_amax
 from minifloat.infer.ptq.sequential import Group, run_sequential
 from minifloat.infer.ptq.smoothing import Smoothing, fold_into_norm, smoothing_factors
+from minifloat.models.conv1d import Conv1DLinear
 from minifloat.nn.convert import matches, rule_for, swap_modules
 
 
@@ -241,6 +243,8 @@ def quantize_model(
             reason = why_not(m, c)
             if reason is None and export_format is not None:
                 why = unreadable(c.weight_scheme, m.out_features, m.in_features, export_format)
+                if isinstance(m, Conv1DLinear):
+                    why = "GPT-2's Conv1D: its readers quantize nn.Linear layers only"
                 reason = None if why is None else f"{export_format}: {why}"
         before = layer_bytes(m)
         rows[name] = LayerSummary(name, tuple(m.weight.shape), None, None, before, before, reason, rule=rule)
@@ -248,13 +252,26 @@ def quantize_model(
             plan[name] = (m, c, rule)
     done: dict[str, QuantizedLinear] = {}
     by_old: dict[int, QuantizedLinear] = {}
+    notes: dict[str, str] = {}  # what a quantized layer's summary row says of it (a rarely routed expert)
+    amaxes: dict[str, torch.Tensor] = {}  # the calibrated input amaxes the sequential path measured
     if method.sequential:
         # a head whose table the embedding shares is not rotated: the lookup reads the stored rows as they are
         tied = head is not None and (emb := _input_embedding(model, head)) is not None and emb[1].weight is head.weight
         plain = {n for n, (m, _, _) in plan.items() if tied and m is head}
-        unreached = _quantize_sequential(model, plan, calibration, method, backend, done, plain=plain)
+        unreached = _quantize_sequential(model, plan, calibration, method, backend, done, plain=plain, notes=notes,
+                                         amaxes=amaxes)  # fmt: skip
+        plain_method = dataclasses.replace(method, method="rtn", rotation=None, smooth=None)
         for name in unreached:
-            rows[name] = dataclasses.replace(rows[name], reason="calibration never reached it")
+            m, c, _ = plan[name]
+            amax = _sibling_amax(name, amaxes) if c.needs_calibration else None
+            if EXPERT.search(name) and (amax is not None or not c.needs_calibration):  # an expert its router never chose
+                done[name] = q = QuantizedLinear.from_linear(m, c, input_amax=amax, backend=backend,
+                                                             weight_quantizer=functools.partial(quantize_weight, method=plain_method))  # fmt: skip
+                swap_modules(model, [name], lambda old, q=q: q)
+                notes[name] = "its router sent it no calibration token: round to nearest" + (
+                    ", the input scale of its sibling experts" if amax is not None else "")  # fmt: skip
+            else:
+                rows[name] = dataclasses.replace(rows[name], reason="calibration never reached it")
         by_old = {id(plan[n][0]): q for n, q in done.items()}
     else:
         wq = weight_quantizer or (round_to_nearest if method == PTQMethod() else functools.partial(quantize_weight, method=method))
@@ -265,6 +282,8 @@ def quantize_model(
                 continue
             if c.needs_calibration:
                 amax = calibration.get(name)
+                if (amax is None or not float(amax) > 0) and (sibling := _sibling_amax(name, calibration)) is not None:
+                    amax, notes[name] = sibling, "its router sent it no calibration token: the input scale of its sibling experts"
                 if amax is None or not float(amax) > 0:
                     why = "calibration never reached it" if amax is None else f"its calibrated input amax is {float(amax)}"
                     rows[name] = dataclasses.replace(rows[name], reason=why)
@@ -275,7 +294,7 @@ def quantize_model(
     for name, q in done.items():
         c = q.config
         rows[name] = dataclasses.replace(rows[name], scheme=c.weight, activation=c.activation, bytes_after=layer_bytes(q),
-                                         config=c.name)  # fmt: skip
+                                         config=c.name, note=notes.get(name))  # fmt: skip
     summary.layers.extend(rows.values())
     if head is not None and id(head) in by_old:
         summary.layers.append(_quantize_embedding(model, head, by_old[id(head)]))
@@ -285,12 +304,16 @@ def quantize_model(
 
 
 def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, done: dict, *,
-                         plain: set[str] = frozenset()) -> set[str]:  # fmt: skip
+                         plain: set[str] = frozenset(), notes: dict | None = None, amaxes: dict | None = None) -> set[str]:  # fmt: skip
     """GPTQ / rotation / smoothing: `plan`'s layers quantized block by block (`run_sequential`);
-    the layers `plain` get no rotation."""
+    the layers `plain` get no rotation. A layer GPTQ saw fewer than `MIN_GPTQ_ROWS` tokens of (a
+    MoE expert its router rarely chose) is rounded to nearest, said in `notes`; `amaxes` gets the
+    calibrated input amaxes."""
+    notes = {} if notes is None else notes
+    amaxes = {} if amaxes is None else amaxes
     rotation = parse_rotation(method.rotation)
     configs = {n: c for n, (_, c, _) in plan.items()}
-    kinds = ["hessian"] if method.method == "gptq" else []
+    kinds = ["hessian", "rows"] if method.method == "gptq" else []
     if any(c.needs_calibration for c in configs.values()):
         kinds.append("amax")
     smoothing = method.smooth is not None and any(c.activation is not None for c in configs.values())
@@ -325,8 +348,13 @@ def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, 
             if amax is None or not float(amax) > 0:
                 raise MinifloatError(f"{name}: its calibrated input amax is {None if amax is None else float(amax)}; "
                                      f"calibrate on text that reaches it, or ignore it")  # fmt: skip
+            amaxes[name] = amax
         shared = group.amax if len({configs[n].weight_scheme for n in group.names}) == 1 else None
-        w = quantize_weight(group.weights[name], c, stats, method, amax=shared, name=name, dtype=m.weight.dtype)
+        how = method
+        if method.method == "gptq" and stats.get("rows", MIN_GPTQ_ROWS) < MIN_GPTQ_ROWS:  # a rarely routed expert
+            how = dataclasses.replace(method, method="rtn")
+            notes[name] = f"GPTQ saw {stats['rows']} calibration tokens (< {MIN_GPTQ_ROWS}): round to nearest"
+        w = quantize_weight(group.weights[name], c, stats, how, amax=shared, name=name, dtype=m.weight.dtype)
         q = QuantizedLinear(w, m.bias, c, input_amax=amax, backend=backend, input_transform=transform)
         done[name] = q
         return q
@@ -337,6 +365,20 @@ def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, 
     targets = {n: m for n, (m, _, _) in plan.items()}
     return run_sequential(model, batches, targets, kinds=kinds, prepare=prepare, quantize=quantize, swap=swap,
                           before=["channel_amax"] if smoothing else [])  # fmt: skip
+
+
+EXPERT = re.compile(r"\.experts\.\d+\.")  # a MoE expert's Linear (`minifloat.models.experts`): experts.N.<name>
+MIN_GPTQ_ROWS = 16  # fewer calibration tokens than this: GPTQ's Hessian says little, round to nearest instead
+
+
+def _sibling_amax(name: str, amaxes: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """For an expert's Linear, the largest calibrated input amax of the same Linear of its layer's
+    other experts (the scale an expert the router never chose takes); None otherwise."""
+    if not EXPERT.search(name):
+        return None
+    key = EXPERT.sub(".experts.*.", name)
+    seen = [a for n, a in amaxes.items() if n != name and a is not None and float(a) > 0 and EXPERT.sub(".experts.*.", n) == key]
+    return torch.stack([torch.as_tensor(a, dtype=torch.float32) for a in seen]).amax() if seen else None
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:

@@ -17,6 +17,8 @@ import torch
 
 from minifloat import checkpoint
 from minifloat.errors import MinifloatError
+from minifloat.models.conv1d import linears_from_conv1d
+from minifloat.models.experts import unfuse_experts
 from minifloat.models.gpt import GPT, get_config
 
 
@@ -91,7 +93,10 @@ def _from_pretrained(what: Path, **kwargs) -> torch.nn.Module:
     """transformers' causal LM at `what`; a load that fails is one error naming the path."""
     transformers = require_transformers()
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(what, **kwargs).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(what, **kwargs).eval()
+        linears_from_conv1d(model)  # GPT-2's Conv1D as the nn.Linear every walk over Linears sees
+        unfuse_experts(model)  # fused 3-D expert parameters as one nn.Linear per expert weight
+        return model
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise MinifloatError(f"{what / kwargs.get('gguf_file', '')}: transformers could not load it as a causal LM "

@@ -135,6 +135,17 @@ def _convert_layers(model: torch.nn.Module, recipe: Recipe, kept: tuple[str, ...
     return model
 
 
+def block_lists(model: torch.nn.Module, every_child: bool = False) -> list[tuple[str, torch.nn.ModuleList]]:
+    """The ``nn.ModuleList``s of `model` that hold Linears (in `every_child` with `every_child`),
+    each with its name, but those inside another such list's entries (the experts of a MoE block
+    are not the model's blocks, however many there are)."""
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) and (
+        all(any(isinstance(x, torch.nn.Linear) for x in child.modules()) for child in m) if every_child
+        else any(isinstance(x, torch.nn.Linear) for x in m.modules()))]  # fmt: skip
+    return [(fqn, m) for fqn, m in lists if not any(fqn.startswith(f"{outer}.") or not outer and fqn != outer
+                                                    for outer, _ in lists if outer != fqn)]  # fmt: skip
+
+
 def kept_blocks(model: torch.nn.Module, recipe: Recipe) -> tuple[str, ...]:
     """The name prefixes (``"blocks.0."``) of the blocks `recipe` keeps in high precision (its
     ``high_precision_first`` / ``high_precision_last``): entries of the model's longest
@@ -142,8 +153,7 @@ def kept_blocks(model: torch.nn.Module, recipe: Recipe) -> tuple[str, ...]:
     first, last = getattr(recipe, "high_precision_first", 0), getattr(recipe, "high_precision_last", 0)
     if not first and not last:
         return ()
-    lists = [(fqn, m) for fqn, m in model.named_modules()
-             if isinstance(m, torch.nn.ModuleList) and any(isinstance(x, torch.nn.Linear) for x in m.modules())]  # fmt: skip
+    lists = block_lists(model)
     if not lists:  # a warning, not an error: `mxfp4` keeps its first block by default, and a plain model has none
         log.warning("minifloat.convert: the recipe keeps its first %d / last %d blocks in high precision, but this %s has "
                     "no nn.ModuleList of blocks: every Linear is quantized (choose the layers with convert(filter=...))",

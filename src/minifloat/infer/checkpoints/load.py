@@ -23,6 +23,8 @@ from minifloat.infer.checkpoints.export import FORMATS
 from minifloat.infer.checkpoints.tensors import CheckpointTensors
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import QuantConfig
+from minifloat.models.conv1d import linears_from_conv1d
+from minifloat.models.experts import unfuse_experts
 from minifloat.nn.convert import swap_modules
 from minifloat.quant import QuantizedTensor
 from minifloat.scaling.layout import layout_for
@@ -126,6 +128,8 @@ def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(hf_config)
     finally:
         torch.set_default_dtype(previous)
+    linears_from_conv1d(model)  # the modules the export was written from: Conv1D as Linear, one Linear per expert
+    unfuse_experts(model)
     ts = CheckpointTensors(folder)
     swaps: dict[str, torch.nn.Module] = {}
     for name, m in model.named_modules():

@@ -27,7 +27,9 @@ from minifloat.models.adapter import ModelAdapter, adapter_for
 def new_cache(adapter: ModelAdapter, format: str | None = None, **kv):
     """An empty cache in `format` that `adapter.forward` takes; `kv` are `KVCache`'s arguments
     (a `KVSpec`'s fields or ``spec=``, ``scales=``, ``rope=``; the model's rotary embedding by
-    default where the spec keeps keys before RoPE)."""
+    default where the spec keeps keys before RoPE); ``slack``: tokens a sliding-window layer keeps
+    past its window, that a speculative decoder may roll back (transformers models)."""
+    slack = kv.pop("slack", 0)
     spec = kv.pop("spec", None) or KVSpec(**({"format": format} if format is not None else {}),
                                           **{k: kv.pop(k) for k in list(kv) if k in _SPEC_FIELDS})  # fmt: skip
     if spec.pre_rope and kv.get("rope") is None:
@@ -35,7 +37,7 @@ def new_cache(adapter: ModelAdapter, format: str | None = None, **kv):
     if adapter.cache_type == "kv":
         return KVCache(adapter.kv_geometry.n_layer, spec=spec, **kv)
     if adapter.cache_type == "transformers":
-        return quantized_cache(adapter.model.config, spec=spec, **kv)
+        return quantized_cache(adapter.model.config, spec=spec, slack=slack, **kv)
     raise MinifloatError(f"a {adapter.kind} model takes a cache of type {adapter.cache_type!r}; "
                          f"minifloat builds 'kv' and 'transformers' caches")  # fmt: skip
 

@@ -196,7 +196,8 @@ def generate(
     spec = KVSpec(format=kv_name, **{k: v for k, v in given.items() if v is not None}, **kv_options)
 
     def make_cache(m) -> KVCache:
-        return new_cache(adapter_for(m), spec=spec, scales=kv_scales if m is model else None)
+        return new_cache(adapter_for(m), spec=spec, scales=kv_scales if m is model else None,
+                         slack=(draft_tokens + 1) if draft is not None else 0)  # a rejected draft's tokens roll back
 
     make_cache(model)  # bad budget arguments: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)

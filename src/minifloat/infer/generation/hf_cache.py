@@ -27,29 +27,51 @@ def _classes():
     class MinifloatCacheLayer(DynamicLayer):
         """Layer `index` of the cache's one `KVCache`. It keeps no float copy: ``keys`` /
         ``values`` stay empty tensors that tell the model's dtype and device, and each `update`
-        returns the layer's K and V decoded for that attention call."""
+        returns the layer's K and V decoded for that attention call. A sliding-window layer
+        (`window`) holds only the last ``window - 1 + slack`` tokens — what its next queries see,
+        and `slack` more that a rejected speculation may roll back to — and tells the attention
+        mask where they start, as transformers' own sliding layer does."""
 
-        def __init__(self, cache, index: int) -> None:
+        def __init__(self, cache, index: int, window: int | None = None, slack: int = 0) -> None:
             super().__init__()
-            self.cache, self.index = cache, index
+            self.cache, self.index, self.window, self.slack = cache, index, window, slack
+            self.is_sliding = window is not None
+            self.seen = 0  # tokens this layer has been given (its sequence length)
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             k, v = self.cache.kv.update(self.index, key_states, value_states)
+            self.seen += key_states.shape[-2]
+            if self.window is not None:
+                self.cache.kv.drop_oldest(self.index, self.cache.kv.length(self.index) - (self.window - 1 + self.slack))
             # the model's dtype is the incoming states' (transformers 5.24 no longer keeps `self.dtype`)
             return k.to(key_states.device, key_states.dtype), v.to(value_states.device, value_states.dtype)
 
         def get_seq_length(self) -> int:
-            return self.cache.kv.length(self.index)
+            return self.seen
+
+        def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+            """(keys the next call attends over, the position of the first): the held tokens and the query's."""
+            q = args[0] if args else next(iter(kwargs.values()))
+            q = q.shape[0] if hasattr(q, "shape") else int(q)
+            held = self.cache.kv.length(self.index)
+            return held + q, self.seen - held
 
         def crop(self, tokens_to_remove: int) -> None:
-            """This layer only: transformers' ``Cache.crop`` calls every layer's."""
-            n = self.get_seq_length()
-            self.cache.kv.truncate(n - abs(tokens_to_remove) if tokens_to_remove <= 0 else tokens_to_remove, self.index)
+            """This layer only: transformers' ``Cache.crop`` calls every layer's (a max length, or
+            a negative count of tokens to remove from the end)."""
+            keep = self.seen - abs(tokens_to_remove) if tokens_to_remove <= 0 else tokens_to_remove
+            front = self.seen - self.cache.kv.length(self.index)
+            if keep < front:
+                raise MinifloatError(f"a sliding-window layer holds tokens from {front} on; rolling back to {keep} needs "
+                                     f"the ones it dropped (speculate at most {self.slack} tokens ahead)")  # fmt: skip
+            self.cache.kv.truncate(keep - front, self.index)
+            self.seen = min(self.seen, keep)
 
         def reset(self) -> None:
             super().reset()
+            self.seen = 0
             if self.index == 0:
                 self.cache.kv = KVCache(self.cache.kv.n_layer, **self.cache.kv.settings())
 
@@ -58,9 +80,10 @@ def _classes():
         counts every layer, as for the built-in GPT); `nbytes`, `truncate`, `events`,
         `precisions`, `keys_values` and `tensors` are the `KVCache`'s."""
 
-        def __init__(self, n_layer: int, **kv) -> None:
+        def __init__(self, n_layer: int, windows=None, slack: int = 0, **kv) -> None:
             self.kv = KVCache(n_layer, **kv)
-            super().__init__(layers=[MinifloatCacheLayer(self, i) for i in range(n_layer)])
+            windows = windows or [None] * n_layer
+            super().__init__(layers=[MinifloatCacheLayer(self, i, windows[i], slack) for i in range(n_layer)])
 
         @property
         def n_layer(self) -> int:
@@ -76,10 +99,12 @@ def _classes():
             return self.kv.keys_values(layer)
 
         def length(self, layer: int = 0) -> int:
-            return self.kv.length(layer)
+            """Tokens seen (the sequence length), whatever a sliding-window layer still holds."""
+            return self.layers[layer].get_seq_length()
 
         def truncate(self, n: int) -> None:
-            self.kv.truncate(n)
+            for layer in self.layers:
+                layer.crop(n)
 
         @property
         def events(self) -> list[dict]:
@@ -91,9 +116,26 @@ def _classes():
     return MinifloatCache
 
 
-def quantized_cache(config, format: str | None = None, **kv):
+def sliding_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: it attends to every earlier token), as
+    transformers' own cache reads the config (``layer_types``, else ``sliding_window``)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = int(text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window:
+        return [None] * n
+    if types is None:
+        return [int(window)] * n
+    return [int(window) if t == "sliding_attention" else None for t in types[:n]]
+
+
+def quantized_cache(config, format: str | None = None, *, slack: int = 0, **kv):
     """A transformers ``Cache`` for a model with `config` (its decoder layers), storing K and V in
     `format`; `kv` are `KVCache`'s arguments (a `KVSpec`'s fields, ``spec=``, ``scales=``,
-    ``rope=``): `budget_bytes` counts the whole cache (each layer keeps to its equal share)."""
+    ``rope=``): `budget_bytes` counts the whole cache (each layer keeps to its equal share).
+    Sliding-window layers hold their window only (`sliding_windows`), plus `slack` tokens a
+    speculative decoder may roll back."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return _classes()(int(text.num_hidden_layers), **({"format": format} if format is not None else {}), **kv)
+    fmt = {"format": format} if format is not None else {}
+    return _classes()(int(text.num_hidden_layers), windows=sliding_windows(config), slack=slack, **fmt, **kv)

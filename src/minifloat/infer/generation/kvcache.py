@@ -77,6 +77,7 @@ class KVCache(KVPolicy):
         self.rope = rope
         self.n_layer = n_layer
         self.dropped = 0  # tokens dropped so far (positions keep counting them)
+        self._front = [0] * n_layer  # tokens `drop_oldest` dropped from each layer alone (before its held ones)
         self._runs: list[list[Run]] = [[] for _ in range(n_layer)]  # oldest first; neighbours differ in format
         self._shape: tuple[int, int, int] | None = None  # (batch, heads, head_dim)
         self._transforms: RowTransforms | None = None  # made with the shape, at the first update
@@ -127,7 +128,7 @@ class KVCache(KVPolicy):
         t = k.shape[2]
         if self.budget_bytes is not None and layer == 0:
             self._check_budget(t)  # before anything is stored: every layer has layer 0's sizes
-        kr, vr = self._transforms.encode(to_rows(k.detach()), to_rows(v.detach()), self.length(layer), t)
+        kr, vr = self._transforms.encode(to_rows(k.detach()), to_rows(v.detach()), self.length(layer) + self._front[layer], t)
         if self.scales is not None:  # the calibrated per-tensor scale; values past its amax saturate
             if layer not in self.scales:
                 raise MinifloatError(f"the calibrated KV scales have no entry for layer {layer}")
@@ -205,6 +206,14 @@ class KVCache(KVPolicy):
             start += run.tokens
         self._runs[layer] = kept
         self._merge(layer)
+
+    def drop_oldest(self, layer: int, n: int) -> None:
+        """Drop the `n` oldest held tokens of `layer` alone (a sliding-window layer's tokens that
+        no query sees again); the positions of the tokens after them stay theirs."""
+        n = min(n, self.length(layer))
+        if n > 0:
+            self._keep(layer, 0, n)
+            self._front[layer] += n
 
     def truncate(self, n: int, layer: int | None = None) -> None:
         """Keep the first `n` tokens of every layer, or of `layer` alone (a rejected speculation's rollback)."""

@@ -91,8 +91,22 @@ class HessianObserver:
         return None if self.sum is None else self.sum / self.rows
 
 
+class RowsObserver:
+    """How many input rows (tokens) the layer saw: a MoE expert sees the ones its router sends it."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def observe(self, x: torch.Tensor, name: str = "") -> None:
+        self.rows += x.numel() // max(x.shape[-1], 1)
+
+    def result(self) -> int:
+        return self.rows
+
+
 OBSERVERS: dict[str, Callable[[], object]] = {
     "amax": AmaxObserver,
+    "rows": RowsObserver,
     "channel_amax": ChannelAmaxObserver,
     "hessian": HessianObserver,
 }

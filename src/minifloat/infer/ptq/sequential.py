@@ -26,6 +26,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.infer.ptq.observers import OBSERVERS, eval_mode
+from minifloat.nn.convert import block_lists
 
 Inputs = tuple[tuple, dict]
 
@@ -49,14 +50,10 @@ class Group:
 
 
 def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The longest ModuleList whose every child holds a Linear, or None."""
-    best = None
-    for m in model.modules():
-        if isinstance(m, torch.nn.ModuleList) and len(m) and all(
-            any(isinstance(x, torch.nn.Linear) for x in child.modules()) for child in m
-        ):
-            best = m if best is None or len(m) > len(best) else best
-    return best
+    """The longest ModuleList whose every child holds a Linear (not one inside another's
+    entries: a MoE layer's experts), or None."""
+    lists = block_lists(model, every_child=True)
+    return max((m for _, m in lists), key=len) if lists else None
 
 
 def _model_kwargs(model: torch.nn.Module) -> dict:

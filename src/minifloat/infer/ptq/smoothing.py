@@ -5,8 +5,8 @@ an outlier channel of the input, which a shared block scale cannot hold, is tame
 are quantized (α = 0.5 by default; α = 0 only flattens the weights, 1 only the inputs).
 
 The division by s is folded into the norm whose output the Linears alone read (a LayerNorm's
-or RMSNorm's weight and bias divided by s: q/k/v after the attention norm, gate/up after the MLP
-norm) and applied online otherwise (`Smoothing`, a multiply by 1/s before the input is quantized).
+or RMSNorm's weight and bias divided by s, Gemma's ``(1 + w)`` as a whole: q/k/v after the
+attention norm, gate/up after the MLP norm) and applied online otherwise (`Smoothing`, a multiply by 1/s before the input is quantized).
 
 Example:
     >>> s = smoothing_factors(torch.tensor([4.0, 1.0]), [torch.tensor([[1.0, 1.0]])], alpha=0.5)
@@ -51,17 +51,44 @@ class Smoothing(torch.nn.Module):
         return (x.float() * self.inverse).to(x.dtype)
 
 
+def weight_offset(norm: torch.nn.Module) -> float | None:
+    """c where `norm` computes normalize(x) · (c + weight) (+ bias): 0 for Llama's RMSNorm and a
+    LayerNorm, 1 for Gemma's ``(1 + w)``; None when it is neither (found by running it once with its
+    weight at zero on a ±1 input, which either normalization leaves as it is)."""
+    weight = norm.weight
+    x = torch.ones(1, weight.numel(), dtype=weight.dtype, device=weight.device)
+    x[..., 1::2] = -1
+    if weight.numel() % 2:
+        return None
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.zero_()
+            out = norm(x).float()
+    except Exception:  # noqa: BLE001 - a module that is not a plain norm: not foldable
+        return None
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    c = float((out * x.float()).mean())  # a bias cancels: x sums to zero
+    return float(round(c)) if round(c) in (0, 1) and abs(c - round(c)) < 1e-2 else None
+
+
 def fold_into_norm(norm: torch.nn.Module, factors: torch.Tensor) -> bool:
     """Divide the output of `norm` (a LayerNorm / RMSNorm with an elementwise weight over the
-    last dim) by `factors`, in place; False when it has no such weight."""
+    last dim, Gemma's ``(1 + w)`` one too: w ← (1 + w) / s − 1) by `factors`, in place; False
+    when it has no such weight."""
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or weight.numel() != factors.numel():
         return False
-    kind = type(norm).__name__.lower()
-    if "norm" not in kind or "gemma" in kind:  # Gemma's RMSNorm scales by (1 + weight): not a plain product
+    if "norm" not in type(norm).__name__.lower():
+        return False
+    c = weight_offset(norm)
+    if c is None:
         return False
     with torch.no_grad():
-        weight.div_(factors.to(weight.dtype))
+        f = factors.to(torch.float32)
+        weight.copy_(((c + weight.float()) / f - c).to(weight.dtype))
         bias = getattr(norm, "bias", None)
         if isinstance(bias, torch.Tensor):
             bias.div_(factors.to(bias.dtype))
