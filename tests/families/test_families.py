@@ -5,7 +5,8 @@ as windows, generation equal to transformers' own."""
 import pytest
 import torch
 
-from minifloat.data.text import TextSource
+from minifloat.adapt.sensitivity import sensitivity
+from minifloat.data.text import TextSource, batches_for, tokenizer_for
 from minifloat.errors import MinifloatError
 from minifloat.infer.checkpoints.loaders import load_model as load_quantized
 from minifloat.infer.evaluation.pipeline import evaluate_paths, quantize_checkpoint, quantize_in_memory
@@ -44,6 +45,9 @@ def test_every_linear_is_quantized_by_gptq(family, docs):
     assert len(summary.quantized) == 2 * PER_LAYER[name], summary
     m = evaluate_paths(folder, scheme="fp8-dynamic", source=_source(docs), method="gptq")
     assert abs(m["delta_ppl_pct"]) < 5 and m["kl"] < 0.05  # FP8 on random weights: close to the reference
+    fresh = load_model(folder)
+    s = sensitivity(fresh, batches_for(fresh, _source(docs), "train", tokenizer_for(folder)), ["fp8-dynamic", "nvfp4"])
+    assert len(s.layers) == 2 * PER_LAYER[name] and all(s.kl[n]["nvfp4"] >= 0 for n in s.layers)
 
 
 def test_the_export_reads_back_in_transformers(family, docs, tmp_path):

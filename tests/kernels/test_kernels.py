@@ -14,6 +14,9 @@ from minifloat.scaling.layout import as_float32, layout_for, to_grid
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="the CPU kernels were not built")
 
+# the schemes the kernels encode: every one but AMD's fnuz FP8, which the reference serves (its −0 is NaN)
+FAST = [n for n, s in SCHEMES.items() if cpu.encodes(s.element_format)]
+
 
 def special_input(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
@@ -60,7 +63,7 @@ def assert_same(a, b):
     assert torch.equal(da.view(torch.int32), db.view(torch.int32)), "dequantized values differ"
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("name", FAST)
 @pytest.mark.parametrize("shape", [(7, 300), (130, 129), (1, 33), (3, 2, 50), (17,)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fast_equals_reference(name, shape, dtype):
@@ -69,7 +72,7 @@ def test_fast_equals_reference(name, shape, dtype):
     assert_same(fast(x, scheme), ref(x, scheme))
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("name", FAST)
 @pytest.mark.parametrize("shape", [(3, 4500), (300, 520), (17, 16500)])
 def test_fast_equals_reference_across_spans_and_chunks(name, shape):
     """Rows longer than the kernels' 2048-column span, and several column chunks per row of
@@ -131,7 +134,7 @@ def other_build(request, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("name", FAST)
 def test_other_builds_equal_reference(other_build, name, monkeypatch):
     monkeypatch.setattr(cpu, "library", lambda: other_build)
     scheme = get_scheme(name)
@@ -486,10 +489,10 @@ def test_each_fast_path_is_taken_where_it_applies(monkeypatch):
         calls.clear()
     real_reference = reference.quantize
     monkeypatch.setattr(reference, "quantize", lambda *a, **k: calls.append("reference") or real_reference(*a, **k))
-    for name in SCHEMES:  # every scheme's own work in the kernel, both roundings
+    for name in SCHEMES:  # every scheme's own work in the kernel, both roundings; fnuz's in the reference
         quantize(x, name)
         quantize(x, name, rounding="stochastic")
-    assert calls == ["quantize"] * 2 * len(SCHEMES)
+    assert calls == [("quantize" if name in FAST else "reference") for name in SCHEMES for _ in range(2)]
     calls.clear()
     assert quantize(x[:0], "nvfp4").shape == (0, 64) and calls == ["reference"]  # empty: nothing to measure
     calls.clear()
