@@ -270,7 +270,7 @@ def test_native_arguments_refuse_what_no_kernel_runs():
 def test_every_recipe_has_a_native_kind_or_says_why_not():
     for name, recipe in RECIPES.items():
         kinds = {native_kind(recipe.scheme(r)) for r in ROLES}
-        if name.startswith("mxfp6"):
+        if name.startswith("mxfp6") or name.endswith("fnuz"):  # no cuBLAS GEMM for FP6, nor for AMD's FP8 on NVIDIA
             assert kinds == {None}
         else:
             assert None not in kinds, name

@@ -15,7 +15,7 @@ from minifloat.validate.runner import Check, Context, Outcome, phased
 
 NAME, TITLE = "quantize", "Quantize / dequantize per scheme: throughput and error"
 # SQNR floors (dB) for a standard normal input, per element format
-FLOOR_DB = {"e4m3": 28.0, "e5m2": 22.0, "e3m2": 22.0, "e2m3": 27.0, "e2m1": 14.0}
+FLOOR_DB = {"e4m3": 28.0, "e5m2": 22.0, "e4m3fnuz": 28.0, "e5m2fnuz": 22.0, "e3m2": 22.0, "e2m3": 27.0, "e2m1": 14.0}
 
 
 def run(ctx: Context) -> Outcome:
