@@ -21,14 +21,6 @@ from tests.families.tiny import FAMILIES, WINDOW, tiny_family
 PER_LAYER = {"llama": 7, "qwen2": 7, "qwen3": 7, "gemma3": 7, "mistral": 7, "phi3": 4, "gpt2": 4}
 
 
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("docs")
-    for i in range(24):
-        (d / f"{i}.txt").write_text(f"Section {i}. " + "The quick brown fox jumps over the lazy dog; it is late. " * (6 + i))
-    return d
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     return request.param, tiny_family(tmp_path_factory.mktemp(request.param) / "model", request.param)

@@ -17,14 +17,6 @@ from minifloat.models.loading import load_model
 from tests.families.tiny import EXPERTS, MOE_FAMILIES, tiny_moe
 
 
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("docs")
-    for i in range(24):
-        (d / f"{i}.txt").write_text(f"Part {i}: " + "Pack my box with five dozen liquor jugs, said the sphinx. " * (6 + i))
-    return d
-
-
 def _source(docs):
     return TextSource(data=str(docs), batch_size=2, seq_len=32, eval_batches=1, calib_batches=4)
 
