@@ -19,7 +19,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--calib-batches", type=int, default=4, help="training-split batches for sensitivity")
-    p.add_argument("--eval-batches", type=int, default=16, help="held-out batches for the comparison")
+    p.add_argument("--eval-batches", type=int, default=None,
+                   help="held-out batches for the comparison (default 16; auto: 4 past 64 quantizable layers, where "
+                        "each of its ten or so evaluations is a pass of the real model over them)")
     p.add_argument("--out", default="runs/adapt", help="output folder (metrics.json, report.md, plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
     p.add_argument("--json", action="store_true", help="print metrics.json instead of the table")
@@ -54,14 +56,14 @@ def run(args: argparse.Namespace) -> int:
     from minifloat.report.adapt import adapt_table
 
     for name in ("batch_size", "seq_len", "calib_batches", "eval_batches"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     try:
         budgets = [float(b) for b in args.budget_bits.split(",") if b.strip()]
     except ValueError:
         raise MinifloatError(f"--budget-bits takes numbers, e.g. 4.5,5,6; got {args.budget_bits!r}") from None
     source = TextSource(data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
-                        calib_batches=args.calib_batches, eval_batches=args.eval_batches)  # fmt: skip
+                        calib_batches=args.calib_batches, eval_batches=args.eval_batches or 16)  # fmt: skip
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
     echo = (lambda s: None) if args.json else print
     if getattr(args, "strategy", "auto") != "auto" and args.method != "rtn":
@@ -76,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     metrics = run_adapt(args.model, args.out, candidates=candidates, budgets=budgets, source=source,
                         plots=not args.no_plots, echo=echo, measure=args.measure, most=args.measure_most,
-                        method=args.method)  # fmt: skip
+                        method=args.method, few_eval_batches=args.eval_batches is None)  # fmt: skip
     print_result(metrics, adapt_table(metrics), args.out, args.json)
     return 0

@@ -8,6 +8,7 @@ Sensitivity and calibration use the corpus' training split, the comparisons its 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from minifloat.report.adapt import write_adapt_report
 # Up to this many quantizable layers --measure auto measures every one (a small model: seconds);
 # past it only the close ones — SmolLM2-135M's 210 Linears: 11+ min measuring all, 4 measuring the close
 MEASURE_ALL_UP_TO = 64
+FEW_EVAL_BATCHES = 4  # such a model's held-out batches by default: ten or so evaluations, each a pass of both models
 
 
 def _progress(what: str, done: int, total: int) -> None:
@@ -55,6 +57,7 @@ def run_adapt(
     measure: str = "auto",
     most: int = 12,
     method: str = "rtn",
+    few_eval_batches: bool = False,
 ) -> dict:
     """Sensitivity, then (with `budgets`) automatic precision against the uniform candidates and
     the rules of thumb; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`.
@@ -62,7 +65,8 @@ def run_adapt(
     `most` nearest the margin); ``"auto"`` (the default) does so where the model has more than
     `MEASURE_ALL_UP_TO` quantizable layers, and measures every layer otherwise. `method`: ``"gptq"``
     quantizes the candidates by GPTQ (`minifloat.adapt.sensitivity.sensitivity`), the uniform rows
-    and the rules of thumb too."""
+    and the rules of thumb too. `few_eval_batches`: with ``measure="auto"`` on a model past
+    `MEASURE_ALL_UP_TO` layers, evaluate on `FEW_EVAL_BATCHES` held-out batches (said in the output)."""
     for c in candidates:
         get_quant_config(c)  # an unknown name fails before any work
     if any(b <= 0 for b in budgets):
@@ -71,6 +75,10 @@ def run_adapt(
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(model_path)
     tok = tokenizer_for(model_path)
+    if few_eval_batches and measure == "auto" and budgets and len(quantizable(model, candidates)) > MEASURE_ALL_UP_TO:
+        source = dataclasses.replace(source, eval_batches=min(source.eval_batches, FEW_EVAL_BATCHES))
+        echo(f"evaluating on {source.eval_batches} held-out batches (a model of more than {MEASURE_ALL_UP_TO} quantizable "
+             f"layers: each comparison is a pass of it; --eval-batches N for more)")  # fmt: skip
     train, val = batches_for(model, source, "train", tok), batches_for(model, source, "val", tok)
     if budgets:  # a budget below every candidate fails now, not after the measurements
         layers = quantizable(model, candidates)
