@@ -32,8 +32,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="rtn", choices=("rtn", "gptq"),
                    help="how each candidate quantizes the weights: round to nearest, or GPTQ over the whole model "
                         "(the weights a user would ship; uniform rows and rules of thumb too)")
-    p.add_argument("--measure-most", type=int, default=12,
-                   help="with --measure close: at most this many layers measured per budget, those nearest the margin")
+    p.add_argument("--measure-most", type=int, default=None,
+                   help="with --measure close: at most this many layers measured per budget, those nearest the margin "
+                        "(default 12; 4 when --measure auto chose close)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

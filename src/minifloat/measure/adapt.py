@@ -36,6 +36,7 @@ from minifloat.report.adapt import write_adapt_report
 # Up to this many quantizable layers --measure auto measures every one (a small model: seconds);
 # past it only the close ones — SmolLM2-135M's 210 Linears: 11+ min measuring all, 4 measuring the close
 MEASURE_ALL_UP_TO = 64
+AUTO_MEASURE_MOST = 4  # layers measured per budget when --measure auto chose close (each: a pass per candidate)
 FEW_EVAL_BATCHES = 4  # such a model's held-out batches by default: ten or so evaluations, each a pass of both models
 
 
@@ -55,15 +56,17 @@ def run_adapt(
     plots: bool = True,
     echo: Callable[[str], None] = print,
     measure: str = "auto",
-    most: int = 12,
+    most: int | None = None,
     method: str = "rtn",
     few_eval_batches: bool = False,
 ) -> dict:
     """Sensitivity, then (with `budgets`) automatic precision against the uniform candidates and
     the rules of thumb; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`.
     `measure="close"` measures the KL of only the layers whose choice is close at each budget (the
-    `most` nearest the margin); ``"auto"`` (the default) does so where the model has more than
-    `MEASURE_ALL_UP_TO` quantizable layers, and measures every layer otherwise. `method`: ``"gptq"``
+    `most` nearest the margin, 12 by default); ``"auto"`` (the default) does so where the model has
+    more than `MEASURE_ALL_UP_TO` quantizable layers (`AUTO_MEASURE_MOST` of them unless `most` is
+    given: the Fisher estimate ranks SmolLM2's measured KLs with Spearman ρ = 0.994), and measures
+    every layer otherwise. `method`: ``"gptq"``
     quantizes the candidates by GPTQ (`minifloat.adapt.sensitivity.sensitivity`), the uniform rows
     and the rules of thumb too. `few_eval_batches`: with ``measure="auto"`` on a model past
     `MEASURE_ALL_UP_TO` layers, evaluate on `FEW_EVAL_BATCHES` held-out batches (said in the output)."""
@@ -94,8 +97,10 @@ def run_adapt(
         n = len(quantizable(model, candidates))
         measure = "close" if n > MEASURE_ALL_UP_TO and budgets else "all"
         if measure == "close":
-            echo(f"{n} quantizable layers (more than {MEASURE_ALL_UP_TO}): measuring only the layers whose choice is close "
-                 f"at a budget (at most {most} each), the Fisher estimate for the rest; --measure all measures every one")  # fmt: skip
+            most = AUTO_MEASURE_MOST if most is None else most
+            echo(f"{n} quantizable layers (more than {MEASURE_ALL_UP_TO}): measuring only the {most} layers whose choice is "
+                 f"closest at each budget, the Fisher estimate (scaled to them) for the rest; --measure all measures every one")  # fmt: skip
+    most = 12 if most is None else most
     what = " by GPTQ (the whole model per candidate)" if method == "gptq" else ""
     echo(f"sensitivity of every layer to {', '.join(candidates)}{what} ({len(train)} batches) …")
     s = sensitivity(model, train, candidates, measure="all" if measure == "all" or not budgets else "none",

@@ -61,7 +61,10 @@ def _classes():
         def crop(self, tokens_to_remove: int) -> None:
             """This layer only: transformers' ``Cache.crop`` calls every layer's (a max length, or
             a negative count of tokens to remove from the end)."""
-            keep = self.seen - abs(tokens_to_remove) if tokens_to_remove <= 0 else tokens_to_remove
+            self.keep(self.seen - abs(tokens_to_remove) if tokens_to_remove < 0 else tokens_to_remove)
+
+        def keep(self, keep: int) -> None:
+            """Keep the first `keep` tokens of the sequence (a rejected speculation's rollback)."""
             front = self.seen - self.cache.kv.length(self.index)
             if keep < front:
                 raise MinifloatError(f"a sliding-window layer holds tokens from {front} on; rolling back to {keep} needs "
@@ -104,7 +107,7 @@ def _classes():
 
         def truncate(self, n: int) -> None:
             for layer in self.layers:
-                layer.crop(n)
+                layer.keep(n)
 
         @property
         def events(self) -> list[dict]:
