@@ -82,7 +82,7 @@ def test_generation_equals_transformers_and_sliding_layers_hold_their_window(fam
     got = generate(model, prompt, 10, kv_cache="fp32")
     assert torch.equal(got.tokens, want)
     if name in ("mistral", "gemma3"):  # speculation rolls a sliding layer back within the slack it keeps
-        spec = generate(model, prompt, 10, kv_cache="fp32", draft="nvfp4-weight-only", draft_tokens=3)
+        spec = generate(model, prompt, 10, kv_cache="fp32", draft="nvfp4", draft_tokens=3)
         assert torch.equal(spec.tokens, want) and spec.proposed > 0
     adapter = adapter_for(model)
     cache = new_cache(adapter, "fp32")
