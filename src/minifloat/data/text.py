@@ -101,7 +101,7 @@ def text_ids(source: TextSource, split: str, tokenizer) -> tuple[torch.Tensor, i
             records[-n_val:] if split == "val" else records[:-n_val])  # fmt: skip
         return torch.tensor([t for n, r in part for t in render(r, tokenizer, n).input_ids], dtype=torch.long), None
     corpus = source.corpus(split)
-    return encode_documents(corpus.documents(split), tokenizer, corpus.source), adds_bos(tokenizer)
+    return encode_documents(corpus.documents(split), tokenizer, corpus.source, need_eos=False), adds_bos(tokenizer)
 
 
 def text_conventions(source: TextSource, tokenizer) -> str:
@@ -113,7 +113,9 @@ def text_conventions(source: TextSource, tokenizer) -> str:
     eos, bos = tokenizer.eos_token_id, adds_bos(tokenizer)
     start = f"each window starts with BOS {tokenizer.convert_ids_to_tokens(bos)!r}" if bos is not None else \
         "windows without BOS (the tokenizer puts none in front of a text)"  # fmt: skip
-    return f"documents end with EOS {tokenizer.convert_ids_to_tokens(eos)!r}; {start}"
+    end = f"documents end with EOS {tokenizer.convert_ids_to_tokens(eos)!r}" if eos is not None else \
+        "documents joined as they are (the tokenizer has no EOS)"  # fmt: skip
+    return f"{end}; {start}"
 
 
 def batches_for(model: torch.nn.Module, source: TextSource, split: str, tokenizer=None) -> list[torch.Tensor]:

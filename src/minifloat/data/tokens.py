@@ -43,16 +43,17 @@ def adds_bos(tokenizer) -> int | None:
     return bos if ids and ids[0] == bos else None
 
 
-def encode_documents(documents: list[bytes], tokenizer, source: str) -> torch.Tensor:
+def encode_documents(documents: list[bytes], tokenizer, source: str, *, need_eos: bool = True) -> torch.Tensor:
     """The documents as one stream of token ids (int64), each encoded without special tokens and
-    followed by the tokenizer's EOS."""
+    followed by the tokenizer's EOS (without `need_eos`, a tokenizer that has none joins them as they are)."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
+    if eos is None and need_eos:
         raise MinifloatError(f"the tokenizer has no EOS token, which separates the documents of {source}")
     ids: list[int] = []
     for doc in documents:
         ids += tokenizer(doc.decode("utf-8", "replace"), add_special_tokens=False)["input_ids"]
-        ids.append(eos)
+        if eos is not None:
+            ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
 
