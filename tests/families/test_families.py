@@ -92,6 +92,8 @@ def test_generation_equals_transformers_and_sliding_layers_hold_their_window(fam
     seen = prompt.shape[1] + 1
     windows = {"mistral": [WINDOW, WINDOW], "gemma3": [WINDOW, None]}.get(name, [None, None])
     held = [cache.kv.length(i) for i in range(2)]
-    assert held == [w - 1 if w else seen for w in windows] and cache.length() == seen
+    for h, w in zip(held, windows, strict=True):  # a window's tokens, dropped an eighth of a window at a time
+        assert (w - 1 <= h <= w - 1 + w // 8) if w else h == seen
+    assert cache.length() == seen
     per_token = cache.kv.layer_bytes(held.index(max(held))) // max(held)
     assert cache.nbytes() == sum(held) * per_token  # the bytes held: the windows, not the sequence

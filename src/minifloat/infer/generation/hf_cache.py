@@ -29,8 +29,9 @@ def _classes():
         ``values`` stay empty tensors that tell the model's dtype and device, and each `update`
         returns the layer's K and V decoded for that attention call. A sliding-window layer
         (`window`) holds only the last ``window - 1 + slack`` tokens — what its next queries see,
-        and `slack` more that a rejected speculation may roll back to — and tells the attention
-        mask where they start, as transformers' own sliding layer does."""
+        and `slack` more that a rejected speculation may roll back to — once past an eighth of a
+        window more (dropped together, so a decode step does not copy the held tokens), and
+        tells the attention mask where they start, as transformers' own sliding layer does."""
 
         def __init__(self, cache, index: int, window: int | None = None, slack: int = 0) -> None:
             super().__init__()
@@ -43,8 +44,10 @@ def _classes():
                 self.lazy_initialization(key_states, value_states)
             k, v = self.cache.kv.update(self.index, key_states, value_states)
             self.seen += key_states.shape[-2]
-            if self.window is not None:
-                self.cache.kv.drop_oldest(self.index, self.cache.kv.length(self.index) - (self.window - 1 + self.slack))
+            if self.window is not None:  # in steps of an eighth of the window: not a copy of the held tokens per step
+                keep = self.window - 1 + self.slack
+                if self.cache.kv.length(self.index) > keep + max(1, self.window // 8):
+                    self.cache.kv.drop_oldest(self.index, self.cache.kv.length(self.index) - keep)
             # the model's dtype is the incoming states' (transformers 5.24 no longer keeps `self.dtype`)
             return k.to(key_states.device, key_states.dtype), v.to(value_states.device, value_states.dtype)
 
