@@ -11,7 +11,7 @@ from minifloat.data.text import TextSource, batches_for, tokenizer_for
 from minifloat.infer.checkpoints.loaders import load_model as load_quantized
 from minifloat.infer.evaluation.pipeline import quantize_checkpoint
 from minifloat.infer.ptq.method import PTQMethod
-from minifloat.infer.quantize import EXPERT, quantize_model
+from minifloat.infer.quantize import EXPERT, calibrate, quantize_model
 from minifloat.models.experts import ExpertLinears
 from minifloat.models.loading import load_model
 from tests.families.tiny import EXPERTS, MOE_FAMILIES, tiny_moe
@@ -86,6 +86,9 @@ def test_an_expert_its_router_never_chose_is_rounded_to_nearest_and_said_so(tmp_
     assert lonely and all(r.scheme == "nvfp4" and "no calibration token" in (r.note or "") and "sibling" in r.note for r in lonely)
     assert all(r.scheme is not None for n, r in rows.items() if EXPERT.search(n))
     assert "router sent it no calibration token" in str(summary)
+    plain = load_model(folder)  # round to nearest: the calibrated input scales, the siblings' where none was seen
+    rtn = quantize_model(plain, "nvfp4", calibration=calibrate(plain, [b[:, :-1] for b in calib]))
+    assert all(r.scheme == "nvfp4" and "sibling" in (r.note or "") for r in rtn.layers if ".experts.5." in r.name)
 
 
 def test_the_export_reads_back_in_transformers(moe, docs, tmp_path):

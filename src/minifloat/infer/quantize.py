@@ -261,9 +261,10 @@ def quantize_model(
         unreached = _quantize_sequential(model, plan, calibration, method, backend, done, plain=plain, notes=notes,
                                          amaxes=amaxes)  # fmt: skip
         plain_method = dataclasses.replace(method, method="rtn", rotation=None, smooth=None)
+        siblings = expert_amaxes(amaxes)
         for name in unreached:
             m, c, _ = plan[name]
-            amax = _sibling_amax(name, amaxes) if c.needs_calibration else None
+            amax = siblings.get(EXPERT.sub(".experts.*.", name)) if c.needs_calibration else None
             if EXPERT.search(name) and (amax is not None or not c.needs_calibration):  # an expert its router never chose
                 done[name] = q = QuantizedLinear.from_linear(m, c, input_amax=amax, backend=backend,
                                                              weight_quantizer=functools.partial(quantize_weight, method=plain_method))  # fmt: skip
@@ -275,6 +276,7 @@ def quantize_model(
         by_old = {id(plan[n][0]): q for n, q in done.items()}
     else:
         wq = weight_quantizer or (round_to_nearest if method == PTQMethod() else functools.partial(quantize_weight, method=method))
+        siblings = expert_amaxes(calibration) if isinstance(calibration, Mapping) else {}
         for name, (m, c, _) in plan.items():
             amax = None
             if needs and name not in stats:
@@ -282,7 +284,8 @@ def quantize_model(
                 continue
             if c.needs_calibration:
                 amax = calibration.get(name)
-                if (amax is None or not float(amax) > 0) and (sibling := _sibling_amax(name, calibration)) is not None:
+                sibling = siblings.get(EXPERT.sub(".experts.*.", name)) if EXPERT.search(name) else None
+                if (amax is None or not float(amax) > 0) and sibling is not None:
                     amax, notes[name] = sibling, "its router sent it no calibration token: the input scale of its sibling experts"
                 if amax is None or not float(amax) > 0:
                     why = "calibration never reached it" if amax is None else f"its calibrated input amax is {float(amax)}"
@@ -371,14 +374,15 @@ EXPERT = re.compile(r"\.experts\.\d+\.")  # a MoE expert's Linear (`minifloat.mo
 MIN_GPTQ_ROWS = 16  # fewer calibration tokens than this: GPTQ's Hessian says little, round to nearest instead
 
 
-def _sibling_amax(name: str, amaxes: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """For an expert's Linear, the largest calibrated input amax of the same Linear of its layer's
-    other experts (the scale an expert the router never chose takes); None otherwise."""
-    if not EXPERT.search(name):
-        return None
-    key = EXPERT.sub(".experts.*.", name)
-    seen = [a for n, a in amaxes.items() if n != name and a is not None and float(a) > 0 and EXPERT.sub(".experts.*.", n) == key]
-    return torch.stack([torch.as_tensor(a, dtype=torch.float32) for a in seen]).amax() if seen else None
+def expert_amaxes(amaxes: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per expert Linear role (``…experts.*.w1``), the largest calibrated input amax over its
+    layer's experts: the input scale an expert the router never chose takes."""
+    out: dict[str, torch.Tensor] = {}
+    for n, a in amaxes.items():
+        if EXPERT.search(n) and a is not None and float(a) > 0:
+            key, a = EXPERT.sub(".experts.*.", n), torch.as_tensor(a, dtype=torch.float32)
+            out[key] = torch.maximum(out[key], a) if key in out else a
+    return out
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
