@@ -75,30 +75,30 @@ def run_adapt(
     if any(b <= 0 for b in budgets):
         raise MinifloatError(f"--budget-bits must be > 0, got {list(budgets)}")
     out = Path(out)
+    if measure not in ("auto", "all", "close"):
+        raise MinifloatError(f"--measure {measure!r}: use auto, all or close")
+    if method not in METHODS:
+        raise MinifloatError(f"--method {method!r}: use one of {', '.join(METHODS)}")
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(model_path)
     tok = tokenizer_for(model_path)
-    if few_eval_batches and measure == "auto" and budgets and len(quantizable(model, candidates)) > MEASURE_ALL_UP_TO:
+    layers = quantizable(model, candidates)
+    large = len(layers) > MEASURE_ALL_UP_TO  # a real model: measure the close layers only, evaluate on fewer batches
+    if few_eval_batches and measure == "auto" and budgets and large:
         source = dataclasses.replace(source, eval_batches=min(source.eval_batches, FEW_EVAL_BATCHES))
         echo(f"evaluating on {source.eval_batches} held-out batches (a model of more than {MEASURE_ALL_UP_TO} quantizable "
              f"layers: each comparison is a pass of it; --eval-batches N for more)")  # fmt: skip
     train, val = batches_for(model, source, "train", tok), batches_for(model, source, "val", tok)
     if budgets:  # a budget below every candidate fails now, not after the measurements
-        layers = quantizable(model, candidates)
         least = min(uniform_bits(model, layers, c) for c in candidates) if layers else 0.0
         if min(budgets) < least:
             raise MinifloatError(f"--budget-bits {min(budgets):g}: the cheapest candidate takes {least:.2f} bits "
                                  f"per weight on this model; give budgets ≥ {least:.2f}")  # fmt: skip
-    if measure not in ("auto", "all", "close"):
-        raise MinifloatError(f"--measure {measure!r}: use auto, all or close")
-    if method not in METHODS:
-        raise MinifloatError(f"--method {method!r}: use one of {', '.join(METHODS)}")
     if measure == "auto":
-        n = len(quantizable(model, candidates))
-        measure = "close" if n > MEASURE_ALL_UP_TO and budgets else "all"
+        measure = "close" if large and budgets else "all"
         if measure == "close":
             most = AUTO_MEASURE_MOST if most is None else most
-            echo(f"{n} quantizable layers (more than {MEASURE_ALL_UP_TO}): measuring only the {most} layers whose choice is "
+            echo(f"{len(layers)} quantizable layers (more than {MEASURE_ALL_UP_TO}): measuring only the {most} layers whose choice is "
                  f"closest at each budget, the Fisher estimate (scaled to them) for the rest; --measure all measures every one")  # fmt: skip
     most = 12 if most is None else most
     what = " by GPTQ (the whole model per candidate)" if method == "gptq" else ""
