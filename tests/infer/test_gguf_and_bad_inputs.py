@@ -14,7 +14,7 @@ from minifloat.infer import load_model
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-H, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 258
+H, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 259
 
 
 def _gpt2_bytes() -> list[str]:
@@ -35,10 +35,10 @@ def _rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, arch: str = "llama"):
+def write_tiny_gguf(path, arch: str = "llama", inter: int = INTER):
     """A random Llama (GQA, SwiGLU, RMSNorm, untied head) written as GGUF F32 tensors; returns it."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS,
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=inter, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=128,
                                    rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
     model = transformers.LlamaForCausalLM(cfg).eval()
@@ -46,7 +46,7 @@ def write_tiny_gguf(path, arch: str = "llama"):
     w.add_context_length(128)
     w.add_embedding_length(H)
     w.add_block_count(LAYERS)
-    w.add_feed_forward_length(INTER)
+    w.add_feed_forward_length(inter)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
@@ -54,10 +54,10 @@ def write_tiny_gguf(path, arch: str = "llama"):
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(VOCAB)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([*_gpt2_bytes(), "<s>", "<|endoftext|>"])
-    w.add_token_types([1] * 256 + [3, 3])
+    w.add_token_list([*_gpt2_bytes(), "<s>", "<|endoftext|>", "ĠĠ"])  # llama.cpp wants a merge: "Ġ Ġ" makes "ĠĠ"
+    w.add_token_types([1] * 256 + [3, 3, 1])
     w.add_token_scores([0.0] * VOCAB)
-    w.add_token_merges([])
+    w.add_token_merges(["Ġ Ġ"])
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -177,10 +177,10 @@ def test_bad_inputs_are_one_line_naming_the_file_or_tensor(tmp_path, capsys):
     if Path("/proc/self/mem").exists():  # a file that exists and cannot be read (even by root)
         _one_line_error(capsys, [*calib, "/proc/self/mem"], "--calib /proc/self/mem: cannot be read")
 
-    write_tiny_gguf(tmp_path / "tiny.gguf")  # a tokenizer of 258 tokens beside a 200-token model
+    write_tiny_gguf(tmp_path / "tiny.gguf")  # a tokenizer of 259 tokens beside a 200-token model
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     cfg.vocab_size = 200
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "mismatch")
     tok.save_pretrained(tmp_path / "mismatch")
     _one_line_error(capsys, ["eval", str(tmp_path / "mismatch"), "--scheme", "fp8-dynamic"],
-                    "the tokenizer has 258 tokens and the model's vocabulary 200")  # fmt: skip
+                    "the tokenizer has 259 tokens and the model's vocabulary 200")  # fmt: skip

@@ -43,8 +43,8 @@ _mnk = _dims("4096x4096x4096", "shape (MxNxK)")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
-    p.add_argument("what", choices=["quantize", "gemm", "train", "decode"], help="what to time")
-    p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file")
+    p.add_argument("what", choices=["quantize", "gemm", "train", "decode", "llamacpp"], help="what to time")
+    p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file; llamacpp: a .gguf file")
     p.add_argument("--weights", default=None,
                    help="decode: comma-separated PTQ configs to time greedy decoding with, fp32 the baseline ('' for none; "
                         "default: fp32 and the fp8, mxfp4 and nvfp4 weight-only configs)")
@@ -86,6 +86,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, default=None, help=f"interleaved repetitions (default {QUANTIZE['reps']} quantize, {GEMM['reps']} gemm, {TRAIN['reps']} train)")
     p.add_argument("--default-allocator", action="store_true",
                    help="leave glibc's malloc as it is: large outputs are page-faulted in again on every call")
+    g = p.add_argument_group("llamacpp: minifloat's GGUF files beside llama.cpp's own, measured by llama.cpp")
+    g.add_argument("--llamacpp-python", default=None,
+                   help="the Python of a venv with llama-cpp-python (default: $MINIFLOAT_LLAMACPP_PYTHON, else "
+                        "~/.cache/minifloat/llamacpp-venv)")  # fmt: skip
+    g.add_argument("--build-venv", action="store_true",
+                   help="make ~/.cache/minifloat/llamacpp-venv first (pip compiles llama.cpp: about 15 min on 2 cores)")
+    g.add_argument("--configs", default="mxfp4-weight-only,nvfp4-weight-only", help="minifloat's configs to write")
+    g.add_argument("--methods", default="rtn,gptq", help="comma-separated: rtn, gptq")
+    g.add_argument("--llama-types", default="F32,Q8_0,Q4_0,Q4_K_M,MXFP4",
+                   help="llama.cpp's own files to make (F32 always: the reference; NVFP4 too on request)")
+    g.add_argument("--gguf-rest", default="q8_0", help="minifloat's files: the type of the embedding / head")
+    g.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    g.add_argument("--batch-size", type=int, default=4, help="held-out windows per batch")
+    g.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    g.add_argument("--eval-batches", type=int, default=4, help="held-out batches")
+    g.add_argument("--calib-batches", type=int, default=8, help="GPTQ's calibration batches (training split)")
+    g.add_argument("--out", default="runs/llamacpp", help="folder for the files and metrics.json")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
 
@@ -93,6 +110,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.what == "decode":
         return _decode(args)
+    if args.what == "llamacpp":
+        return _llamacpp(args)
     reps = args.reps if args.reps is not None else {"quantize": QUANTIZE, "gemm": GEMM, "train": TRAIN}[args.what]["reps"]
     if reps < 1:
         raise MinifloatError(f"--reps must be ≥ 1, got {reps}")
@@ -259,4 +278,43 @@ def _decode(args: argparse.Namespace) -> int:
         out["speculative"] = decode.speculative(model, prompts, drafts, ks, new_tokens=new, calibration=calibration, echo=echo)
     if args.json:
         print(jsonio.dumps(out, indent=2))
+    return 0
+
+
+def _llamacpp(args: argparse.Namespace) -> int:
+    from minifloat.data.text import TextSource
+    from minifloat.measure import llamacpp
+
+    if args.model is None:
+        raise MinifloatError("bench llamacpp takes a .gguf model: minifloat bench llamacpp MODEL.gguf")
+    for name in ("threads", "batch_size", "seq_len", "eval_batches", "calib_batches", "new_tokens"):
+        if getattr(args, name) < 1:
+            raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    def say(msg: str) -> None:
+        print(f"  {msg}", file=sys.stderr, flush=True)
+
+    python = llamacpp.build_venv(progress=say) if args.build_venv else llamacpp.llamacpp_python(args.llamacpp_python)
+    source = TextSource(data=args.data, batch_size=args.batch_size, seq_len=args.seq_len, eval_batches=args.eval_batches,
+                        calib_batches=args.calib_batches)  # fmt: skip
+    def split(text: str) -> list[str]:
+        return [v.strip() for v in text.split(",") if v.strip()]
+
+    out = llamacpp.bench_llamacpp(args.model, python=python, source=source, out=args.out, configs=split(args.configs),
+                                  methods=split(args.methods), llama_types=split(args.llama_types), rest=args.gguf_rest,
+                                  threads=args.threads, new_tokens=args.new_tokens, repeats=args.reps or 3,
+                                  progress=say)  # fmt: skip
+    if args.json:
+        print(jsonio.dumps(out, indent=2))
+        return 0
+    print(f"{out['model']}: {out['windows'][0]} held-out windows of {out['windows'][1] - 1} tokens ({out['text']}); "
+          f"llama.cpp with {out['threads']} threads, greedy {out['new_tokens']} tokens, best of {out['repeats']} "
+          f"interleaved; minifloat's own F32 perplexity {out['minifloat_f32_ppl']:.4f}")  # fmt: skip
+    print(f"{'file':42} {'bits/w':>6} {'ppl':>9} {'Δppl':>8} {'tok/s':>6} {'×Q4_0':>6} {'minifloat ppl':>13} "
+          f"{'its Δppl':>8} {'llama.cpp vs it':>15}")  # fmt: skip
+    for r in out["rows"]:
+        mine = (f"{r['minifloat_ppl']:13.4f} {r['minifloat_delta_ppl_pct']:+7.2f}% {r['llamacpp_vs_minifloat_pct']:+14.2f}%"
+                if "minifloat_ppl" in r else f"{'':13} {'':8} {'':15}")  # fmt: skip
+        print(f"{r['file']:42} {r['bits_per_weight']:6.2f} {r['ppl']:9.4f} {cell(r['delta_ppl_pct'], '+7.2f', suffix='%')} "
+              f"{r['tokens_per_s']:6.0f} {cell(r['speed_vs_q4_0'], '6.2f')} {mine}")  # fmt: skip
+    print(f"files and metrics.json: {args.out}")
     return 0

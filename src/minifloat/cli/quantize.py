@@ -7,7 +7,8 @@ import argparse
 
 from minifloat.cli.defaults import print_result
 from minifloat.errors import MinifloatError
-from minifloat.infer.checkpoints.export import FORMATS
+from minifloat.infer.checkpoints.export import EXPORT_FORMATS
+from minifloat.infer.checkpoints.gguf_file import REST_TYPES
 from minifloat.infer.ptq.config import QUANT_CONFIGS
 from minifloat.io import jsonio
 
@@ -65,9 +66,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="quantize a trained model and write a serving checkpoint")
     p.add_argument("model", help="a `minifloat train` output folder or checkpoint, or a transformers model folder")
     p.add_argument("--scheme", required=True, choices=list(QUANT_CONFIGS), metavar="SCHEME", help=f"one of {names}")
-    p.add_argument("--format", default="compressed-tensors", choices=FORMATS, help="checkpoint format")
+    p.add_argument("--format", default="compressed-tensors", choices=EXPORT_FORMATS,
+                   help="checkpoint format; gguf: one file llama.cpp runs (MXFP4 / NVFP4 blocks; MODEL a .gguf)")  # fmt: skip
+    p.add_argument("--gguf-rest", default="q8_0", choices=REST_TYPES,
+                   help="--format gguf: the type of the 2-D tensors not in FP4 (embedding, an unquantized head); "
+                        "norms are F32 (default q8_0, as llama.cpp's own 4-bit files)")  # fmt: skip
     p.add_argument("--calib", default=None, help="text to calibrate on (default: the Python stdlib sources)")
-    p.add_argument("--out", required=True, help="the checkpoint folder to write")
+    p.add_argument("--out", required=True, help="the checkpoint folder to write (the .gguf file with --format gguf)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print the per-layer summary as JSON")
     _head_argument(p)
@@ -111,7 +116,7 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     summary = quantize_checkpoint(args.model, args.scheme, args.out, format=args.format, source=_source(args),
                                   overwrite=args.overwrite, quantize_head=args.quantize_head,
-                                  method=_method(args, args.method, args.scheme, export=True))  # fmt: skip
+                                  method=_method(args, args.method, args.scheme, export=True), gguf_rest=args.gguf_rest)  # fmt: skip
     print(jsonio.dumps(summary.to_dict(), indent=2) if args.json else f"{summary}\ncheckpoint: {args.out}")
     return 0
 

@@ -115,6 +115,14 @@ def _is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
 
 
+def gguf_header(path: Path) -> bool:
+    """Whether `path` is a .gguf file that starts as GGUF does and the gguf package can read it."""
+    if not _is_gguf(path) or importlib.util.find_spec("gguf") is None:
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
 def load_gguf(path: str | os.PathLike[str]) -> torch.nn.Module:
     """A GGUF file's causal LM through transformers' GGUF reader (the ``gguf`` package, an
     optional extra), its tensors dequantized to float32. A file that is not GGUF, or whose
@@ -162,13 +170,13 @@ def register_loader(name: str, detect: Callable[[Path], bool], load: Callable[[P
 def load_model(path: str | os.PathLike[str], *, specific: Sequence[Loader] = ()) -> torch.nn.Module:
     """The model at `path`, by the first of `LOADERS` that recognises it: a GGUF file, a
     `minifloat train` output or checkpoint (the built-in GPT), a transformers model folder.
-    `specific` loaders are tried before the transformers one, which takes any folder with a
-    config.json (a quantized checkpoint is one: `minifloat.infer.load_model` puts its loader here)."""
+    `specific` loaders are tried first: the transformers one takes any folder with a config.json
+    (a quantized checkpoint is one) and the GGUF one any .gguf (`minifloat.infer.load_model` puts
+    its readers of quantized checkpoints and FP4 GGUF files here)."""
     path = Path(path)
     if not path.exists():
         raise MinifloatError(f"{path}: no such model folder or file")
-    catch_all = next((i for i, loader in enumerate(LOADERS) if loader.name == "transformers"), len(LOADERS))
-    loaders = [*LOADERS[:catch_all], *specific, *LOADERS[catch_all:]]
+    loaders = [*specific, *LOADERS]
     for loader in loaders:
         if loader.detect(path):
             return loader.load(path)

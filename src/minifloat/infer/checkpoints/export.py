@@ -1,6 +1,7 @@
 """`export`: a quantized transformers model as a serving checkpoint, in one of `FORMATS` — each a
 module that knows its own tensors and ``quantization_config`` both ways (`compressed_tensors`:
-what llm-compressor writes and vLLM serves; `hf_fp8`: transformers' fine-grained FP8). This
+what llm-compressor writes and vLLM serves; `hf_fp8`: transformers' fine-grained FP8) — or as
+one GGUF file llama.cpp runs (`gguf_file`, ``format="gguf"``: FP4 blocks ggml holds exactly). This
 module holds what they share: which layers a format's readers cannot load (`unreadable`), the
 dense rest of the model, shards, tokenizer files, and the atomic write.
 
@@ -30,7 +31,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.formats.registry import E4M3
-from minifloat.infer.checkpoints import compressed_tensors, hf_fp8
+from minifloat.infer.checkpoints import compressed_tensors, gguf_file, hf_fp8
 from minifloat.infer.modules.embedding import QuantizedEmbedding
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.io.atomic import atomic_path, make_dir_beside, replace_dir
@@ -40,6 +41,8 @@ FORMATS = {m.NAME: m for m in (compressed_tensors, hf_fp8)}
 """The checkpoint formats by name, each a module: ``unreadable``, ``layer_tensors``,
 ``quantization_config`` to write; ``QUANT_METHOD``, ``SCALE_TENSOR``, ``CONVERTS_OUTPUT_EMBEDDING``,
 ``configs``, ``ignored``, ``read_scales``, ``read_input_amax`` to read."""
+EXPORT_FORMATS = (*FORMATS, gguf_file.NAME)
+"""What `export` writes: the checkpoint folders of `FORMATS` and GGUF files."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")  # fmt: skip
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -66,6 +69,8 @@ def unreadable(s: Scheme, n: int, k: int, fmt: str) -> str | None:
     codes that is not whole bytes (every format stores rows), or what the format's module says."""
     if k * s.element_format.bits % 8:
         return f"a row of {k} {s.element} codes is not whole bytes, as {fmt} stores rows"
+    if fmt == gguf_file.NAME:
+        return gguf_file.unreadable(s, n, k)
     return FORMATS[fmt].unreadable(s, n, k)
 
 
@@ -94,8 +99,14 @@ def export(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     tokenizer_dir: str | os.PathLike[str] | None = None,
     kv_scales: dict[int, tuple[float, float]] | None = None,
+    gguf_source: str | os.PathLike[str] | None = None,
+    gguf_rest: str = "q8_0",
 ) -> Path:
     """Write the quantized transformers `model` (after `quantize_model`) to `out_dir` in `format`.
+
+    ``format="gguf"`` writes one file, `out_dir`, from the GGUF the model was loaded from
+    (`gguf_source`: llama.cpp's metadata, tokenizer and tensor names), the dense rest in
+    `gguf_rest` (`minifloat.infer.checkpoints.gguf_file`).
 
     Tokenizer files come from `tokenizer_dir`, else from the folder the model was loaded from.
     `kv_scales` (`minifloat.infer.generation.hf_cache.calibrate_kv`'s K and V amax per layer) add an FP8 KV
@@ -103,8 +114,16 @@ def export(
     ``k_scale`` / ``v_scale`` (amax / 448, shape (1,), the model's dtype)."""
     from safetensors.torch import save_file
 
+    if format == gguf_file.NAME:
+        if kv_scales is not None:
+            raise MinifloatError("calibrated KV scales are written in the compressed-tensors format (kv_cache_scheme); "
+                                 "llama.cpp sets its own KV cache type (--cache-type-k)")  # fmt: skip
+        if gguf_source is None:
+            raise MinifloatError("format='gguf' takes llama.cpp's metadata and tokenizer from the GGUF the model was "
+                                 "loaded from: pass gguf_source=")  # fmt: skip
+        return gguf_file.write(model, out_dir, source=gguf_source, rest=gguf_rest, overwrite=overwrite)
     if format not in FORMATS:
-        raise MinifloatError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
+        raise MinifloatError(f"unknown export format {format!r}; use one of {', '.join(EXPORT_FORMATS)}")
     hf_config = getattr(model, "config", None)
     if hf_config is None or not hasattr(hf_config, "to_dict"):
         raise MinifloatError("export writes transformers models (a .config with to_dict()); got "

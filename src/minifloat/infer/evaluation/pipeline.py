@@ -17,8 +17,8 @@ import torch
 
 from minifloat.data.text import TextSource, batches_for, text_conventions, tokenizer_for
 from minifloat.errors import MinifloatError
-from minifloat.infer.checkpoints import hf_fp8
-from minifloat.infer.checkpoints.export import FORMATS, export
+from minifloat.infer.checkpoints import gguf_file, hf_fp8
+from minifloat.infer.checkpoints.export import EXPORT_FORMATS, export
 from minifloat.infer.checkpoints.loaders import load_model
 from minifloat.infer.evaluation.metrics import evaluate
 from minifloat.infer.ptq.config import QuantConfig, get_quant_config
@@ -45,6 +45,7 @@ def quantize_checkpoint(
     ignore: tuple[str, ...] = ("lm_head",),
     quantize_head: bool = False,
     method: str | PTQMethod = "rtn",
+    gguf_rest: str = "q8_0",
 ) -> QuantizeSummary:
     """Load `model_path`, quantize it with `config` by `method` (calibrating on `source`'s training
     split when the config or the method needs it; the LM head and embedding too with
@@ -58,8 +59,10 @@ def quantize_checkpoint(
         raise MinifloatError(f"rotation {method.rotation}: a rotated weight means W·T, and no {format} reader applies "
                              f"minifloat's online Hadamard transform on load, so such a checkpoint would load wrong; "
                              f"quantize without --rotate to export (rotations are for eval / generate in memory)")  # fmt: skip
-    if format not in FORMATS:
-        raise MinifloatError(f"unknown format {format!r}; use one of {', '.join(FORMATS)}")
+    if format not in EXPORT_FORMATS:
+        raise MinifloatError(f"unknown format {format!r}; use one of {', '.join(EXPORT_FORMATS)}")
+    if format == gguf_file.NAME:
+        gguf_file.check_request(model_path, config, gguf_rest)
     if format == "hf-fp8" and not hf_fp8.holds(config):
         raise MinifloatError(f"format 'hf-fp8' holds fp8-block weights; --scheme {config.name} needs compressed-tensors")
     if Path(out).exists() and not overwrite:
@@ -73,7 +76,8 @@ def quantize_checkpoint(
                              quantize_head=quantize_head, method=method)  # fmt: skip
     if not summary.quantized:
         raise MinifloatError(f"no layer of {model_path} could be quantized with {config.name}:\n{summary}")
-    export(model, out, format=format, overwrite=overwrite, tokenizer_dir=model_path if tokenizer else None)
+    export(model, out, format=format, overwrite=overwrite, tokenizer_dir=model_path if tokenizer else None,
+           gguf_source=model_path, gguf_rest=gguf_rest)
     return summary
 
 

@@ -1,0 +1,467 @@
+"""GGUF, llama.cpp's model file, both ways: FP4 weights written as ggml's own ``MXFP4`` / ``NVFP4``
+blocks, exactly (the same E2M1 codes and scales), and read back with the codes intact.
+
+ggml's two FP4 block types (the ``gguf`` package's `quants` reads both):
+
+========  =====================================================================================
+MXFP4     32 values in 17 bytes: one E8M0 exponent byte e, then 16 bytes whose low nibbles are
+          values 0–15 and high nibbles values 16–31. ggml stores each E2M1 value doubled
+          (``0, 1, 2, 3, 4, 6, 8, 12``, bit 3 the sign) and halves the scale (``2^(e−128)``):
+          value = E2M1 · 2^(e−127), OCP MX exactly.
+NVFP4     64 values in 36 bytes: four unsigned E4M3 scale bytes (one per 16 values), then four
+          8-byte groups, group j's low nibbles values 16j…16j+7, high nibbles 16j+8…16j+15;
+          value = E2M1 · E4M3 (ggml again doubles the code and halves the scale). NVFP4's FP32
+          tensor scale is the per-tensor ``<name>.scale`` tensor (F32, shape {1}) llama.cpp
+          loads beside the weight and multiplies the product by.
+========  =====================================================================================
+
+What ggml cannot hold exactly is refused, naming the layer: other element formats or block
+sizes (2-D blocks: ggml's blocks lie along a row), a row that is not whole blocks (NVFP4's
+block is 64 values), a NaN block (ggml reads E8M0 255 as 2^127 and E4M3 0x7F as 0), an input
+quantized by the config (llama.cpp quantizes activations its own way: export the config's
+``-weight-only`` twin), and a layer with an input transform (no reader applies a rotation or
+online smoothing; folded smoothing is in the weights and is written).
+
+The file is the source GGUF's, rewritten: its metadata (architecture, tokenizer, chat template)
+and tensor names as llama.cpp's converter wrote them, each of the model's tensors in its place
+(FP4 blocks, else `REST_TYPES`: the 2-D rest — embedding, an unquantized head or layer — in the
+type the user picks, ``q8_0`` by default as llama.cpp's own 4-bit files keep it, made by
+``gguf``'s quantizer; norms and biases F32), tensors the model does not hold (``rope_freqs``)
+copied as they were. Llama's Q and K rows are put back in llama.cpp's order (its converter
+permutes them; transformers' reader undoes it). ``minifloat.quantization`` records each FP4
+tensor's config, so a file read back keeps them (a config that disagrees with the block type is
+refused). Written beside the target and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.infer.ptq.config import QUANT_CONFIGS, QuantConfig
+from minifloat.quant import QuantizedTensor
+from minifloat.scaling.layout import part_specs
+from minifloat.scaling.schemes import Scheme
+
+NAME = "gguf"
+BLOCK = {"MXFP4": 32, "NVFP4": 64}  # values per ggml block
+BLOCK_BYTES = {"MXFP4": 17, "NVFP4": 36}
+READ_AS = {"MXFP4": "mxfp4-weight-only", "NVFP4": "nvfp4-weight-only"}  # a file without minifloat's record
+REST_TYPES = ("f32", "f16", "bf16", "q8_0")
+PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter reorders these archs' Q / K rows for its RoPE
+RECORD_KEY = "minifloat.quantization"
+_FTYPE = {"MXFP4": 38, "NVFP4": 39}  # llama_ftype MOSTLY_MXFP4_MOE, MOSTLY_NVFP4
+_E4M3_NAN = 0x7F
+
+
+def ggml_type(s: Scheme) -> str | None:
+    """The ggml block type that holds weights in scheme `s` exactly, or None."""
+    if s.element_format.name != "e2m1" or s.granularity != "block" or s.block[0] != 1:
+        return None
+    if s.is_mx and s.block[1] == 32:
+        return "MXFP4"
+    if s.is_nvfp4 and s.block[1] == 16:
+        return "NVFP4"
+    return None
+
+
+def unreadable(s: Scheme, n: int, k: int) -> str | None:
+    """Why llama.cpp cannot load an (n, k) weight in `s` as it is, or None."""
+    t = ggml_type(s)
+    if t is None:
+        over = f"{s.block[0]}×{s.block[1]} blocks" if s.granularity == "block" else f"a {s.granularity}"
+        return (f"is {s.name} ({s.element} with {s.scale_format} scales over {over}), which "
+                f"ggml has no type for: it holds E2M1 with an E8M0 scale per 32 values of a row (MXFP4) or an E4M3 "
+                f"scale per 16 (NVFP4)")  # fmt: skip
+    if k % BLOCK[t]:
+        return f"in_features={k} is not a multiple of ggml's {BLOCK[t]}-value {t} block"
+    return None
+
+
+def refusal(name: str, config: QuantConfig, q: QuantizedTensor, input_transform) -> str | None:
+    """Why the quantized layer `name` cannot be written to GGUF, or None."""
+    if input_transform is not None:
+        return (f"layer {name!r} transforms its input before the GEMM ({type(input_transform).__name__}); no GGUF reader "
+                f"applies it: quantize without a rotation or online smoothing to write GGUF")  # fmt: skip
+    if config.activation_scheme is not None:
+        twin = (
+            f"{config.name}-weight-only"
+            if f"{config.name}-weight-only" in QUANT_CONFIGS
+            else "a -weight-only config"
+        )
+        return (f"layer {name!r} is {config.name}, which quantizes its input; llama.cpp quantizes activations its own "
+                f"way (8-bit), so the file would not compute what the config does: use {twin}")  # fmt: skip
+    why = unreadable(q.scheme, *q.shape)
+    return None if why is None else f"layer {name!r} {why}"
+
+
+def check_request(model_path: str | os.PathLike[str], config: QuantConfig, rest: str) -> None:
+    """What a GGUF export of the model at `model_path` in `config` needs, checked before any work:
+    a source GGUF of an architecture the writer places, a weight-only FP4 config, a rest type."""
+    import gguf
+
+    if rest not in REST_TYPES:
+        raise MinifloatError(f"--gguf-rest {rest!r}: use one of {', '.join(REST_TYPES)}")
+    if config.activation_scheme is not None:
+        twin = f"{config.name}-weight-only"
+        raise MinifloatError(f"--scheme {config.name} quantizes activations, which a GGUF file cannot say (llama.cpp "
+                             f"quantizes them its own way): use {twin if twin in QUANT_CONFIGS else 'a -weight-only config'}")  # fmt: skip
+    if ggml_type(config.weight_scheme) is None:
+        raise MinifloatError(f"--scheme {config.name}: its weights ({config.weight_scheme.name}) are no ggml type; GGUF "
+                             f"holds mxfp4-weight-only and nvfp4-weight-only (and nvfp4-4over6-weight-only) exactly")  # fmt: skip
+    src = Path(model_path)
+    if not (src.is_file() and src.suffix.lower() == ".gguf"):
+        raise MinifloatError(f"{src}: writing GGUF takes llama.cpp's metadata, tokenizer and tensor names from the GGUF "
+                             f"the model comes from; quantize a .gguf file (convert a transformers folder with "
+                             f"llama.cpp's convert_hf_to_gguf.py --outtype f32 first)")  # fmt: skip
+    check_arch(_arch(gguf.GGUFReader(src)))
+
+
+# --- blocks ----------------------------------------------------------------------------------------
+
+
+def _nibbles(q: QuantizedTensor) -> torch.Tensor:
+    """The (n, k) E2M1 codes, one per byte (minifloat packs the even column in the low nibble)."""
+    n, k = q.shape
+    packed = q.data[:n, : k // 2]
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(n, k)
+
+
+def to_blocks(q: QuantizedTensor) -> tuple[str, np.ndarray, float | None]:
+    """`q` as ggml blocks: (type, uint8 array (n, bytes per row), NVFP4's tensor scale or None).
+    Raises ValueError for what ggml would read as another value (NaN scales)."""
+    t = ggml_type(q.scheme)
+    if t is None or len(q.shape) != 2 or q.shape[1] % BLOCK[t]:
+        raise ValueError(f"{q.scheme.name} {tuple(q.shape)} is not whole {t or 'ggml FP4'} blocks")
+    n, k = q.shape
+    codes, scale = _nibbles(q), q.scale[:n, : k // (BLOCK[t] if t == "MXFP4" else 16)]
+    if t == "MXFP4":
+        if bool((scale == 255).any()):
+            raise ValueError("a block holds NaN (E8M0 scale 255), which ggml would read as 2^127")
+        c = codes.reshape(n, k // 32, 2, 16)
+        qs = c[:, :, 0] | (c[:, :, 1] << 4)
+        out = torch.cat((scale.reshape(n, k // 32, 1), qs), dim=-1)
+        return t, out.reshape(n, -1).numpy(), None
+    if bool(((scale & 0x7F) == _E4M3_NAN).any()):
+        raise ValueError("a block holds NaN (E4M3 scale 0x7F), which ggml would read as 0")
+    if bool((scale & 0x80).any()):
+        raise ValueError("a block scale is negative; ggml's NVFP4 scales are unsigned E4M3")
+    ts = float(q.tensor_scale)
+    if not (np.isfinite(ts) and ts > 0):
+        raise ValueError(f"the tensor scale is {ts}; llama.cpp needs a finite positive one")
+    c = codes.reshape(n, k // 64, 4, 2, 8)
+    qs = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(n, k // 64, 32)
+    out = torch.cat((scale.reshape(n, k // 64, 4), qs), dim=-1)
+    return t, out.reshape(n, -1).numpy(), ts
+
+
+def from_blocks(t: str, raw: np.ndarray, k: int, scheme: Scheme, tensor_scale: float | None,
+                dtype: torch.dtype = torch.float32) -> QuantizedTensor:  # fmt: skip
+    """The QuantizedTensor (codes and scales as they are) of ggml blocks `raw` (n, bytes per row)."""
+    raw = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(raw.shape[0], k // BLOCK[t], BLOCK_BYTES[t])
+    n = raw.shape[0]
+    if t == "MXFP4":
+        scale, qs = raw[:, :, :1].reshape(n, k // 32), raw[:, :, 1:]
+        codes = torch.stack((qs & 0xF, qs >> 4), dim=2)  # (n, blocks, 2, 16)
+    else:
+        scale, qs = raw[:, :, :4].reshape(n, k // 16), raw[:, :, 4:].reshape(n, k // 64, 4, 8)
+        codes = torch.stack((qs & 0xF, qs >> 4), dim=3)  # (n, blocks, 4, 2, 8)
+    codes = codes.reshape(n, k // 2, 2)
+    specs = part_specs((n, k), scheme)
+    data = torch.zeros(specs["data"][1], dtype=torch.uint8)
+    data[:n, : k // 2] = codes[..., 0] | (codes[..., 1] << 4)
+    grid = torch.zeros(specs["scale"][1], dtype=torch.uint8)
+    grid[:n, : scale.shape[1]] = scale
+    ts = (
+        None
+        if t == "MXFP4"
+        else torch.tensor(1.0 if tensor_scale is None else tensor_scale, dtype=torch.float32)
+    )
+    return QuantizedTensor(data, grid, ts, (n, k), scheme, dtype)
+
+
+def rope_rows(n: int, heads: int) -> torch.Tensor:
+    """llama.cpp's order of a Q or K projection's `n` rows for `heads` heads: row i of its file is
+    row ``rope_rows(n, heads)[i]`` of transformers' weight (each head's two halves interleaved)."""
+    return torch.arange(n).reshape(heads, 2, n // heads // 2).transpose(1, 2).reshape(n)
+
+
+def rest_tensor(t: np.ndarray, rest: str):
+    """A dense tensor as written: (array, ggml raw type or None for a plain float array)."""
+    import gguf
+
+    t = np.ascontiguousarray(t, dtype=np.float32)
+    if t.ndim < 2 or rest == "f32":
+        return t, None
+    if rest == "f16":
+        return t.astype(np.float16), None
+    qtype = gguf.GGMLQuantizationType.BF16 if rest == "bf16" else gguf.GGMLQuantizationType.Q8_0
+    if t.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return t, None  # not whole Q8_0 blocks: kept exact
+    return gguf.quants.quantize(t, qtype), qtype
+
+
+# --- names -----------------------------------------------------------------------------------------
+
+
+def _arch(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise MinifloatError("the GGUF has no general.architecture")
+    return field.contents()
+
+
+def name_map(arch: str, layers: int):
+    """gguf's map from transformers module names to this architecture's GGUF tensor names."""
+    import gguf
+
+    found = [k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch]
+    if not found:
+        raise MinifloatError(f"gguf {gguf.__version__} does not know architecture {arch!r}")
+    return gguf.get_tensor_name_map(found[0], layers)
+
+
+def check_arch(arch: str) -> None:
+    """Refuse an architecture whose tensors transformers converts on reading beyond Llama's Q / K
+    order (norm offsets, fused experts): writing them back needs each conversion inverted."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor
+
+    proc = TENSOR_PROCESSORS.get(arch)
+    if proc is not None and proc is not LlamaTensorProcessor:
+        raise MinifloatError(f"writing GGUF for architecture {arch!r} is not supported: transformers converts its "
+                             f"tensors on reading ({proc.__name__}) and the writer does not invert that yet; "
+                             f"architectures read as written: llama, qwen2, qwen3, phi3 and the like")  # fmt: skip
+
+
+def _heads(config, gguf_name: str) -> int | None:
+    """The head count llama.cpp permutes a Q / K weight by, or None for any other tensor."""
+    if gguf_name.endswith("attn_q.weight"):
+        return config.num_attention_heads
+    if gguf_name.endswith("attn_k.weight"):
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return None
+
+
+def gguf_name(nmap, hf_name: str) -> str | None:
+    base, _, suffix = hf_name.rpartition(".")
+    found = nmap.get_name(base)
+    return None if found is None else f"{found}.{suffix}"
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
+          rest: str = "q8_0", overwrite: bool = False) -> Path:  # fmt: skip
+    """Write the quantized transformers `model` (loaded from the GGUF `source`) to the GGUF file `out`."""
+    import gguf
+
+    from minifloat import __version__
+    from minifloat.infer.modules.embedding import QuantizedEmbedding
+    from minifloat.infer.modules.linear import QuantizedLinear
+    from minifloat.io.atomic import atomic_path
+
+    if rest not in REST_TYPES:
+        raise MinifloatError(f"gguf rest type {rest!r}: use one of {', '.join(REST_TYPES)}")
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise MinifloatError(
+            f"{out} exists; pass overwrite=True (--overwrite) to replace it, or choose another file"
+        )
+    src = Path(source)
+    if not (src.is_file() and src.suffix.lower() == ".gguf"):
+        raise MinifloatError(f"writing GGUF takes llama.cpp's metadata and tokenizer from the GGUF the model came from; "
+                             f"{src} is not a .gguf file: quantize the .gguf file itself")  # fmt: skip
+    reader = gguf.GGUFReader(src)
+    arch = _arch(reader)
+    check_arch(arch)
+    config = model.config
+    nmap = name_map(arch, config.num_hidden_layers)
+    permute = arch in PERMUTED_ARCHS
+
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if not quantized:
+        raise MinifloatError(
+            "the model has no QuantizedLinear: run minifloat.quantize_model(model, config) first"
+        )
+    embeddings = {n for n, m in model.named_modules() if isinstance(m, QuantizedEmbedding)}
+    tensors: dict[str, tuple[np.ndarray, object]] = {}
+    record: dict[str, str] = {}
+    types: set[str] = set()
+
+    def place(hf_name: str) -> str:
+        found = gguf_name(nmap, hf_name)
+        if found is None:
+            raise MinifloatError(f"tensor {hf_name!r} has no GGUF name in gguf's map for {arch!r}; the writer "
+                                 f"cannot place it")  # fmt: skip
+        return found
+
+    for name, layer in quantized.items():
+        q = layer.checkpoint_weight()
+        if (why := refusal(name, layer.config, q, layer.input_transform)) is not None:
+            raise MinifloatError(f"{why}; keep it in high precision (ignore=[{name!r}]; quantize_model(..., "
+                                 f"export_format='gguf') does so itself)")  # fmt: skip
+        g = place(f"{name}.weight")
+        try:
+            t, blocks, ts = to_blocks(q)
+        except ValueError as err:
+            raise MinifloatError(f"layer {name!r}: {err}") from None
+        if permute and (heads := _heads(config, g)) is not None:
+            blocks = blocks[rope_rows(q.shape[0], heads).numpy()]
+        tensors[g] = (blocks, getattr(gguf.GGMLQuantizationType, t))
+        if ts is not None:
+            tensors[g.removesuffix(".weight") + ".scale"] = (np.array([ts], dtype=np.float32), None)
+        if layer.bias is not None:
+            tensors[place(f"{name}.bias")] = (layer.bias.detach().float().numpy(), None)
+        record[g], _ = layer.config.name, types.add(t)
+    for prefix in embeddings:  # a packed table: llama.cpp looks tokens up in its values, as the rest type
+        tensors[place(f"{prefix}.weight")] = rest_tensor(
+            model.get_submodule(prefix).weight.dequantize(torch.float32).numpy(), rest
+        )
+    skip = tuple(f"{p}." for p in (*quantized, *embeddings))
+    seen: set[tuple] = set()
+    for hf_name, t in model.state_dict().items():
+        if hf_name.startswith(skip):
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:  # a tied head: llama.cpp reads token_embd when the file has no output.weight
+            continue
+        seen.add(key)
+        g = place(hf_name)
+        arr = t.detach().float().numpy()
+        if permute and (heads := _heads(config, g)) is not None:
+            arr = arr[rope_rows(arr.shape[0], heads).numpy()]
+        tensors[g] = rest_tensor(arr, rest)
+    for rt in reader.tensors:  # what transformers does not hold (rope_freqs), as it was
+        if rt.name not in tensors:
+            tensors[rt.name] = (np.asarray(rt.data), rt.tensor_type)
+
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), arch)
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type",
+                                                                 "general.quantization_version", RECORD_KEY):  # fmt: skip
+                continue
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+        w.add_file_type(_FTYPE[types.pop()] if len(types) == 1 else gguf.LlamaFileType.GUESSED)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_string(RECORD_KEY, json.dumps({"version": __version__, "configs": record}, sort_keys=True))
+        for g, (arr, qtype) in tensors.items():
+            if qtype is None:
+                w.add_tensor(g, arr)
+            else:
+                w.add_tensor(g, arr, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+def fp4_tensors(path: str | os.PathLike[str]) -> bool:
+    """Whether the GGUF at `path` holds MXFP4 or NVFP4 blocks (read with the codes intact)."""
+    import gguf
+
+    return any(t.tensor_type.name in BLOCK for t in gguf.GGUFReader(path).tensors)
+
+
+def load(path: str | os.PathLike[str]) -> torch.nn.Module:
+    """The causal LM in the GGUF file `path`, its MXFP4 / NVFP4 weights as `QuantizedLinear` layers
+    holding the file's codes and scales as they are (with NVFP4's ``.scale``), every other tensor
+    dequantized by ``gguf`` into transformers' model of the architecture (config and tokenizer
+    from transformers' reading of the file's metadata); in eval mode. Every tensor the model needs
+    is checked (present, shape, a record that agrees with the block type) before it is used."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minifloat.infer.modules.linear import QuantizedLinear
+    from minifloat.nn.convert import swap_modules
+
+    path = Path(path)
+    reader = gguf.GGUFReader(path)
+    arch = _arch(reader)
+    check_arch(arch)
+    record = {}
+    if (field := reader.fields.get(RECORD_KEY)) is not None:
+        try:
+            record = json.loads(field.contents())["configs"]
+        except (ValueError, KeyError, TypeError):
+            raise MinifloatError(
+                f"{path}: {RECORD_KEY} is not minifloat's record of the tensors' configs"
+            ) from None
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config)
+    by_name = {t.name: t for t in reader.tensors}
+    nmap = name_map(arch, config.num_hidden_layers)
+    permute = arch in PERMUTED_ARCHS
+    used: set[str] = set()
+
+    def tensor(g: str, hf_name: str, shape: tuple[int, ...]):
+        if g not in by_name:
+            raise MinifloatError(f"{path}: tensor {g!r} ({hf_name}) is missing")
+        rt = by_name[g]
+        if tuple(int(x) for x in reversed(rt.shape)) != tuple(shape):
+            raise MinifloatError(
+                f"{path}: tensor {g!r} has shape {tuple(reversed(rt.shape))}; {hf_name} needs {shape}"
+            )
+        used.add(g)
+        return rt
+
+    swaps: dict[str, torch.nn.Module] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or (g := gguf_name(nmap, f"{name}.weight")) not in by_name:
+            continue
+        t = by_name[g].tensor_type.name
+        if t not in BLOCK:
+            continue
+        n, k = m.out_features, m.in_features
+        rt = tensor(g, f"{name}.weight", (n, k))
+        cname = record.get(g, READ_AS[t])
+        qc = QUANT_CONFIGS.get(cname)
+        if qc is None or ggml_type(qc.weight_scheme) != t or qc.activation_scheme is not None:
+            raise MinifloatError(f"{path}: tensor {g!r} holds {t} blocks but the file records config {cname!r}, which "
+                                 f"does not write them: the file claims one thing and holds another")  # fmt: skip
+        ts = None
+        if t == "NVFP4" and (sg := g.removesuffix(".weight") + ".scale") in by_name:
+            ts = float(
+                np.asarray(tensor(sg, f"{name} tensor scale", (1,)).data, dtype=np.float32).reshape(-1)[0]
+            )
+        raw = np.asarray(rt.data).reshape(n, -1)
+        if permute and (heads := _heads(config, g)) is not None:
+            raw = raw[torch.argsort(rope_rows(n, heads)).numpy()]
+        weight = from_blocks(t, raw, k, qc.weight_scheme, ts, m.weight.dtype)
+        swaps[name] = QuantizedLinear(weight, m.bias, qc)
+    dense = {}
+    for hf_name, p in model.state_dict().items():
+        prefix = hf_name.rpartition(".")[0]
+        if prefix in swaps and hf_name.endswith(".weight"):
+            continue
+        g = gguf_name(nmap, hf_name)
+        if g is None:
+            raise MinifloatError(f"{path}: {arch} tensor {hf_name!r} has no GGUF name in gguf's map")
+        if g not in by_name and hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        rt = tensor(g, hf_name, tuple(p.shape))
+        arr = gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(p.shape)
+        if permute and (heads := _heads(config, g)) is not None:
+            arr = arr[torch.argsort(rope_rows(arr.shape[0], heads)).numpy()]
+        dense[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(p.dtype)
+    by_old = {id(model.get_submodule(n)): q for n, q in swaps.items()}
+    swap_modules(model, list(swaps), lambda old: by_old[id(old)])
+    model.load_state_dict(dense, strict=False)
+    if config.tie_word_embeddings and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if unused := sorted(g for g, rt in by_name.items() if g not in used and rt.tensor_type.name in BLOCK):
+        raise MinifloatError(
+            f"{path}: FP4 tensors {unused[:4]} match no Linear of the {arch} model transformers built"
+        )
+    return model.eval()

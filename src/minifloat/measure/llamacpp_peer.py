@@ -1,0 +1,105 @@
+"""llama.cpp as users run it — through llama-cpp-python in *its own* venv, never imported by
+minifloat: `minifloat bench llamacpp` runs this file as a script with that venv's Python.
+
+    PYTHON llamacpp_peer.py quantize SRC DST FTYPE [--threads N]
+    PYTHON llamacpp_peer.py ppl FILE --windows windows.npy [--threads N]
+    PYTHON llamacpp_peer.py decode FILE --prompt 1,2,3 [--tokens 64] [--repeats 3] [--threads N]
+
+``quantize``: llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed) to the
+llama_ftype number FTYPE. ``ppl``: the windows of ``windows.npy`` (rows of T + 1 token ids), each
+evaluated from an empty context, every next token scored (llama.cpp's logits, a float64 log-softmax
+here). ``decode``: greedy decoding of ``--tokens`` tokens after the prompt, the decode steps timed
+(the prompt's evaluation not), best of ``--repeats``. Each prints one JSON line. This file imports
+nothing from minifloat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+
+
+def _llama(path: str, n_ctx: int, threads: int, logits_all: bool):
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=logits_all,
+                           n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
+
+
+def quantize(a) -> dict:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = a.ftype
+    params.allow_requantize = True
+    params.nthread = a.threads
+    t0 = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(a.src.encode(), a.dst.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize {a.src} -> {a.dst} (ftype {a.ftype}) returned {rc}")
+    return {"file": a.dst, "seconds": time.perf_counter() - t0}
+
+
+def ppl(a) -> dict:
+    import numpy as np
+
+    windows = np.load(a.windows)
+    t = windows.shape[1] - 1
+    llm = _llama(a.file, t, a.threads, logits_all=True)
+    nll, count = 0.0, 0
+    for row in windows:
+        llm.reset()
+        llm.eval([int(x) for x in row[:-1]])
+        logits = np.asarray(llm.scores[:t], dtype=np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        nll -= float(logp[np.arange(t), row[1:]].sum())
+        count += t
+    return {"nll": nll, "tokens": count, "ppl": float(np.exp(nll / count))}
+
+
+def decode(a) -> dict:
+    import numpy as np
+
+    prompt = [int(x) for x in a.prompt.split(",")]
+    llm = _llama(a.file, len(prompt) + a.tokens + 8, a.threads, logits_all=False)
+    best, tokens = float("inf"), []
+    for _ in range(a.repeats):
+        llm.reset()
+        llm.eval(prompt)
+        out = []
+        t0 = time.perf_counter()
+        for _ in range(a.tokens):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            out.append(tok)
+            llm.eval([tok])
+        best = min(best, time.perf_counter() - t0)
+        tokens = out
+    return {"tokens_per_s": a.tokens / best, "tokens": tokens}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("quantize")
+    q.add_argument("src")
+    q.add_argument("dst")
+    q.add_argument("ftype", type=int)
+    e = sub.add_parser("ppl")
+    e.add_argument("file")
+    e.add_argument("--windows", required=True)
+    d = sub.add_parser("decode")
+    d.add_argument("file")
+    d.add_argument("--prompt", required=True)
+    d.add_argument("--tokens", type=int, default=64)
+    d.add_argument("--repeats", type=int, default=3)
+    for s in (q, e, d):
+        s.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    print(json.dumps({"quantize": quantize, "ppl": ppl, "decode": decode}[a.cmd](a)))
+
+
+if __name__ == "__main__":
+    main()

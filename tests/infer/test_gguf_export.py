@@ -1,0 +1,262 @@
+"""GGUF files llama.cpp runs: FP4 weights written as ggml's MXFP4 / NVFP4 blocks, checked with
+the real readers — `gguf`'s own dequantization of every tensor, transformers' GGUF reader of the
+whole file (names, Q / K order, metadata), llama.cpp itself where it is installed — and read
+back by minifloat with the codes intact."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import minifloat
+from minifloat.cli import main
+from minifloat.errors import MinifloatError
+from minifloat.infer import QuantizedLinear, load_model
+from minifloat.infer.checkpoints.export import export
+
+from .test_gguf_and_bad_inputs import HEADS, KV_HEADS, LAYERS, VOCAB, write_tiny_gguf
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+FP4 = ("mxfp4-weight-only", "nvfp4-weight-only", "nvfp4-4over6-weight-only")
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
+
+
+def _llama_order(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's order of Q / K rows (the published reshape), for the oracle."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _quantized(src, config, **kw):
+    model = load_model(src)
+    summary = minifloat.quantize_model(model, config, export_format="gguf", **kw)
+    return model, summary
+
+
+def _file_tensors(path):
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf")
+    write_tiny_gguf(d / "tiny.gguf")
+    return d / "tiny.gguf"
+
+
+@pytest.mark.parametrize("config", FP4)
+def test_ggufs_own_dequantization_of_every_fp4_tensor_equals_minifloats_weight(tiny, tmp_path, config):
+    model, _ = _quantized(tiny, config)
+    out = export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tiny, gguf_rest="f32")
+    tensors = _file_tensors(out)
+    seen = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, QuantizedLinear):
+            continue
+        block, proj = name.split(".")[2], name.rsplit(".", 1)[1]
+        g = f"blk.{block}.{GGUF_NAMES[proj]}"
+        t = tensors[f"{g}.weight"]
+        assert t.tensor_type.name == ("MXFP4" if config.startswith("mx") else "NVFP4")
+        got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        q = layer.checkpoint_weight()
+        if q.tensor_scale is not None:  # llama.cpp multiplies the product by the tensor's .scale
+            scale = np.asarray(tensors[f"{g}.scale"].data, dtype=np.float32).reshape(-1)
+            assert scale.shape == (1,) and scale[0] == q.tensor_scale.item()
+            q = minifloat.QuantizedTensor(q.data, q.scale, torch.tensor(1.0), q.shape, q.scheme)
+        want = q.dequantize()
+        if proj in ("q_proj", "k_proj"):
+            want = _llama_order(want, HEADS if proj == "q_proj" else KV_HEADS)
+        assert not torch.isnan(got).any()
+        assert torch.equal(got, want), name  # every code and block scale, exactly (ggml has no −0: +0 == −0)
+        seen += 1
+    assert seen == 7 * LAYERS
+
+
+def test_transformers_reads_the_file_as_the_model_that_wrote_it(tiny, tmp_path):
+    """transformers' own GGUF reader (names, Q / K order, config, tokenizer) sees the weights minifloat
+    computes with: an MXFP4 file (no .scale tensors, which transformers' Llama reader cannot take)."""
+    model, _ = _quantized(tiny, "mxfp4-weight-only")
+    export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tiny, gguf_rest="f32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert (
+        reader.fields["tokenizer.ggml.tokens"].contents()
+        == gguf.GGUFReader(tiny).fields["tokenizer.ggml.tokens"].contents()
+    )
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+    record = json.loads(reader.fields["minifloat.quantization"].contents())["configs"]
+    assert set(record.values()) == {"mxfp4-weight-only"} and len(record) == 7 * LAYERS
+
+
+@pytest.mark.parametrize("config", FP4)
+def test_the_file_reads_back_with_its_codes_intact(tiny, tmp_path, config):
+    model, _ = _quantized(tiny, config)
+    out = export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tiny, gguf_rest="f32")
+    back = load_model(out)
+    pairs = [
+        (a, b) for a, b in zip(model.modules(), back.modules(), strict=True) if isinstance(a, QuantizedLinear)
+    ]
+    assert len(pairs) == 7 * LAYERS and all(isinstance(b, QuantizedLinear) for _, b in pairs)
+    for a, b in pairs:
+        qa, qb = a.checkpoint_weight(), b.checkpoint_weight()
+        n, k = qa.shape
+        assert torch.equal(qa.data[:n, : k // 2], qb.data[:n, : k // 2]) and torch.equal(
+            qa.scale[:n], qb.scale[:n]
+        )
+        assert b.config.name == config  # the file's record of the config, not a guess from the block type
+        assert (qa.tensor_scale is None) == (qb.tensor_scale is None)
+        if qa.tensor_scale is not None:
+            assert qa.tensor_scale.item() == qb.tensor_scale.item()
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+def test_the_rest_is_written_in_the_type_asked_and_norms_in_f32(tiny, tmp_path):
+    model, _ = _quantized(tiny, "nvfp4-weight-only")
+    for rest, want in (("q8_0", "Q8_0"), ("f16", "F16"), ("bf16", "BF16"), ("f32", "F32")):
+        out = export(model, tmp_path / f"{rest}.gguf", format="gguf", gguf_source=tiny, gguf_rest=rest)
+        t = _file_tensors(out)
+        assert t["token_embd.weight"].tensor_type.name == want and t["output.weight"].tensor_type.name == want
+        assert (
+            t["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+            and t["blk.0.attn_q.scale"].tensor_type.name == "F32"
+        )
+        emb = model.model.embed_tokens.weight.detach().numpy()
+        got = gguf.quants.dequantize(t["token_embd.weight"].data, t["token_embd.weight"].tensor_type)
+        if (
+            rest == "q8_0"
+        ):  # Q8_0's published formula: per 32 values d = amax / 127, codes round(x / d), d kept in FP16
+            blocks = emb.reshape(VOCAB, -1, 32)
+            d = np.abs(blocks).max(-1, keepdims=True) / 127
+            want = np.round(blocks / d) * d.astype(np.float16).astype(np.float32)
+            np.testing.assert_allclose(got.reshape(blocks.shape), want, rtol=0, atol=1e-9)
+        elif rest == "f32":
+            assert np.array_equal(got, emb)
+
+
+def test_a_layer_ggml_cannot_hold_stays_dense_and_a_direct_write_is_refused_naming_it(tmp_path):
+    write_tiny_gguf(tmp_path / "t.gguf", inter=96)  # down_proj rows of 96: whole MXFP4 blocks, not NVFP4's 64
+    model, summary = _quantized(tmp_path / "t.gguf", "nvfp4-weight-only")
+    kept = {r.name: r.reason for r in summary.layers if r.reason and "gguf" in r.reason}
+    assert set(kept) == {f"model.layers.{i}.mlp.down_proj" for i in range(LAYERS)}
+    assert "not a multiple of ggml's 64-value NVFP4 block" in kept["model.layers.0.mlp.down_proj"]
+    out = export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tmp_path / "t.gguf")
+    assert _file_tensors(out)["blk.0.ffn_down.weight"].tensor_type.name == "Q8_0"
+    mx, _ = _quantized(tmp_path / "t.gguf", "mxfp4-weight-only")
+    assert isinstance(mx.model.layers[0].mlp.down_proj, QuantizedLinear)
+
+    model = load_model(tmp_path / "t.gguf")
+    minifloat.quantize_model(model, "nvfp4-weight-only")  # not told the format: the layer is quantized anyway
+    with pytest.raises(MinifloatError, match="model.layers.0.mlp.down_proj.*64-value NVFP4 block"):
+        export(model, tmp_path / "x.gguf", format="gguf", gguf_source=tmp_path / "t.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_what_the_file_cannot_say_is_refused(tiny, tmp_path):
+    model = load_model(tiny)
+    minifloat.quantize_model(model, "fp8-weight-only")
+    with pytest.raises(MinifloatError, match="ggml has no type for"):
+        export(model, tmp_path / "a.gguf", format="gguf", gguf_source=tiny)
+    model = load_model(tiny)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[3, 5] = float("nan")
+    minifloat.quantize_model(model, "mxfp4-weight-only")
+    with pytest.raises(MinifloatError, match=r"model.layers.1.self_attn.o_proj.*NaN"):
+        export(model, tmp_path / "b.gguf", format="gguf", gguf_source=tiny)
+    model = load_model(tiny)
+    minifloat.quantize_model(model, "nvfp4-weight-only", method=minifloat.infer.ptq.method.resolve_method(
+        "rtn", "nvfp4-weight-only", rotation="hadamard:16"), calibration=[torch.randint(0, VOCAB, (2, 16))])  # fmt: skip
+    with pytest.raises(MinifloatError, match="transforms its input"):
+        export(model, tmp_path / "c.gguf", format="gguf", gguf_source=tiny)
+    with pytest.raises(MinifloatError, match="gguf_source"):
+        export(model, tmp_path / "d.gguf", format="gguf")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_the_command_line_writes_gguf_and_refuses_what_it_cannot_write(tiny, tmp_path, capsys):
+    small = ["--calib-batches", "1", "--batch-size", "2", "--seq-len", "32"]
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", str(tiny), "--scheme", "nvfp4-weight-only", "--method", "gptq", "--format", "gguf",
+                 "--out", str(out), *small]) == 0  # fmt: skip
+    assert f"checkpoint: {out}" in capsys.readouterr().out
+    assert sum(t.tensor_type.name == "NVFP4" for t in _file_tensors(out).values()) == 7 * LAYERS
+    assert (
+        main(
+            [
+                "eval",
+                str(out),
+                "--reference",
+                str(tiny),
+                "--eval-batches",
+                "1",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+            ]
+        )
+        == 0
+    )
+    assert "Δppl" in capsys.readouterr().out
+    for args, message in (
+        (["--scheme", "nvfp4"], "quantizes activations, which a GGUF file cannot say"),
+        (["--scheme", "fp8-block-weight-only"], "are no ggml type"),
+        (["--scheme", "mxfp4-weight-only", "--rotate", "hadamard:32"], "rotation"),
+    ):
+        assert (
+            main(
+                ["quantize", str(tiny), "--format", "gguf", "--out", str(tmp_path / "x.gguf"), *args, *small]
+            )
+            == 2
+        )
+        assert message in capsys.readouterr().err
+    hf = tmp_path / "hf"
+    write_tiny_gguf(tmp_path / "again.gguf").save_pretrained(hf)
+    assert (
+        main(
+            [
+                "quantize",
+                str(hf),
+                "--scheme",
+                "mxfp4-weight-only",
+                "--format",
+                "gguf",
+                "--out",
+                str(tmp_path / "x.gguf"),
+            ]
+        )
+        == 2
+    )
+    assert "quantize a .gguf file" in capsys.readouterr().err
+    assert (
+        main(["quantize", str(tiny), "--scheme", "mxfp4-weight-only", "--format", "gguf", "--out", str(out)])
+        == 2
+    )
+    assert "exists" in capsys.readouterr().err
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("config", ["mxfp4-weight-only", "nvfp4-weight-only"])
+def test_llama_cpp_computes_with_the_weights_minifloat_wrote(tiny, tmp_path, config):
+    """llama.cpp's logits of the file are minifloat's FP4 model's, up to its 8-bit activations:
+    far closer to them than the FP4 model is to the float model it came from."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    model, _ = _quantized(tiny, config)
+    out = export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tiny, gguf_rest="f32")
+    ref = load_model(tiny)
+    ids = [5, 17, 100, 200, 33, 9, 250, 1, 64, 128, 7, 3]
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, n_threads=2, verbose=False)
+    llm.eval(ids)
+    theirs = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)
+    with torch.no_grad():
+        ours, full = model(torch.tensor([ids])).logits[0], ref(torch.tensor([ids])).logits[0]
+    assert (theirs - ours).abs().max() < 0.3 * (full - ours).abs().max()
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
