@@ -4,6 +4,7 @@ whole file (names, Q / K order, metadata), llama.cpp itself where it is installe
 back by minifloat with the codes intact."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from minifloat.cli import main
 from minifloat.errors import MinifloatError
 from minifloat.infer import QuantizedLinear, load_model
 from minifloat.infer.checkpoints.export import export
+from minifloat.infer.checkpoints.load import load_quantized
 
 from .test_gguf_and_bad_inputs import HEADS, KV_HEADS, LAYERS, VOCAB, write_tiny_gguf
 
@@ -117,6 +119,7 @@ def test_the_file_reads_back_with_its_codes_intact(tiny, tmp_path, config):
     ids = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
+        assert torch.equal(load_quantized(out)(ids).logits, model(ids).logits)
 
 
 def test_the_rest_is_written_in_the_type_asked_and_norms_in_f32(tiny, tmp_path):
@@ -260,3 +263,39 @@ def test_llama_cpp_computes_with_the_weights_minifloat_wrote(tiny, tmp_path, con
         ours, full = model(torch.tensor([ids])).logits[0], ref(torch.tensor([ids])).logits[0]
     assert (theirs - ours).abs().max() < 0.3 * (full - ours).abs().max()
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_bench_llamacpp_says_how_to_get_llama_cpp_where_there_is_none(tiny, tmp_path, capsys, monkeypatch):
+    from minifloat.measure import llamacpp
+
+    monkeypatch.setenv("MINIFLOAT_LLAMACPP_PYTHON", str(tmp_path / "nowhere" / "python"))
+    monkeypatch.setattr(llamacpp, "VENV", tmp_path / "venv")
+    assert main(["bench", "llamacpp", str(tiny), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "no llama-cpp-python found" in err and "--build-venv" in err and "15 minutes" in err
+    assert not (tmp_path / "b").exists()  # nothing started
+
+
+@pytest.mark.llamacpp
+def test_bench_llamacpp_measures_every_file_in_llama_cpp(tiny, tmp_path, capsys):
+    import sys
+
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "b"
+    assert main(["bench", "llamacpp", str(tiny), "--llamacpp-python", sys.executable, "--out", str(out), "--batch-size", "2",
+                 "--seq-len", "32", "--eval-batches", "1", "--calib-batches", "1", "--new-tokens", "4", "--reps", "1",
+                 "--methods", "rtn", "--configs", "mxfp4-weight-only,nvfp4-weight-only:*.down_proj", "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert result == json.loads((out / "metrics.json").read_text())
+    rows = {r["file"]: r for r in result["rows"]}
+    assert list(rows) == ["llama.cpp F32", "llama.cpp Q8_0", "llama.cpp Q4_0", "llama.cpp Q4_K_M", "llama.cpp MXFP4",
+                          "minifloat mxfp4-weight-only rtn", "minifloat nvfp4-weight-only rtn keep *.down_proj"]  # fmt: skip
+    f32 = rows["llama.cpp F32"]
+    assert f32["ppl"] == pytest.approx(result["minifloat_f32_ppl"], rel=1e-4)  # llama.cpp and minifloat agree on F32
+    for r in rows.values():
+        assert r["bits_per_weight"] == pytest.approx(Path(r["path"]).stat().st_size * 8 / result["parameters"])
+        assert r["tokens_per_s"] > 0 and r["speed_vs_q4_0"] > 0
+    kept = _file_tensors(rows["minifloat nvfp4-weight-only rtn keep *.down_proj"]["path"])
+    assert kept["blk.0.ffn_down.weight"].tensor_type.name == "Q8_0" and kept["blk.0.ffn_up.weight"].tensor_type.name == "NVFP4"
+    for name in ("minifloat mxfp4-weight-only rtn", "minifloat nvfp4-weight-only rtn keep *.down_proj"):
+        assert abs(rows[name]["llamacpp_vs_minifloat_pct"]) < 1.0  # llama.cpp's reading of the file is minifloat's

@@ -92,10 +92,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "~/.cache/minifloat/llamacpp-venv)")  # fmt: skip
     g.add_argument("--build-venv", action="store_true",
                    help="make ~/.cache/minifloat/llamacpp-venv first (pip compiles llama.cpp: about 15 min on 2 cores)")
-    g.add_argument("--configs", default="mxfp4-weight-only,nvfp4-weight-only", help="minifloat's configs to write")
+    g.add_argument("--configs", default="mxfp4-weight-only,nvfp4-weight-only",
+                   help="minifloat's configs to write, each CONFIG[:GLOB;GLOB] with the layers it keeps in the rest type")
     g.add_argument("--methods", default="rtn,gptq", help="comma-separated: rtn, gptq")
     g.add_argument("--llama-types", default="F32,Q8_0,Q4_0,Q4_K_M,MXFP4",
-                   help="llama.cpp's own files to make (F32 always: the reference; NVFP4 too on request)")
+                   help="llama.cpp's own files to make (F32 always: the reference)")
     g.add_argument("--gguf-rest", default="q8_0", help="minifloat's files: the type of the embedding / head")
     g.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     g.add_argument("--batch-size", type=int, default=4, help="held-out windows per batch")
@@ -309,12 +310,12 @@ def _llamacpp(args: argparse.Namespace) -> int:
     print(f"{out['model']}: {out['windows'][0]} held-out windows of {out['windows'][1] - 1} tokens ({out['text']}); "
           f"llama.cpp with {out['threads']} threads, greedy {out['new_tokens']} tokens, best of {out['repeats']} "
           f"interleaved; minifloat's own F32 perplexity {out['minifloat_f32_ppl']:.4f}")  # fmt: skip
-    print(f"{'file':42} {'bits/w':>6} {'ppl':>9} {'Δppl':>8} {'tok/s':>6} {'×Q4_0':>6} {'minifloat ppl':>13} "
+    print(f"{'file':56} {'bits/w':>6} {'ppl':>9} {'Δppl':>8} {'tok/s':>6} {'×Q4_0':>6} {'minifloat ppl':>13} "
           f"{'its Δppl':>8} {'llama.cpp vs it':>15}")  # fmt: skip
     for r in out["rows"]:
         mine = (f"{r['minifloat_ppl']:13.4f} {r['minifloat_delta_ppl_pct']:+7.2f}% {r['llamacpp_vs_minifloat_pct']:+14.2f}%"
                 if "minifloat_ppl" in r else f"{'':13} {'':8} {'':15}")  # fmt: skip
-        print(f"{r['file']:42} {r['bits_per_weight']:6.2f} {r['ppl']:9.4f} {cell(r['delta_ppl_pct'], '+7.2f', suffix='%')} "
+        print(f"{r['file']:56} {r['bits_per_weight']:6.2f} {r['ppl']:9.4f} {cell(r['delta_ppl_pct'], '+7.2f', suffix='%')} "
               f"{r['tokens_per_s']:6.0f} {cell(r['speed_vs_q4_0'], '6.2f')} {mine}")  # fmt: skip
     print(f"files and metrics.json: {args.out}")
     return 0

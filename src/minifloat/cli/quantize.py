@@ -74,6 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calib", default=None, help="text to calibrate on (default: the Python stdlib sources)")
     p.add_argument("--out", required=True, help="the checkpoint folder to write (the .gguf file with --format gguf)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--keep", default="", metavar="GLOB[,GLOB]",
+                   help="layers kept in high precision besides the head, e.g. '*.down_proj' (a GGUF writes them as "
+                        "--gguf-rest)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the per-layer summary as JSON")
     _head_argument(p)
     _method_arguments(p)
@@ -114,7 +117,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run_quantize(args: argparse.Namespace) -> int:
     from minifloat.infer.evaluation.pipeline import quantize_checkpoint
 
+    keep = tuple(g.strip() for g in args.keep.split(",") if g.strip())
     summary = quantize_checkpoint(args.model, args.scheme, args.out, format=args.format, source=_source(args),
+                                  ignore=("lm_head", *keep),
                                   overwrite=args.overwrite, quantize_head=args.quantize_head,
                                   method=_method(args, args.method, args.scheme, export=True), gguf_rest=args.gguf_rest)  # fmt: skip
     print(jsonio.dumps(summary.to_dict(), indent=2) if args.json else f"{summary}\ncheckpoint: {args.out}")

@@ -2,8 +2,8 @@
 by llama.cpp itself in one run (`llamacpp_peer.py`, run by llama-cpp-python's own venv).
 
 From a GGUF model it makes llama.cpp's files with llama.cpp's own tools — F32 (the source
-dequantized by ``llama_model_quantize``), then Q8_0 / Q4_0 / Q4_K_M / NVFP4 from F32 by the same
-tool, and MXFP4 (every layer's weight in MXFP4 blocks, the embedding Q8_0) by llama.cpp's
+dequantized by ``llama_model_quantize``), then Q8_0 / Q4_0 / Q4_K_M from F32 by the same tool (it
+refuses NVFP4 as an output type: "invalid output file type 39"), and MXFP4 (every layer's weight in MXFP4 blocks, the embedding Q8_0) by llama.cpp's
 ``gguf`` package, whose MXFP4 quantizer is ggml's reference one (its ``MXFP4_MOE`` file type puts
 MXFP4 on experts only, so a dense model would get none) — and minifloat's files
 (`minifloat.infer.evaluation.pipeline.quantize_checkpoint` with ``format="gguf"``, each config by
@@ -11,7 +11,8 @@ each method). For every file: bits per weight as llama.cpp's files count them (f
 parameters), llama.cpp's perplexity on the same held-out windows minifloat evaluates on (Δ against
 llama.cpp's F32 file), llama.cpp's greedy decode tokens/s (best of the repeats, the files
 interleaved round by round), and for minifloat's files minifloat's own perplexity of the file read
-back (Δ against minifloat's evaluation of the F32 model).
+back (Δ against minifloat's evaluation of the F32 model). A config may name layers kept in high
+precision (``nvfp4-weight-only:*.down_proj``: written in the rest type, as `quantize --keep` does).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from minifloat.io.atomic import atomic_path
 
 PEER = Path(__file__).with_name("llamacpp_peer.py")
 VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minifloat" / "llamacpp-venv"
-LLAMA_FTYPES = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "NVFP4": 39}  # llama_ftype numbers
-LLAMA_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_K_M", "MXFP4")  # the default rows (NVFP4 too on request)
+LLAMA_FTYPES = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}  # llama_ftype numbers
+LLAMA_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_K_M", "MXFP4")  # llama.cpp 0.3.36's quantizer makes no NVFP4 file
 BUILD_NOTE = "pip compiles llama.cpp from source: about 15 minutes on 2 cores"
 
 
@@ -132,7 +133,10 @@ def bench_llamacpp(
     python: str,
     source,
     out: str | os.PathLike[str],
-    configs: Sequence[str] = ("mxfp4-weight-only", "nvfp4-weight-only"),
+    configs: Sequence[str] = (
+        "mxfp4-weight-only",
+        "nvfp4-weight-only",
+    ),  # each CONFIG[:GLOB;GLOB] (layers kept)
     methods: Sequence[str] = ("rtn", "gptq"),
     llama_types: Sequence[str] = LLAMA_TYPES,
     rest: str = "q8_0",
@@ -154,7 +158,8 @@ def bench_llamacpp(
     for t in llama_types:
         if t not in (*LLAMA_FTYPES, "MXFP4"):
             raise MinifloatError(f"llama.cpp type {t!r}: use some of {', '.join((*LLAMA_FTYPES, 'MXFP4'))}")
-    for c in configs:
+    specs = [(c.partition(":")[0], tuple(g for g in c.partition(":")[2].split(";") if g)) for c in configs]
+    for c, _ in specs:
         gguf_file.check_request(model, get_quant_config(c), rest)
     for m in methods:
         if m not in ("rtn", "gptq"):
@@ -182,17 +187,15 @@ def bench_llamacpp(
             peer(python, "quantize", str(f32), str(path), str(LLAMA_FTYPES[t]), "--threads", str(threads))
         files[f"llama.cpp {t}"] = {"path": path, "by": "llama.cpp"}
     params = parameters(f32)
-    for c in configs:
+    for c, keep in specs:
         for m in methods:
-            path = out / f"minifloat-{c}-{m}.gguf"
-            say(f"minifloat: {c} by {m}")
-            t0 = time.perf_counter()
-            quantize_checkpoint(
-                model, c, path, format="gguf", source=source, overwrite=True, method=m, gguf_rest=rest
-            )
+            label = f"{c} {m}" + (f" keep {';'.join(keep)}" if keep else "")
+            path = out / f"minifloat-{c}-{m}{'-keep' + str(len(keep)) if keep else ''}.gguf"
+            say(f"minifloat: {label}")
+            quantize_checkpoint(model, c, path, format="gguf", source=source, overwrite=True, method=m, gguf_rest=rest,
+                                ignore=("lm_head", *keep))  # fmt: skip
             mine = evaluate(load_model(path), None, list(torch.from_numpy(windows).split(source.batch_size)))
-            files[f"minifloat {c} {m}"] = {"path": path, "by": "minifloat", "config": c, "method": m,
-                                            "minifloat_ppl": mine["ppl"], "quantize_s": time.perf_counter() - t0}  # fmt: skip
+            files[f"minifloat {label}"] = {"path": path, "by": "minifloat", "minifloat_ppl": mine["ppl"]}
     for name, f in files.items():
         say(f"llama.cpp perplexity: {name}")
         r = peer(

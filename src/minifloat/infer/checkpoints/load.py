@@ -95,7 +95,12 @@ def _quantized_layer(p: str, linear: torch.nn.Linear, c: QuantConfig, fmt, ts: C
 
 def load_quantized(path: str | os.PathLike[str]) -> torch.nn.Module:
     """The transformers causal LM saved at `path` in a quantized format, its quantized Linears as
-    `QuantizedLinear` modules holding the checkpoint's codes and scales; in eval mode."""
+    `QuantizedLinear` modules holding the checkpoint's codes and scales; in eval mode. A GGUF
+    file's MXFP4 / NVFP4 blocks likewise (`minifloat.infer.checkpoints.gguf_file.load`)."""
+    if Path(path).is_file() and Path(path).suffix.lower() == ".gguf":
+        from minifloat.infer.checkpoints import gguf_file
+
+        return gguf_file.load(path)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:  # pragma: no cover - transformers is a test extra / optional integration
