@@ -299,3 +299,23 @@ def test_bench_llamacpp_measures_every_file_in_llama_cpp(tiny, tmp_path, capsys)
     assert kept["blk.0.ffn_down.weight"].tensor_type.name == "Q8_0" and kept["blk.0.ffn_up.weight"].tensor_type.name == "NVFP4"
     for name in ("minifloat mxfp4-weight-only rtn", "minifloat nvfp4-weight-only rtn keep *.down_proj"):
         assert abs(rows[name]["llamacpp_vs_minifloat_pct"]) < 1.0  # llama.cpp's reading of the file is minifloat's
+        assert rows[name]["minifloat_q8_0_inputs_ppl"] > 0
+
+
+def test_an_architecture_transformers_converts_on_reading_is_refused_by_name():
+    from minifloat.infer.checkpoints import gguf_file
+
+    for arch in ("llama", "qwen2", "qwen3", "phi3"):
+        gguf_file.check_arch(arch)  # read as written (Llama: its Q / K order, which the writer puts back)
+    with pytest.raises(MinifloatError, match="'gemma3' is not supported: transformers converts its tensors"):
+        gguf_file.check_arch("gemma3")
+
+
+def test_q8_0_inputs_round_as_ggufs_own_q8_0():
+    from minifloat.measure.llamacpp import q8_0_inputs
+
+    x = torch.randn(5, 96) * torch.logspace(-3, 2, 96)
+    x[1, :32] = 0  # an all-zero block stays zero
+    want = gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
+                                  gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    np.testing.assert_array_equal(q8_0_inputs(x).numpy(), want)

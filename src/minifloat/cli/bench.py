@@ -311,11 +311,13 @@ def _llamacpp(args: argparse.Namespace) -> int:
           f"llama.cpp with {out['threads']} threads, greedy {out['new_tokens']} tokens, best of {out['repeats']} "
           f"interleaved; minifloat's own F32 perplexity {out['minifloat_f32_ppl']:.4f}")  # fmt: skip
     print(f"{'file':56} {'bits/w':>6} {'ppl':>9} {'Δppl':>8} {'tok/s':>6} {'×Q4_0':>6} {'minifloat ppl':>13} "
-          f"{'its Δppl':>8} {'llama.cpp vs it':>15}")  # fmt: skip
+          f"{'its Δppl':>8} {'llama.cpp vs it':>15} {'vs it, Q8_0 inputs':>18}")  # fmt: skip
     for r in out["rows"]:
-        mine = (f"{r['minifloat_ppl']:13.4f} {r['minifloat_delta_ppl_pct']:+7.2f}% {r['llamacpp_vs_minifloat_pct']:+14.2f}%"
-                if "minifloat_ppl" in r else f"{'':13} {'':8} {'':15}")  # fmt: skip
+        mine = (f"{r['minifloat_ppl']:13.4f} {r['minifloat_delta_ppl_pct']:+7.2f}% {r['llamacpp_vs_minifloat_pct']:+14.2f}% "
+                f"{r['llamacpp_vs_minifloat_q8_0_inputs_pct']:+17.2f}%" if "minifloat_ppl" in r else "")  # fmt: skip
         print(f"{r['file']:56} {r['bits_per_weight']:6.2f} {r['ppl']:9.4f} {cell(r['delta_ppl_pct'], '+7.2f', suffix='%')} "
               f"{r['tokens_per_s']:6.0f} {cell(r['speed_vs_q4_0'], '6.2f')} {mine}")  # fmt: skip
+    print("llama.cpp vs it: llama.cpp's perplexity of minifloat's file against minifloat's own; Q8_0 inputs: against "
+          "minifloat's with every quantized layer's input rounded to Q8_0, as ggml's CPU dot products round it")
     print(f"files and metrics.json: {args.out}")
     return 0

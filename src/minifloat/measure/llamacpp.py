@@ -93,13 +93,11 @@ def llamacpp_mxfp4(f32: Path, out: Path) -> Path:
     and head Q8_0, the rest as the F32 file has it; metadata as it was."""
     import gguf
 
+    from minifloat.infer.checkpoints.gguf_file import copy_metadata
+
     reader = gguf.GGUFReader(f32)
     w = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    copy_metadata(reader, w)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     for t in reader.tensors:
         data = np.asarray(t.data)
@@ -118,6 +116,26 @@ def llamacpp_mxfp4(f32: Path, out: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def q8_0_inputs(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded as ggml's CPU dot products round activations against a quantized weight (Q8_0:
+    per 32 values d = amax / 127, codes round(x / d), the value code · FP16(d)); what llama.cpp
+    computes that minifloat's evaluation of the same file does not."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1.0)), 0.0)
+    return (codes * d.half().float()).reshape(x.shape).to(x.dtype)
+
+
+def with_q8_0_inputs(model: torch.nn.Module, dense_too: bool) -> list:
+    """Hooks rounding the input of every quantized Linear (and of every dense one: `dense_too`, for
+    a Q8_0 rest) to Q8_0, as llama.cpp does; the hook handles, to remove."""
+    from minifloat.infer.modules.linear import QuantizedLinear
+
+    kinds = (QuantizedLinear, torch.nn.Linear) if dense_too else (QuantizedLinear,)
+    return [m.register_forward_pre_hook(lambda _, args: (q8_0_inputs(args[0]), *args[1:]))
+            for m in model.modules() if isinstance(m, kinds) and m.in_features % 32 == 0]  # fmt: skip
 
 
 def parameters(path: Path) -> int:
@@ -194,8 +212,12 @@ def bench_llamacpp(
             say(f"minifloat: {label}")
             quantize_checkpoint(model, c, path, format="gguf", source=source, overwrite=True, method=m, gguf_rest=rest,
                                 ignore=("lm_head", *keep))  # fmt: skip
-            mine = evaluate(load_model(path), None, list(torch.from_numpy(windows).split(source.batch_size)))
-            files[f"minifloat {label}"] = {"path": path, "by": "minifloat", "minifloat_ppl": mine["ppl"]}
+            back = load_model(path)
+            mine = evaluate(back, None, list(torch.from_numpy(windows).split(source.batch_size)))
+            with_q8_0_inputs(back, dense_too=rest == "q8_0")
+            q8 = evaluate(back, None, list(torch.from_numpy(windows).split(source.batch_size)))
+            files[f"minifloat {label}"] = {"path": path, "by": "minifloat", "minifloat_ppl": mine["ppl"],
+                                           "minifloat_q8_0_inputs_ppl": q8["ppl"]}  # fmt: skip
     for name, f in files.items():
         say(f"llama.cpp perplexity: {name}")
         r = peer(
@@ -221,6 +243,8 @@ def bench_llamacpp(
             row["minifloat_ppl"] = f["minifloat_ppl"]
             row["minifloat_delta_ppl_pct"] = 100 * (f["minifloat_ppl"] / ref_eval["ppl"] - 1)
             row["llamacpp_vs_minifloat_pct"] = 100 * (f["ppl"] / f["minifloat_ppl"] - 1)
+            row["minifloat_q8_0_inputs_ppl"] = f["minifloat_q8_0_inputs_ppl"]  # llama.cpp's activation rounding
+            row["llamacpp_vs_minifloat_q8_0_inputs_pct"] = 100 * (f["ppl"] / f["minifloat_q8_0_inputs_ppl"] - 1)
         rows.append(row)
     result = {"model": str(model), "text": str(source.data or "the Python stdlib sources"),
               "windows": list(windows.shape), "threads": threads, "new_tokens": new_tokens, "repeats": repeats,

@@ -253,7 +253,19 @@ def gguf_name(nmap, hf_name: str) -> str | None:
     return None if found is None else f"{found}.{suffix}"
 
 
-# --- writing ---------------------------------------------------------------------------------------
+# --- writing ---
+
+
+def copy_metadata(reader, writer, skip: tuple[str, ...] = ()) -> None:
+    """Every key of a GGUF `reader` into `writer` with its type, but the reader's own bookkeeping
+    (``GGUF.*``), the architecture (the writer is made with it), the file type and `skip`."""
+    import gguf
+
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type", *skip):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
 
 
 def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
@@ -343,12 +355,7 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
 
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), arch)
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type",
-                                                                 "general.quantization_version", RECORD_KEY):  # fmt: skip
-                continue
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+        copy_metadata(reader, w, skip=("general.quantization_version", RECORD_KEY))
         w.add_file_type(_FTYPE[types.pop()] if len(types) == 1 else gguf.LlamaFileType.GUESSED)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_string(RECORD_KEY, json.dumps({"version": __version__, "configs": record}, sort_keys=True))
