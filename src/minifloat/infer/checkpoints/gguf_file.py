@@ -330,7 +330,8 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
             tensors[g.removesuffix(".weight") + ".scale"] = (np.array([ts], dtype=np.float32), None)
         if layer.bias is not None:
             tensors[place(f"{name}.bias")] = (layer.bias.detach().float().numpy(), None)
-        record[g], _ = layer.config.name, types.add(t)
+        record[g] = layer.config.name
+        types.add(t)
     for prefix in embeddings:  # a packed table: llama.cpp looks tokens up in its values, as the rest type
         tensors[place(f"{prefix}.weight")] = rest_tensor(
             model.get_submodule(prefix).weight.dequantize(torch.float32).numpy(), rest
