@@ -35,6 +35,7 @@ refused). Written beside the target and renamed into place.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 from pathlib import Path
@@ -273,7 +274,6 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
     """Write the quantized transformers `model` (loaded from the GGUF `source`) to the GGUF file `out`."""
     import gguf
 
-    from minifloat import __version__
     from minifloat.infer.modules.embedding import QuantizedEmbedding
     from minifloat.infer.modules.linear import QuantizedLinear
     from minifloat.io.atomic import atomic_path
@@ -359,7 +359,7 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
         copy_metadata(reader, w, skip=("general.quantization_version", RECORD_KEY))
         w.add_file_type(_FTYPE[types.pop()] if len(types) == 1 else gguf.LlamaFileType.GUESSED)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_string(RECORD_KEY, json.dumps({"version": __version__, "configs": record}, sort_keys=True))
+        w.add_string(RECORD_KEY, json.dumps({"version": importlib.metadata.version("minifloat"), "configs": record}, sort_keys=True))
         for g, (arr, qtype) in tensors.items():
             if qtype is None:
                 w.add_tensor(g, arr)
