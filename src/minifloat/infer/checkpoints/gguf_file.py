@@ -376,10 +376,14 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
 
 
 def fp4_tensors(path: str | os.PathLike[str]) -> bool:
-    """Whether the GGUF at `path` holds MXFP4 or NVFP4 blocks (read with the codes intact)."""
+    """Whether the GGUF at `path` holds MXFP4 or NVFP4 blocks (read with the codes intact); False
+    for a file gguf cannot read (the plain GGUF loader then says why, naming it)."""
     import gguf
 
-    return any(t.tensor_type.name in BLOCK for t in gguf.GGUFReader(path).tensors)
+    try:
+        return any(t.tensor_type.name in BLOCK for t in gguf.GGUFReader(path).tensors)
+    except (ValueError, OSError, IndexError, KeyError):
+        return False
 
 
 def load(path: str | os.PathLike[str]) -> torch.nn.Module:
