@@ -84,19 +84,19 @@ def unreadable(s: Scheme, n: int, k: int) -> str | None:
     return None
 
 
+def _weight_only_twin(config: QuantConfig) -> str:
+    twin = f"{config.name}-weight-only"
+    return twin if twin in QUANT_CONFIGS else "a -weight-only config"
+
+
 def refusal(name: str, config: QuantConfig, q: QuantizedTensor, input_transform) -> str | None:
     """Why the quantized layer `name` cannot be written to GGUF, or None."""
     if input_transform is not None:
         return (f"layer {name!r} transforms its input before the GEMM ({type(input_transform).__name__}); no GGUF reader "
                 f"applies it: quantize without a rotation or online smoothing to write GGUF")  # fmt: skip
     if config.activation_scheme is not None:
-        twin = (
-            f"{config.name}-weight-only"
-            if f"{config.name}-weight-only" in QUANT_CONFIGS
-            else "a -weight-only config"
-        )
         return (f"layer {name!r} is {config.name}, which quantizes its input; llama.cpp quantizes activations its own "
-                f"way (8-bit), so the file would not compute what the config does: use {twin}")  # fmt: skip
+                f"way (8-bit), so the file would not compute what the config does: use {_weight_only_twin(config)}")  # fmt: skip
     why = unreadable(q.scheme, *q.shape)
     return None if why is None else f"layer {name!r} {why}"
 
@@ -109,9 +109,8 @@ def check_request(model_path: str | os.PathLike[str], config: QuantConfig, rest:
     if rest not in REST_TYPES:
         raise MinifloatError(f"--gguf-rest {rest!r}: use one of {', '.join(REST_TYPES)}")
     if config.activation_scheme is not None:
-        twin = f"{config.name}-weight-only"
         raise MinifloatError(f"--scheme {config.name} quantizes activations, which a GGUF file cannot say (llama.cpp "
-                             f"quantizes them its own way): use {twin if twin in QUANT_CONFIGS else 'a -weight-only config'}")  # fmt: skip
+                             f"quantizes them its own way): use {_weight_only_twin(config)}")  # fmt: skip
     if ggml_type(config.weight_scheme) is None:
         raise MinifloatError(f"--scheme {config.name}: its weights ({config.weight_scheme.name}) are no ggml type; GGUF "
                              f"holds mxfp4-weight-only and nvfp4-weight-only (and nvfp4-4over6-weight-only) exactly")  # fmt: skip
@@ -120,7 +119,11 @@ def check_request(model_path: str | os.PathLike[str], config: QuantConfig, rest:
         raise MinifloatError(f"{src}: writing GGUF takes llama.cpp's metadata, tokenizer and tensor names from the GGUF "
                              f"the model comes from; quantize a .gguf file (convert a transformers folder with "
                              f"llama.cpp's convert_hf_to_gguf.py --outtype f32 first)")  # fmt: skip
-    check_arch(_arch(gguf.GGUFReader(src)))
+    try:
+        reader = gguf.GGUFReader(src)
+    except (ValueError, OSError, IndexError, KeyError) as err:
+        raise MinifloatError(f"{src}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+    check_arch(_arch(reader))
 
 
 # --- blocks ----------------------------------------------------------------------------------------
