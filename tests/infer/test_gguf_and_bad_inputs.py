@@ -36,12 +36,15 @@ def _rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_tiny_gguf(path, arch: str = "llama", inter: int = INTER):
-    """A random Llama (GQA, SwiGLU, RMSNorm, untied head) written as GGUF F32 tensors; returns it."""
+    """A random Llama (GQA, SwiGLU, RMSNorm, untied head) written as GGUF F32 tensors as llama.cpp's
+    converter lays them out; returns it. ``arch="qwen2"``: a Qwen2 (Q / K / V biases, rows in
+    transformers' order)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=inter, num_hidden_layers=LAYERS,
-                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=128,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    family = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
+    cfg = family(vocab_size=VOCAB, hidden_size=H, intermediate_size=inter, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=128,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(128)
     w.add_embedding_length(H)
@@ -69,6 +72,12 @@ def write_tiny_gguf(path, arch: str = "llama", inter: int = INTER):
         p = f"model.layers.{i}."
         for hf, gg in names.items():
             w.add_tensor(f"blk.{i}.{gg}.weight", sd[p + hf + ".weight"])
+        if arch == "qwen2":  # llama.cpp keeps Qwen2's rows as they are, and its Q / K / V biases
+            for proj, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
+                w.add_tensor(f"blk.{i}.{gg}.bias", sd[f"{p}self_attn.{proj}.bias"])
+            w.add_tensor(f"blk.{i}.attn_q.weight", sd[p + "self_attn.q_proj.weight"])
+            w.add_tensor(f"blk.{i}.attn_k.weight", sd[p + "self_attn.k_proj.weight"])
+            continue
         w.add_tensor(f"blk.{i}.attn_q.weight", _rope_permute(torch.from_numpy(sd[p + "self_attn.q_proj.weight"]), HEADS).numpy())
         w.add_tensor(f"blk.{i}.attn_k.weight", _rope_permute(torch.from_numpy(sd[p + "self_attn.k_proj.weight"]), KV_HEADS).numpy())
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])

@@ -49,8 +49,21 @@ def tiny(tmp_path_factory):
     return d / "tiny.gguf"
 
 
-@pytest.mark.parametrize("config", FP4)
-def test_ggufs_own_dequantization_of_every_fp4_tensor_equals_minifloats_weight(tiny, tmp_path, config):
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf-qwen2")
+    write_tiny_gguf(d / "tiny.gguf", arch="qwen2")
+    return d / "tiny.gguf"
+
+
+FAMILIES = {"llama": "tiny", "qwen2": "tiny_qwen2"}  # the fixture of each family's tiny GGUF
+# every FP4 config on Llama; Qwen2 in MXFP4 (llama.cpp's qwen2 graph ignores NVFP4's tensor scale: refused)
+CASES = [*(("llama", c) for c in FP4), ("qwen2", "mxfp4-weight-only")]
+
+
+@pytest.mark.parametrize(("family", "config"), CASES)
+def test_ggufs_own_dequantization_of_every_fp4_tensor_equals_minifloats_weight(request, tmp_path, config, family):
+    tiny = request.getfixturevalue(FAMILIES[family])
     model, _ = _quantized(tiny, config)
     out = export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tiny, gguf_rest="f32")
     tensors = _file_tensors(out)
@@ -69,17 +82,21 @@ def test_ggufs_own_dequantization_of_every_fp4_tensor_equals_minifloats_weight(t
             assert scale.shape == (1,) and scale[0] == q.tensor_scale.item()
             q = minifloat.QuantizedTensor(q.data, q.scale, torch.tensor(1.0), q.shape, q.scheme)
         want = q.dequantize()
-        if proj in ("q_proj", "k_proj"):
+        if proj in ("q_proj", "k_proj") and family == "llama":  # Qwen2's rows stay in transformers' order
             want = _llama_order(want, HEADS if proj == "q_proj" else KV_HEADS)
+        if layer.bias is not None:
+            assert np.array_equal(np.asarray(tensors[f"{g}.bias"].data), layer.bias.detach().numpy())
         assert not torch.isnan(got).any()
         assert torch.equal(got, want), name  # every code and block scale, exactly (ggml has no −0: +0 == −0)
         seen += 1
     assert seen == 7 * LAYERS
 
 
-def test_transformers_reads_the_file_as_the_model_that_wrote_it(tiny, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_reads_the_file_as_the_model_that_wrote_it(request, tmp_path, family):
     """transformers' own GGUF reader (names, Q / K order, config, tokenizer) sees the weights minifloat
     computes with: an MXFP4 file (no .scale tensors, which transformers' Llama reader cannot take)."""
+    tiny = request.getfixturevalue(FAMILIES[family])
     model, _ = _quantized(tiny, "mxfp4-weight-only")
     export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tiny, gguf_rest="f32")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
@@ -87,7 +104,7 @@ def test_transformers_reads_the_file_as_the_model_that_wrote_it(tiny, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
     reader = gguf.GGUFReader(tmp_path / "m.gguf")
-    assert reader.fields["general.architecture"].contents() == "llama"
+    assert reader.fields["general.architecture"].contents() == family
     assert (
         reader.fields["tokenizer.ggml.tokens"].contents()
         == gguf.GGUFReader(tiny).fields["tokenizer.ggml.tokens"].contents()
@@ -97,8 +114,9 @@ def test_transformers_reads_the_file_as_the_model_that_wrote_it(tiny, tmp_path):
     assert set(record.values()) == {"mxfp4-weight-only"} and len(record) == 7 * LAYERS
 
 
-@pytest.mark.parametrize("config", FP4)
-def test_the_file_reads_back_with_its_codes_intact(tiny, tmp_path, config):
+@pytest.mark.parametrize(("family", "config"), CASES)
+def test_the_file_reads_back_with_its_codes_intact(request, tmp_path, config, family):
+    tiny = request.getfixturevalue(FAMILIES[family])
     model, _ = _quantized(tiny, config)
     out = export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tiny, gguf_rest="f32")
     back = load_model(out)
@@ -247,11 +265,13 @@ def test_the_command_line_writes_gguf_and_refuses_what_it_cannot_write(tiny, tmp
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("config", ["mxfp4-weight-only", "nvfp4-weight-only"])
-def test_llama_cpp_computes_with_the_weights_minifloat_wrote(tiny, tmp_path, config):
+@pytest.mark.parametrize(("family", "config"), [("llama", "mxfp4-weight-only"), ("llama", "nvfp4-weight-only"),
+                                               ("qwen2", "mxfp4-weight-only")])  # fmt: skip
+def test_llama_cpp_computes_with_the_weights_minifloat_wrote(request, tmp_path, config, family):
     """llama.cpp's logits of the file are minifloat's FP4 model's, up to its 8-bit activations:
     far closer to them than the FP4 model is to the float model it came from."""
     llama_cpp = pytest.importorskip("llama_cpp")
+    tiny = request.getfixturevalue(FAMILIES[family])
     model, _ = _quantized(tiny, config)
     out = export(model, tmp_path / "m.gguf", format="gguf", gguf_source=tiny, gguf_rest="f32")
     ref = load_model(tiny)
@@ -300,6 +320,16 @@ def test_bench_llamacpp_measures_every_file_in_llama_cpp(tiny, tmp_path, capsys)
     for name in ("minifloat mxfp4-weight-only rtn", "minifloat nvfp4-weight-only rtn keep *.down_proj"):
         assert abs(rows[name]["llamacpp_vs_minifloat_pct"]) < 1.0  # llama.cpp's reading of the file is minifloat's
         assert rows[name]["minifloat_q8_0_inputs_ppl"] > 0
+
+
+def test_nvfp4_is_refused_where_llama_cpp_drops_its_tensor_scale(tiny_qwen2, tmp_path, capsys):
+    model = load_model(tiny_qwen2)
+    minifloat.quantize_model(model, "nvfp4-weight-only")
+    with pytest.raises(MinifloatError, match="llama.cpp's qwen2 graph does not apply NVFP4's per-tensor scale"):
+        export(model, tmp_path / "q.gguf", format="gguf", gguf_source=tiny_qwen2)
+    assert main(["quantize", str(tiny_qwen2), "--scheme", "nvfp4-weight-only", "--format", "gguf", "--out",
+                 str(tmp_path / "q.gguf")]) == 2  # fmt: skip
+    assert "use mxfp4-weight-only for qwen2" in capsys.readouterr().err and not (tmp_path / "q.gguf").exists()
 
 
 def test_an_architecture_transformers_converts_on_reading_is_refused_by_name():

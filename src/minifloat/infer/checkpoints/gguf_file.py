@@ -55,6 +55,10 @@ BLOCK_BYTES = {"MXFP4": 17, "NVFP4": 36}
 READ_AS = {"MXFP4": "mxfp4-weight-only", "NVFP4": "nvfp4-weight-only"}  # a file without minifloat's record
 REST_TYPES = ("f32", "f16", "bf16", "q8_0")
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter reorders these archs' Q / K rows for its RoPE
+# Architectures whose llama.cpp graph multiplies every Linear's output by NVFP4's ``.scale`` (checked in
+# llama-cpp-python 0.3.36's sources and by running it): qwen2's passes NULL scales to its FFN, so an NVFP4
+# file of it computes with weights off by the tensor scale (NaN logits, seen on Qwen2.5-Coder-0.5B).
+NVFP4_ARCHS = ("llama",)
 RECORD_KEY = "minifloat.quantization"
 _FTYPE = {"MXFP4": 38, "NVFP4": 39}  # llama_ftype MOSTLY_MXFP4_MOE, MOSTLY_NVFP4
 _E4M3_NAN = 0x7F
@@ -123,7 +127,16 @@ def check_request(model_path: str | os.PathLike[str], config: QuantConfig, rest:
         reader = gguf.GGUFReader(src)
     except (ValueError, OSError, IndexError, KeyError) as err:
         raise MinifloatError(f"{src}: not a readable GGUF file ({type(err).__name__}: {err})") from None
-    check_arch(_arch(reader))
+    check_arch(arch := _arch(reader))
+    check_nvfp4(arch, config.name, ggml_type(config.weight_scheme))
+
+
+def check_nvfp4(arch: str, what: str, t: str | None) -> None:
+    """Refuse NVFP4 weights for an architecture whose llama.cpp graph ignores their tensor scale."""
+    if t == "NVFP4" and arch not in NVFP4_ARCHS:
+        raise MinifloatError(f"{what}: llama.cpp's {arch} graph does not apply NVFP4's per-tensor scale to every layer "
+                             f"(its FFN gets none), so the file would compute with wrong weights; NVFP4 GGUF files are "
+                             f"written for {', '.join(NVFP4_ARCHS)}: use mxfp4-weight-only for {arch}")  # fmt: skip
 
 
 # --- blocks ----------------------------------------------------------------------------------------
@@ -322,6 +335,7 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
             raise MinifloatError(f"{why}; keep it in high precision (ignore=[{name!r}]; quantize_model(..., "
                                  f"export_format='gguf') does so itself)")  # fmt: skip
         g = place(f"{name}.weight")
+        check_nvfp4(arch, f"layer {name!r}", ggml_type(q.scheme))
         try:
             t, blocks, ts = to_blocks(q)
         except ValueError as err:
