@@ -122,7 +122,15 @@ def run_quantize(args: argparse.Namespace) -> int:
                                   ignore=("lm_head", *keep),
                                   overwrite=args.overwrite, quantize_head=args.quantize_head,
                                   method=_method(args, args.method, args.scheme, export=True), gguf_rest=args.gguf_rest)  # fmt: skip
-    print(jsonio.dumps(summary.to_dict(), indent=2) if args.json else f"{summary}\ncheckpoint: {args.out}")
+    if args.json:
+        print(jsonio.dumps(summary.to_dict(), indent=2))
+        return 0
+    print(f"{summary}\ncheckpoint: {args.out}")
+    in_memory = _method(args, args.method, args.scheme)
+    if in_memory.rotation is not None and _method(args, args.method, args.scheme, export=True).rotation is None:
+        print(f"note: {args.method}'s recommended pipeline for {args.scheme} rotates each layer's input "
+              f"({in_memory.rotation}); a checkpoint cannot hold that (no reader applies it), so it was left out: "
+              f"`eval --method {args.method}` measures the rotated pipeline, this file the one without")  # fmt: skip
     return 0
 
 
