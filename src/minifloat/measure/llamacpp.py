@@ -187,7 +187,8 @@ def bench_llamacpp(
     ref = load_model(model)
     windows = torch.cat(batches_for(ref, source, "val", tokenizer)).numpy().astype(np.int64)
     np.save(out / "windows.npy", windows)
-    ref_eval = evaluate(ref, None, list(torch.from_numpy(windows).split(source.batch_size)))
+    batches = list(torch.from_numpy(windows).split(source.batch_size))
+    ref_eval = evaluate(ref, None, batches)
     del ref
     prompt = ",".join(str(int(x)) for x in windows[0, :32])
 
@@ -213,9 +214,9 @@ def bench_llamacpp(
             quantize_checkpoint(model, c, path, format="gguf", source=source, overwrite=True, method=m, gguf_rest=rest,
                                 ignore=("lm_head", *keep))  # fmt: skip
             back = load_model(path)
-            mine = evaluate(back, None, list(torch.from_numpy(windows).split(source.batch_size)))
+            mine = evaluate(back, None, batches)
             with_q8_0_inputs(back, dense_too=rest == "q8_0")
-            q8 = evaluate(back, None, list(torch.from_numpy(windows).split(source.batch_size)))
+            q8 = evaluate(back, None, batches)
             files[f"minifloat {label}"] = {"path": path, "by": "minifloat", "minifloat_ppl": mine["ppl"],
                                            "minifloat_q8_0_inputs_ppl": q8["ppl"]}  # fmt: skip
     for name, f in files.items():

@@ -108,7 +108,6 @@ def refusal(name: str, config: QuantConfig, q: QuantizedTensor, input_transform)
 def check_request(model_path: str | os.PathLike[str], config: QuantConfig, rest: str) -> None:
     """What a GGUF export of the model at `model_path` in `config` needs, checked before any work:
     a source GGUF of an architecture the writer places, a weight-only FP4 config, a rest type."""
-    import gguf
 
     if rest not in REST_TYPES:
         raise MinifloatError(f"--gguf-rest {rest!r}: use one of {', '.join(REST_TYPES)}")
@@ -118,7 +117,17 @@ def check_request(model_path: str | os.PathLike[str], config: QuantConfig, rest:
     if ggml_type(config.weight_scheme) is None:
         raise MinifloatError(f"--scheme {config.name}: its weights ({config.weight_scheme.name}) are no ggml type; GGUF "
                              f"holds mxfp4-weight-only and nvfp4-weight-only (and nvfp4-4over6-weight-only) exactly")  # fmt: skip
-    src = Path(model_path)
+    _, arch = source_reader(model_path)
+    check_nvfp4(arch, config.name, ggml_type(config.weight_scheme))
+
+
+def source_reader(path: str | os.PathLike[str]):
+    """The GGUF a written file takes its metadata, tokenizer and names from: (its reader, its
+    architecture), refused with the fix when it is not a readable .gguf of an architecture the
+    writer places."""
+    import gguf
+
+    src = Path(path)
     if not (src.is_file() and src.suffix.lower() == ".gguf"):
         raise MinifloatError(f"{src}: writing GGUF takes llama.cpp's metadata, tokenizer and tensor names from the GGUF "
                              f"the model comes from; quantize a .gguf file (convert a transformers folder with "
@@ -128,7 +137,7 @@ def check_request(model_path: str | os.PathLike[str], config: QuantConfig, rest:
     except (ValueError, OSError, IndexError, KeyError) as err:
         raise MinifloatError(f"{src}: not a readable GGUF file ({type(err).__name__}: {err})") from None
     check_arch(arch := _arch(reader))
-    check_nvfp4(arch, config.name, ggml_type(config.weight_scheme))
+    return reader, arch
 
 
 def check_nvfp4(arch: str, what: str, t: str | None) -> None:
@@ -255,13 +264,19 @@ def check_arch(arch: str) -> None:
                              f"architectures read as written: llama, qwen2, qwen3, phi3 and the like")  # fmt: skip
 
 
-def _heads(config, gguf_name: str) -> int | None:
-    """The head count llama.cpp permutes a Q / K weight by, or None for any other tensor."""
+def file_rows(arr: np.ndarray, arch: str, config, gguf_name: str, *, reading: bool = False) -> np.ndarray:
+    """The rows of a tensor (codes, blocks or values) in the file's order (`reading`: back in
+    transformers'): llama's Q / K reordered by their head counts, anything else as it is."""
+    if arch not in PERMUTED_ARCHS:
+        return arr
     if gguf_name.endswith("attn_q.weight"):
-        return config.num_attention_heads
-    if gguf_name.endswith("attn_k.weight"):
-        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return None
+        heads = config.num_attention_heads
+    elif gguf_name.endswith("attn_k.weight"):
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    else:
+        return arr
+    order = rope_rows(arr.shape[0], heads)
+    return arr[(torch.argsort(order) if reading else order).numpy()]
 
 
 def gguf_name(nmap, hf_name: str) -> str | None:
@@ -301,16 +316,9 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
         raise MinifloatError(
             f"{out} exists; pass overwrite=True (--overwrite) to replace it, or choose another file"
         )
-    src = Path(source)
-    if not (src.is_file() and src.suffix.lower() == ".gguf"):
-        raise MinifloatError(f"writing GGUF takes llama.cpp's metadata and tokenizer from the GGUF the model came from; "
-                             f"{src} is not a .gguf file: quantize the .gguf file itself")  # fmt: skip
-    reader = gguf.GGUFReader(src)
-    arch = _arch(reader)
-    check_arch(arch)
+    reader, arch = source_reader(source)
     config = model.config
     nmap = name_map(arch, config.num_hidden_layers)
-    permute = arch in PERMUTED_ARCHS
 
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not quantized:
@@ -340,9 +348,7 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
             t, blocks, ts = to_blocks(q)
         except ValueError as err:
             raise MinifloatError(f"layer {name!r}: {err}") from None
-        if permute and (heads := _heads(config, g)) is not None:
-            blocks = blocks[rope_rows(q.shape[0], heads).numpy()]
-        tensors[g] = (blocks, getattr(gguf.GGMLQuantizationType, t))
+        tensors[g] = (file_rows(blocks, arch, config, g), getattr(gguf.GGMLQuantizationType, t))
         if ts is not None:
             tensors[g.removesuffix(".weight") + ".scale"] = (np.array([ts], dtype=np.float32), None)
         if layer.bias is not None:
@@ -363,10 +369,7 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
             continue
         seen.add(key)
         g = place(hf_name)
-        arr = t.detach().float().numpy()
-        if permute and (heads := _heads(config, g)) is not None:
-            arr = arr[rope_rows(arr.shape[0], heads).numpy()]
-        tensors[g] = rest_tensor(arr, rest)
+        tensors[g] = rest_tensor(file_rows(t.detach().float().numpy(), arch, config, g), rest)
     for rt in reader.tensors:  # what transformers does not hold (rope_freqs), as it was
         if rt.name not in tensors:
             tensors[rt.name] = (np.asarray(rt.data), rt.tensor_type)
@@ -431,7 +434,6 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(config)
     by_name = {t.name: t for t in reader.tensors}
     nmap = name_map(arch, config.num_hidden_layers)
-    permute = arch in PERMUTED_ARCHS
     used: set[str] = set()
 
     def tensor(g: str, hf_name: str, shape: tuple[int, ...]):
@@ -464,9 +466,7 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
             ts = float(
                 np.asarray(tensor(sg, f"{name} tensor scale", (1,)).data, dtype=np.float32).reshape(-1)[0]
             )
-        raw = np.asarray(rt.data).reshape(n, -1)
-        if permute and (heads := _heads(config, g)) is not None:
-            raw = raw[torch.argsort(rope_rows(n, heads)).numpy()]
+        raw = file_rows(np.asarray(rt.data).reshape(n, -1), arch, config, g, reading=True)
         weight = from_blocks(t, raw, k, qc.weight_scheme, ts, m.weight.dtype)
         swaps[name] = QuantizedLinear(weight, m.bias, qc)
     dense = {}
@@ -480,9 +480,7 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
         if g not in by_name and hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         rt = tensor(g, hf_name, tuple(p.shape))
-        arr = gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(p.shape)
-        if permute and (heads := _heads(config, g)) is not None:
-            arr = arr[torch.argsort(rope_rows(arr.shape[0], heads)).numpy()]
+        arr = file_rows(gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(p.shape), arch, config, g, reading=True)
         dense[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(p.dtype)
     by_old = {id(model.get_submodule(n)): q for n, q in swaps.items()}
     swap_modules(model, list(swaps), lambda old: by_old[id(old)])
