@@ -14,12 +14,14 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 KERNELS = "src/minifloat/kernels/"
-# The quantize kernels (compiled three times: _cpu.c as is, and included by each ISA variant) and
-# the decode kernels (minifloat.kernels.cpu, minifloat.kernels.gemv).
-SOURCES = [KERNELS + s for s in ("_cpu.c", "_cpu_avx2.c", "_cpu_avx512.c", "_gemv.c")]
+# The quantize kernels (compiled three times: _cpu.c as is, and included by each ISA variant), the
+# decode kernels (minifloat.kernels.cpu, minifloat.kernels.gemv) and the decode loop over them
+# (minifloat.infer.generation.fused); the header they share is hashed with them.
+SOURCES = [KERNELS + s for s in ("_cpu.c", "_cpu_avx2.c", "_cpu_avx512.c", "_gemv.c", "_decode.c")]
+HEADERS = [KERNELS + "_gemv.h"]
 # The build records which sources it came from; minifloat.kernels.cpu refuses a library built
 # from other versions of them (a checkout updated without a rebuild) and runs the reference.
-source_hash = hashlib.sha256(b"".join((Path(__file__).parent / s).read_bytes() for s in SOURCES)).hexdigest()[:16]
+source_hash = hashlib.sha256(b"".join((Path(__file__).parent / s).read_bytes() for s in SOURCES + HEADERS)).hexdigest()[:16]
 
 native = os.environ.get("MINIFLOAT_NATIVE", "") not in ("", "0")
 arch = ["-march=native"] if native else []
@@ -29,6 +31,7 @@ setup(
         Extension(
             "minifloat.kernels._cpu",
             sources=SOURCES,
+            depends=HEADERS,
             define_macros=[("MF_SOURCE_HASH", f'"{source_hash}"'), ("MF_BUILD", '"native"' if native else '"portable"')],
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi", *arch],
             extra_link_args=["-fopenmp"],

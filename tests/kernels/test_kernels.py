@@ -421,7 +421,7 @@ class _FakeLibrary:
 
 @pytest.mark.parametrize(
     ("source_hash", "with_kernels", "why"),
-    [(b"0123456789abcdef", True, "built from other versions of _cpu.c, _cpu_avx2.c, _cpu_avx512.c, _gemv.c"),
+    [(b"0123456789abcdef", True, "built from other versions of _cpu.c, _cpu_avx2.c, _cpu_avx512.c, _gemv.c, _decode.c, _gemv.h"),
      (None, False, "mf_amax")],
 )
 def test_a_library_built_from_another_source_is_not_used(monkeypatch, source_hash, with_kernels, why):

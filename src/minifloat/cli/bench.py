@@ -50,6 +50,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "default: fp32 and the fp8, mxfp4 and nvfp4 weight-only configs)")
     p.add_argument("--no-quantize-head", dest="quantize_head", action="store_false",
                    help="decode: keep the LM head (and a tied embedding) in float; by default they are quantized weight-only too")
+    p.add_argument("--decode-steps", default="auto",
+                   help="decode: comma-separated ways to run a step for --weights: fused (one C call), eager (the model's "
+                        "own forward), auto (fused where it runs); each is timed")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="decode: llama.cpp's own F32 / Q8_0 / Q4_0 files of the .gguf MODEL decode the same prompts in the "
+                        "same interleaved rounds (llama-cpp-python's venv: --llamacpp-python, --build-venv; files in --out; "
+                        "--threads for both)")
     p.add_argument("--gemv", default="2048x8192", help="decode: comma-separated KxN decode GEMVs to time against torch's int4 / int8 kernels ('' for none)")
     p.add_argument("--kv-formats", default=None,
                    help="decode: comma-separated KV caches, FORMAT[+RECENT][@OPTION…] with OPTION hadamard, hadamard-kv, "
@@ -229,6 +236,14 @@ def _decode(args: argparse.Namespace) -> int:
     for w in weights:  # a bad name fails before the model runs
         if w != "fp32":
             get_quant_config(w)
+    from minifloat.infer.generation.decoding import DECODE_STEPS
+
+    steps = [s.strip() for s in args.decode_steps.split(",") if s.strip()]
+    for s in steps:
+        if s not in DECODE_STEPS:
+            raise MinifloatError(f"--decode-steps {s!r}: use some of {', '.join(DECODE_STEPS)}")
+    if args.llamacpp and (args.device or 'cpu') != 'cpu':
+        raise MinifloatError("--llamacpp compares CPU decoding: leave --device out (or cpu)")
     gemvs = [_gemv_shape(s.strip()) for s in args.gemv.split(",") if s.strip()]
     import torch
 
@@ -259,8 +274,15 @@ def _decode(args: argparse.Namespace) -> int:
         new = min(args.new_tokens, context - 16)
         echo(f"greedy decoding per weight format, {len(prompts)} prompts × {new} tokens, "
              f"{'head quantized too' if args.quantize_head else 'head in float'}, FP32 KV cache:")  # fmt: skip
+        llama = None
+        if args.llamacpp:
+            from minifloat.measure import llamacpp
+
+            python = llamacpp.build_venv(progress=echo) if args.build_venv else llamacpp.llamacpp_python(args.llamacpp_python)
+            llama = (python, args.out)
         out["weights"] = decode.weight_speed(args.model, prompts, weights, new_tokens=new, quantize_head=args.quantize_head,
-                                             device=device, echo=echo)  # fmt: skip
+                                             device=device, decode_steps=steps, repeats=args.reps or 3, llamacpp=llama,
+                                             threads=args.threads if args.llamacpp else None, echo=echo)  # fmt: skip
     if gemvs and device.type == "cpu":  # the decode kernels and torch's int4 / int8 peers are CPU kernels
         out["gemv"] = decode.gemv_peers(gemvs, echo=echo)
     if formats:

@@ -39,26 +39,7 @@
 #define MF_X86 0
 #endif
 
-enum { K_FP4 = 0, K_FP6 = 1, K_E4M3 = 2, K_E5M2 = 3 }; /* element kinds */
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-enum { SF_FP32 = 0, SF_E8M0 = 1, SF_E4M3 = 2 }; /* scale formats */
-#define CH 32  /* columns per chunk: the unit of the decoders' column orders */
-#define KC 512 /* columns per segment: the decoded buffer (2 KiB) stays in L1 */
-#define MMAX 16
-
-/* Must match GemvArgs in minifloat/kernels/gemv.py field for field. */
-typedef struct {
-    const float *x;      /* M × K, contiguous */
-    const uint8_t *data; /* N rows of row_bytes packed codes (the layout's padded rows) */
-    const void *scales;  /* the scale grid: float32 decode scales (slut NULL) or 8-bit codes */
-    const float *slut;   /* 8-bit scale codes' values, or NULL */
-    const float *lut;    /* the element format's values, by code (2^bits entries) */
-    float *y;            /* M × N */
-    int64_t M, N, K, row_bytes, data_bytes, br, bc, ngc;
-    float ts; /* NVFP4's tensor scale (1 otherwise): a block's scale is slut[code] * ts */
-    int32_t bits, kind, nthreads, isa, sfmt; /* sfmt: the scales' format (SF_*) */
-    int32_t nan_free; /* 1: no code of W is NaN (checked when the plan was made): no lanes to patch */
-} gemv_args_t;
+#include "_gemv.h"
 
 static inline uint32_t code_at(const uint8_t *row, int64_t k, int bits) {
     if (bits == 8) return row[k];

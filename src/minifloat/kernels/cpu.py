@@ -25,7 +25,7 @@ from minifloat.formats.registry import E4M3, E8M0, FloatFormat, NaNEncoding
 from minifloat.scaling import rules
 from minifloat.scaling.layout import layout_for
 
-SOURCES = ("_cpu.c", "_cpu_avx2.c", "_cpu_avx512.c", "_gemv.c")  # as setup.py lists them: its build hashes them in this order
+SOURCES = ("_cpu.c", "_cpu_avx2.c", "_cpu_avx512.c", "_gemv.c", "_decode.c", "_gemv.h")  # as setup.py hashes them, in this order
 ISAS = ("portable", "avx2", "avx512")  # the variants of _cpu.c; bit i of mf_cpu_isas() is ISAS[i]
 KERNELS = ("mf_amax", "mf_quantize", "mf_block_amax", "mf_encode_sr", "mf_transpose", "mf_rht16", "mf_dequantize")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -206,36 +206,83 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
+LLAMACPP_PAIRS = {"fp32": "F32", "fp8-weight-only": "Q8_0", "mxfp4-weight-only": "Q4_0", "nvfp4-weight-only": "Q4_0"}
+
+
 def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[str] = WEIGHT_CONFIGS,
                  new_tokens: int = 32, quantize_head: bool = True, kv_cache: str = "fp32",
-                 device: torch.device | str = "cpu", echo: Callable[[str], None] = print) -> dict:  # fmt: skip
+                 device: torch.device | str = "cpu", decode_steps: Sequence[str] = ("auto",), repeats: int = 3,
+                 llamacpp: tuple[str, str] | None = None, threads: int | None = None,
+                 echo: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Greedy decoding speed per weight config (see the module docstring); ``"fp32"`` is the
-    unquantized model, the ratios' baseline."""
+    unquantized model, the ratios' baseline. Decode tokens/s count the decode steps alone (the
+    tokens after the first over the time after the prefill, as engines report decode speed), the
+    best of `repeats` rounds in which every config, under each of `decode_steps`, and every
+    llama.cpp file decodes every prompt once. `llamacpp` (the Python of a venv with
+    llama-cpp-python, a folder): llama.cpp's own F32 / Q8_0 / Q4_0 files of the .gguf `path`,
+    made there by its quantizer, decode the same prompts in the same rounds (`llamacpp_peer.py`),
+    and each config's row gets its ratio to its pair (`LLAMACPP_PAIRS`)."""
+    from minifloat.measure import llamacpp as lc
+
+    threads = threads or torch.get_num_threads()
+    was_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
     bandwidth = read_bandwidth(device=device)
-    echo(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (one pass over 256 MiB)")
-    rows = []
+    echo(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (one pass over 256 MiB), {threads} threads")
+    files: dict[str, str] = {}
+    if llamacpp is not None:
+        python, folder = llamacpp
+        files = lc.llamacpp_files(path, folder, python, sorted({LLAMACPP_PAIRS[c] for c in configs if c in LLAMACPP_PAIRS},
+                                                               key=lc.LLAMA_TYPES.index), threads=threads, progress=echo)  # fmt: skip
+    models = {}
     for cfg in configs:
         model = load_model(path).to(device)
         if cfg != "fp32":
             quantize_model(model, cfg, quantize_head=quantize_head)
-        generate(model, prompts[0], 4, kv_cache=kv_cache)  # warm: first calls build plans and tables
-        n = secs = 0.0
-        for p in prompts:
-            g = generate(model, p, new_tokens, kv_cache=kv_cache)
-            n += g.new_tokens
-            secs += g.seconds
-        nbytes = weight_bytes_per_token(model)
-        row = {"config": cfg, "tokens_per_s": n / secs, "weight_bytes_per_token": nbytes,
-               "bound_tokens_per_s": bandwidth / nbytes}  # fmt: skip
+        models[cfg] = model
+    runs = [(cfg, step) for cfg in configs for step in decode_steps]
+    steps_taken: dict[tuple[str, str], str] = {}
+    for cfg, step in runs:  # warm: first calls build plans and tables
+        steps_taken[cfg, step] = generate(models[cfg], prompts[0], 4, kv_cache=kv_cache, decode_step=step).decode_step
+    best: dict = {}
+    prompt_arg = ";".join(",".join(str(int(t)) for t in p.reshape(-1).tolist()) for p in prompts)
+    try:
+        for rnd in range(repeats):  # interleaved: a noisy machine slows every run of a round alike
+            for cfg, step in runs:
+                n = secs = 0.0
+                for p in prompts:
+                    g = generate(models[cfg], p, new_tokens, kv_cache=kv_cache, decode_step=step)
+                    n += g.new_tokens - 1
+                    secs += g.seconds - g.prefill_seconds
+                best[cfg, step] = max(best.get((cfg, step), 0.0), n / secs)
+            for t, f in files.items():
+                r = lc.peer(llamacpp[0], "decode", f, "--prompt", prompt_arg, "--tokens", str(new_tokens), "--repeats", "1",
+                            "--threads", str(threads))  # fmt: skip
+                best[t] = max(best.get(t, 0.0), r["tokens_per_s"])
+            echo(f"  round {rnd + 1}/{repeats} done")
+    finally:
+        torch.set_num_threads(was_threads)
+    rows = []
+    for cfg, step in runs:
+        nbytes = weight_bytes_per_token(models[cfg])
+        row = {"config": cfg, "decode_step": steps_taken[cfg, step], "tokens_per_s": best[cfg, step],
+               "weight_bytes_per_token": nbytes, "bound_tokens_per_s": bandwidth / nbytes}  # fmt: skip
+        pair = LLAMACPP_PAIRS.get(cfg)
+        if pair in best:
+            row["llamacpp_file"], row["llamacpp_tokens_per_s"] = pair, best[pair]
+            row["vs_llamacpp"] = best[cfg, step] / best[pair]
         rows.append(row)
-        del model
+    del models
     base = next((r["tokens_per_s"] for r in rows if r["config"] == "fp32"), None)
     for r in rows:
         r["vs_fp32"] = r["tokens_per_s"] / base if base else None
-        echo(f"  {r['config']:<24} {r['tokens_per_s']:7.1f} tok/s  {r['weight_bytes_per_token'] / 1e6:8.1f} MB/token  "
-             f"bound {r['bound_tokens_per_s']:7.1f} tok/s  " + (f"×{r['vs_fp32']:.2f} FP32" if base else ""))  # fmt: skip
+        echo(f"  {r['config']:<20} {r['decode_step']:<6} {r['tokens_per_s']:7.1f} tok/s  {r['weight_bytes_per_token'] / 1e6:8.1f} MB/token  "
+             f"bound {r['bound_tokens_per_s']:7.1f} tok/s  " + (f"×{r['vs_fp32']:.2f} FP32" if base else "")
+             + (f"  llama.cpp {r['llamacpp_file']} {r['llamacpp_tokens_per_s']:.1f} tok/s: ×{r['vs_llamacpp']:.2f}" if "vs_llamacpp" in r else ""))  # fmt: skip
+    llama_rows = [{"file": t, "tokens_per_s": best[t], "path": f} for t, f in files.items()]
     return {"read_bandwidth_bytes_per_s": bandwidth, "quantize_head": quantize_head, "new_tokens": new_tokens,
-            "prompts": len(prompts), "runs": rows}  # fmt: skip
+            "prompts": len(prompts), "threads": threads, "repeats": repeats, "kv_cache": kv_cache, "runs": rows,
+            "llamacpp": llama_rows}  # fmt: skip
 
 
 GEMV_SCHEMES = ("nvfp4", "mxfp4", "fp8_rowwise")

@@ -87,6 +87,31 @@ def peer(python: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def llamacpp_files(model, folder, python: str, types: Sequence[str], threads: int = 2,
+                   progress: Callable[[str], None] | None = None) -> dict[str, str]:  # fmt: skip
+    """llama.cpp's own files of the GGUF `model` in `folder` (F32 from the source, the others
+    from F32, by ``llama_model_quantize``), one per llama.cpp type in `types` (`LLAMA_FTYPES`)."""
+    model, folder = Path(model), Path(folder)
+    if model.suffix != ".gguf":
+        raise MinifloatError(f"{model}: llama.cpp's files are made from a .gguf model; pass one")
+    bad = [t for t in types if t not in LLAMA_FTYPES]
+    if bad:
+        raise MinifloatError(f"llama.cpp type {bad[0]!r}: use some of {', '.join(LLAMA_FTYPES)}")
+    folder.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda msg: None)
+    f32 = folder / "llamacpp-F32.gguf"
+    say("  llama.cpp: F32 from the source (llama_model_quantize)")
+    peer(python, "quantize", str(model), str(f32), str(LLAMA_FTYPES["F32"]), "--threads", str(threads))
+    out = {}
+    for t in types:
+        path = folder / f"llamacpp-{t}.gguf"
+        if t != "F32":
+            say(f"  llama.cpp: {t} (llama_model_quantize)")
+            peer(python, "quantize", str(f32), str(path), str(LLAMA_FTYPES[t]), "--threads", str(threads))
+        out[t] = str(path)
+    return out
+
+
 def llamacpp_mxfp4(f32: Path, out: Path) -> Path:
     """llama.cpp's MXFP4 of a dense model: every 2-D weight of the blocks in MXFP4 by ``gguf``'s
     quantizer (ggml's reference algorithm: E8M0 = ⌊log2 amax⌋ − 2, nearest E2M1), the embedding
@@ -193,17 +218,13 @@ def bench_llamacpp(
     prompt = ",".join(str(int(x)) for x in windows[0, :32])
 
     files: dict[str, dict] = {}
-    f32 = out / "llamacpp-F32.gguf"
-    say("llama.cpp: F32 from the source (llama_model_quantize)")
-    peer(python, "quantize", str(model), str(f32), str(LLAMA_FTYPES["F32"]), "--threads", str(threads))
+    made = llamacpp_files(model, out, python, [t for t in llama_types if t in LLAMA_FTYPES], threads=threads, progress=say)
+    f32 = out / "llamacpp-F32.gguf"  # made always: the reference, and MXFP4's source
     for t in llama_types:
-        path = out / f"llamacpp-{t}.gguf"
+        path = Path(made.get(t, out / f"llamacpp-{t}.gguf"))
         if t == "MXFP4":
             say("llama.cpp: MXFP4 (gguf's quantizer)")
             llamacpp_mxfp4(f32, path)
-        elif t != "F32":
-            say(f"llama.cpp: {t} (llama_model_quantize)")
-            peer(python, "quantize", str(f32), str(path), str(LLAMA_FTYPES[t]), "--threads", str(threads))
         files[f"llama.cpp {t}"] = {"path": path, "by": "llama.cpp"}
     params = parameters(f32)
     for c, keep in specs:

@@ -28,11 +28,13 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.infer.generation.cache import new_cache
+from minifloat.infer.generation.fused import FusedCache, FusedDecoder, unsupported
 from minifloat.infer.generation.kvcache import KVCache, KVSpec, parse_kv_spec
 from minifloat.infer.quantize import quantize_model
 from minifloat.models.adapter import adapter_for
 
 DRAFTS = {"nvfp4": "nvfp4-weight-only", "mxfp4": "mxfp4-weight-only"}
+DECODE_STEPS = ("auto", "fused", "eager")
 
 
 @dataclass
@@ -52,6 +54,16 @@ class Generation:
     kv_precisions: list[str] = field(default_factory=list)  # each token's KV format at the end (layer 0)
     proposed: int = 0  # draft tokens the target judged (those after a rejection are not)
     accepted: int = 0  # of them kept
+    decode_step: str = "eager"  # how the target's steps ran: "fused" (one C call each) or "eager"
+    prefill_seconds: float | None = None  # plain decoding: until the first new token was decided
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second of the decode steps alone (plain decoding: the tokens after the
+        first, over the time after the prefill), as engines report decode speed."""
+        if self.prefill_seconds is None or self.new_tokens < 2 or self.seconds <= self.prefill_seconds:
+            return None
+        return (self.new_tokens - 1) / (self.seconds - self.prefill_seconds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,7 +75,8 @@ class Generation:
                 "target_forwards_per_token": self.target_forwards / max(self.new_tokens, 1),
                 "draft_tokens": self.draft_tokens, "accepted_per_position": self.accepted_per_position,
                 "mean_accepted": self.mean_accepted, "proposed": self.proposed, "accepted": self.accepted,
-                "kv_events": len(self.kv_events),
+                "kv_events": len(self.kv_events), "decode_step": self.decode_step,
+                "prefill_seconds": self.prefill_seconds, "decode_tokens_per_s": self.decode_tokens_per_s,
                 "kv_precision_mix": {f: self.kv_precisions.count(f) for f in dict.fromkeys(self.kv_precisions)}}  # fmt: skip
 
 
@@ -83,9 +96,13 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, t
     return p
 
 
-def forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    """Logits (1, T, vocab) of `ids` continuing what `cache` holds (which takes their K and V)."""
-    return adapter_for(model).forward(ids, cache)
+def forward(model, ids: torch.Tensor, cache, last: int | None = None) -> torch.Tensor:
+    """Logits (1, T, vocab) of `ids` continuing what `cache` holds (which takes their K and V); of
+    the last `last` tokens only, (1, last, vocab), when given (a `FusedCache` computes no others)."""
+    if isinstance(cache, FusedCache):
+        return cache.decoder.forward(ids, cache, last=last or ids.shape[-1])[None]
+    logits = adapter_for(model).forward(ids, cache)
+    return logits if last is None else logits[:, -last:]
 
 
 def calibrate_kv(model, batches) -> dict[int, tuple[float, float]]:
@@ -168,6 +185,7 @@ def generate(
     kv_drop: bool = False,
     stream: Callable[[int], None] | None = None,
     stop_tokens: Sequence[int] = (),
+    decode_step: str = "auto",
 ) -> Generation:
     """Continue `input_ids` (1, T) by `max_new_tokens` tokens; see the module docstring.
     `kv_cache`: a format, or ``FORMAT[+RECENT][@OPTION…]`` (`minifloat.infer.generation.kvcache.parse_kv_spec`:
@@ -180,7 +198,10 @@ def generate(
     dropping the oldest tokens after the sinks when even that cannot fit (the built-in GPT, plain
     decoding: positions keep counting the dropped tokens). `stream` is called with each new token
     id as it is decided. Generation ends after the first of `stop_tokens` (an end of turn, EOS),
-    which the result keeps."""
+    which the result keeps. `decode_step`: ``"fused"`` runs each step as one C call
+    (`minifloat.infer.generation.fused`: Llama-shaped transformers models, a plain fp32 / bf16
+    cache; an error says why not for others), ``"eager"`` the model's own forward, ``"auto"``
+    (default) the fused step where it runs (``MINIFLOAT_DECODE=eager`` turns it off)."""
     # the names first: a typo in kv_cache is reported as such, not as whatever else is wrong
     kv_name, kv_options = parse_kv_spec(kv_cache)  # an unknown format or option: a clear error before any work
     _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_tokens)
@@ -194,8 +215,22 @@ def generate(
     given = dict(budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format, sink_tokens=kv_sink_tokens,
                  recent_tokens=kv_recent_tokens, recent_format=kv_recent_format, drop=kv_drop or None)  # fmt: skip
     spec = KVSpec(format=kv_name, **{k: v for k, v in given.items() if v is not None}, **kv_options)
+    if decode_step not in DECODE_STEPS:
+        raise MinifloatError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {decode_step!r}")
+    steps: dict[int, FusedDecoder | None] = {}  # per model driven: its fused step, or None (eager)
+    capacity = input_ids.shape[1] + max_new_tokens + (draft_tokens + 1 if draft is not None else 0)
 
-    def make_cache(m) -> KVCache:
+    def step_of(m) -> FusedDecoder | None:
+        if id(m) not in steps:
+            why = unsupported(m, spec, kv_scales if m is model else None) if decode_step != "eager" else "asked"
+            if why is not None and decode_step == "fused":
+                raise MinifloatError(f"decode_step='fused' cannot run this model: {why}; use decode_step='auto' or 'eager'")
+            steps[id(m)] = FusedDecoder(m) if why is None else None
+        return steps[id(m)]
+
+    def make_cache(m) -> KVCache | FusedCache:
+        if (fused := step_of(m)) is not None:
+            return fused.new_cache(spec.format, capacity)
         return new_cache(adapter_for(m), spec=spec, scales=kv_scales if m is model else None,
                          slack=(draft_tokens + 1) if draft is not None else 0)  # a rejected draft's tokens roll back
 
@@ -216,7 +251,8 @@ def generate(
     finally:
         model.train(was)
     return Generation(seq, seq.shape[1] - input_ids.shape[1], time.perf_counter() - t0, cache.nbytes(), kv_cache,
-                      forwards, kv_events=cache.events, kv_precisions=cache.precisions(), **stats)  # fmt: skip
+                      forwards, kv_events=cache.events, kv_precisions=cache.precisions(),
+                      decode_step="fused" if isinstance(cache, FusedCache) else "eager", **stats)  # fmt: skip
 
 
 def _pick(logits: torch.Tensor, temperature, top_k, top_p, gen) -> int:
@@ -233,21 +269,25 @@ def _cut_at_stop(seq: torch.Tensor, prompt: int, stop: set[int]) -> torch.Tensor
 
 
 def _plain(model, ids, n, make_cache, temperature, top_k, top_p, gen, stream, stop=frozenset()):
+    t0 = time.perf_counter()
     cache = make_cache(model)
-    logits = forward(model, ids, cache)[0, -1]
+    logits = forward(model, ids, cache, last=1)[0, -1]
     seq = ids
     forwards = 1
+    prefill = None
     for i in range(n):
         tok = _pick(logits, temperature, top_k, top_p, gen)
+        if prefill is None:
+            prefill = time.perf_counter() - t0
         seq = torch.cat((seq, torch.tensor([[tok]], dtype=seq.dtype, device=seq.device)), 1)
         if stream:
             stream(tok)
         if tok in stop:
             break
         if i + 1 < n:
-            logits = forward(model, seq[:, -1:], cache)[0, -1]
+            logits = forward(model, seq[:, -1:], cache, last=1)[0, -1]
             forwards += 1
-    return seq, cache, forwards, {}
+    return seq, cache, forwards, {"prefill_seconds": prefill}
 
 
 def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, gen, stream, k):
@@ -265,7 +305,7 @@ def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, ge
         # the draft proposes kk tokens (feeding what its cache lacks first)
         drafts, qs = [], []
         if kk:
-            logits = forward(draft, seq[:, draft_cache.length():], draft_cache)[0, -1]
+            logits = forward(draft, seq[:, draft_cache.length():], draft_cache, last=1)[0, -1]
             for i in range(kk):
                 if temperature == 0:
                     tok = int(logits.argmax())
@@ -275,16 +315,16 @@ def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, ge
                     qs.append(q)
                 drafts.append(tok)
                 if i + 1 < kk:
-                    logits = forward(draft, torch.tensor([[tok]], dtype=seq.dtype, device=seq.device), draft_cache)[0, -1]
+                    logits = forward(draft, torch.tensor([[tok]], dtype=seq.dtype, device=seq.device), draft_cache, last=1)[0, -1]
         # the target scores the sequence's unseen tokens and the drafts in one pass
         base = target_cache.length()
         feed = torch.cat((seq[:, base:], torch.tensor([drafts], dtype=seq.dtype, device=seq.device).reshape(1, -1)), 1)
-        logits = forward(model, feed, target_cache)[0]  # (len(feed), vocab)
+        first = seq.shape[1] - 1 - base  # the row of feed whose logits predict drafts[0]
+        logits = forward(model, feed, target_cache, last=feed.shape[1] - first)[0]  # (kk + 1, vocab): from that row on
         forwards += 1
-        first = seq.shape[1] - 1 - base  # logits row that predicts drafts[0]
         n_ok, out = 0, None
         for i, tok in enumerate(drafts):
-            lg = logits[first + i]
+            lg = logits[i]
             proposed[i] += 1
             if temperature == 0:
                 if int(lg.argmax()) != tok:
@@ -300,7 +340,7 @@ def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, ge
             accepted[i] += 1
             n_ok += 1
         if out is None:  # every draft kept (or none proposed): one more token from the target
-            out = _pick(logits[first + n_ok], temperature, top_k, top_p, gen)
+            out = _pick(logits[n_ok], temperature, top_k, top_p, gen)
         kept_counts.append(n_ok)
         new = drafts[:n_ok] + [out]
         seq = torch.cat((seq, torch.tensor([new], dtype=seq.dtype, device=seq.device)), 1)

@@ -1,0 +1,328 @@
+/* A decoder step in one call: M ≤ 16 tokens (a decode step, a speculative verification, a
+ * prefill chunk) through every layer of a Llama-shaped decoder — RMSNorm, Q/K/V projections
+ * (biases where the model has them, QK-norm where it has it), rotary embedding from the model's
+ * own tables, attention over the KV cache (float32 or bfloat16, a sliding window per layer),
+ * O projection, the SiLU-gated MLP, the final norm and the head — with no Python between the
+ * operations. The eager model pays the interpreter and torch's dispatch for each of the ~20
+ * operations of each layer; at decode sizes that costs more than the products
+ * (minifloat.infer.generation.fused, which builds mf_model_t from a transformers model, says
+ * how much).
+ *
+ * Every Linear is either a float32 weight (`dense`: one pass over W per call, each row of W
+ * multiplied with every row of x while it is in L1) or a packed one read in place by the decode
+ * kernels (`mf_gemv` of _gemv.c, with the plan minifloat.kernels.gemv made). The operations
+ * follow the eager model's formulas in the same order, so results equal it up to float32
+ * summation order (and the libm's last bit in exp).
+ *
+ * KV cache layout: layer × KV head × position × head_dim, positions 0 … capacity − 1; a call
+ * writes positions pos … pos + M − 1 (rotated keys, as transformers' caches hold them), then row m
+ * attends to positions ≤ pos + m (and > pos + m − window on a sliding-window layer). A bfloat16
+ * cache rounds to nearest even, as torch's conversion does (NaN stays NaN).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_gemv.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define MF_X86 1
+#include <immintrin.h>
+#define D512 __attribute__((target("avx512f,avx2,fma")))
+#define D256 __attribute__((target("avx2,fma")))
+#else
+#define MF_X86 0
+#endif
+
+enum { LIN_NONE = 0, LIN_DENSE = 1, LIN_PACKED = 2 };
+
+/* Must match Linear in minifloat/infer/generation/fused.py field for field (as the structs below). */
+typedef struct {
+    const float *w;    /* LIN_DENSE: N × K float32, contiguous */
+    const float *bias; /* N float32, or NULL */
+    gemv_args_t g;     /* LIN_PACKED: the weight's plan (x, y, M, isa and nthreads are set per call) */
+    int64_t N, K;
+    int32_t kind, pad;
+} mf_lin_t;
+
+typedef struct {
+    mf_lin_t q, k, v, o, gate, up, down;
+    const float *attn_norm, *mlp_norm; /* RMSNorm weights, hidden each */
+    const float *q_norm, *k_norm;      /* QK-norm weights (head_dim), or NULL */
+    int64_t window;                    /* sliding window in tokens; 0: every position */
+} mf_layer_t;
+
+typedef struct {
+    int64_t n_layer, hidden, n_head, n_kv, head_dim, inter, vocab, capacity;
+    float eps, scale; /* RMSNorm's epsilon; the attention scores' scale */
+    int32_t kv_bf16, nthreads, isa, serial_below;
+    const float *cos, *sin; /* capacity × head_dim: the rotary tables (rotate-half form) */
+    const mf_layer_t *layers;
+    const float *final_norm;
+    mf_lin_t head;
+    void *k_cache, *v_cache; /* n_layer × n_kv × capacity × head_dim: float32, or bfloat16 bits */
+} mf_model_t;
+
+int64_t mf_decode_sizes(int64_t *out) {
+    out[0] = (int64_t)sizeof(mf_lin_t);
+    out[1] = (int64_t)sizeof(mf_layer_t);
+    out[2] = (int64_t)sizeof(mf_model_t);
+    out[3] = (int64_t)offsetof(mf_model_t, v_cache);
+    return 4;
+}
+
+/* ---- dot products --------------------------------------------------------------------------- */
+static float dot_c(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int q = 0; q < 8; q++) acc[q] += a[i + q] * b[i + q];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+#if MF_X86
+D256 static float dot256(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    float r = _mm_cvtss_f32(h);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+D512 static float dot512(const float *a, const float *b, int64_t n) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+        s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(b + i + 32), s2);
+        s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), _mm512_loadu_ps(b + i + 48), s3);
+    }
+    for (; i + 16 <= n; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    if (i < n) { /* the tail, masked */
+        const __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), s1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+}
+
+/* acc += p · v over n floats */
+D512 static void axpy512(float *acc, float p, const float *v, int64_t n) {
+    const __m512 pp = _mm512_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+    for (; i < n; i++) acc[i] += p * v[i];
+}
+#endif
+
+static void axpy_c(float *acc, float p, const float *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) acc[i] += p * v[i];
+}
+
+typedef float (*dot_t)(const float *, const float *, int64_t);
+typedef void (*axpy_t)(float *, float, const float *, int64_t);
+
+static dot_t dot_for(int isa) {
+#if MF_X86
+    if (isa == ISA_AVX512) return dot512;
+    if (isa == ISA_AVX2) return dot256;
+#endif
+    (void)isa;
+    return dot_c;
+}
+
+static axpy_t axpy_for(int isa) {
+#if MF_X86
+    if (isa == ISA_AVX512) return axpy512;
+#endif
+    (void)isa;
+    return axpy_c;
+}
+
+/* ---- the operations ------------------------------------------------------------------------- */
+static int threads_for(const mf_model_t *m, int64_t n) { return n < m->serial_below ? 1 : m->nthreads; }
+
+/* y (M × N) = x (M × K) · Wᵀ + bias */
+static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_t M, float *y) {
+    const int64_t N = l->N, K = l->K;
+    const int nt = threads_for(m, N * K);
+    if (l->kind == LIN_PACKED) {
+        gemv_args_t a = l->g;
+        a.x = x, a.y = y, a.M = M, a.isa = m->isa, a.nthreads = nt;
+        if (mf_gemv(&a) != 0) return -1;
+    } else {
+        const dot_t dot = dot_for(m->isa);
+        const float *w = l->w;
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t r = 0; r < M; r++) y[r * N + n] = dot(x + r * K, w + n * K, K);
+    }
+    if (l->bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t n = 0; n < N; n++) y[r * N + n] += l->bias[n];
+    return 0;
+}
+
+/* out = w · (x · 1/sqrt(mean(x²) + eps)) over n values (transformers' RMSNorm, in float32) */
+static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int q = 0; q < 8; q++) acc[q] += x[i + q] * x[i + q];
+    float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* x (head_dim) rotated in place at the tables' row: x·cos + rotate_half(x)·sin */
+static void rope(float *x, const float *c, const float *s, int64_t d) {
+    const int64_t h = d / 2;
+    float t[512];
+    memcpy(t, x, (size_t)d * sizeof(float));
+    for (int64_t i = 0; i < h; i++) x[i] = t[i] * c[i] + (-t[i + h]) * s[i];
+    for (int64_t i = h; i < d; i++) x[i] = t[i] * c[i] + t[i - h] * s[i];
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN (quiet) */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void from_bf16(const uint16_t *b, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = (uint32_t)b[i] << 16;
+        memcpy(out + i, &u, 4);
+    }
+}
+
+/* One query row against positions lo … hi of one KV head: out (head_dim) = softmax(q·K ·
+ * scale) · V. `s` holds hi − lo + 1 scores; `kb`, `vb`: head_dim floats (bfloat16 rows unpacked). */
+static void attend(const mf_model_t *m, const float *q, const void *K, const void *V, int64_t lo, int64_t hi,
+                   float *s, float *out, float *kb) {
+    const int64_t d = m->head_dim;
+    const dot_t dot = dot_for(m->isa);
+    const axpy_t axpy = axpy_for(m->isa);
+    float mx = -INFINITY;
+    for (int64_t j = lo; j <= hi; j++) {
+        const float *k = m->kv_bf16 ? (from_bf16((const uint16_t *)K + j * d, kb, d), kb) : (const float *)K + j * d;
+        const float v = dot(q, k, d) * m->scale;
+        s[j - lo] = v;
+        mx = v > mx ? v : mx;
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j <= hi - lo; j++) sum += (s[j] = expf(s[j] - mx));
+    const float inv = 1.0f / sum;
+    memset(out, 0, (size_t)d * sizeof(float));
+    for (int64_t j = lo; j <= hi; j++) {
+        const float *v = m->kv_bf16 ? (from_bf16((const uint16_t *)V + j * d, kb, d), kb) : (const float *)V + j * d;
+        axpy(out, s[j - lo] * inv, v, d);
+    }
+}
+
+/* Scratch floats a call of M rows at positions up to span − 1 needs. */
+static int64_t scratch_floats(const mf_model_t *m, int64_t M, int64_t span) {
+    const int64_t qd = m->n_head * m->head_dim, kd = m->n_kv * m->head_dim;
+    const int64_t big = m->inter > m->hidden ? m->inter : m->hidden;
+    return M * (2 * m->hidden + qd + 2 * kd + qd + 2 * big) + M * m->n_head * (span + m->head_dim);
+}
+
+/* Rows pos … pos + M − 1 through the model; `x_in`: their embeddings (M × hidden). Writes the
+ * logits of the last `logit_rows` rows (logit_rows × vocab). Returns 0; -1 out of memory; -2 a
+ * position past the cache's capacity or a bad row count. */
+int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, int64_t logit_rows, float *logits) {
+    if (M < 1 || M > MMAX || pos < 0 || pos + M > m->capacity || logit_rows < 0 || logit_rows > M) return -2;
+    const int64_t H = m->hidden, d = m->head_dim, nh = m->n_head, nkv = m->n_kv, C = m->capacity;
+    const int64_t qd = nh * d, kd = nkv * d, big = m->inter > H ? m->inter : H, group = nh / nkv;
+    const size_t esize = m->kv_bf16 ? 2 : 4;
+    const int64_t span = pos + M; /* the last row's positions */
+    float *buf = malloc((size_t)scratch_floats(m, M, span) * sizeof(float));
+    if (!buf) return -1;
+    float *x = buf, *h = x + M * H, *q = h + M * H, *k = q + M * qd, *v = k + M * kd, *att = v + M * kd;
+    float *g = att + M * qd, *u = g + M * big, *sc = u + M * big; /* sc: per row and head, span scores + head_dim */
+    memcpy(x, x_in, (size_t)(M * H) * sizeof(float));
+    int rc = 0;
+    for (int64_t li = 0; li < m->n_layer && rc == 0; li++) {
+        const mf_layer_t *L = m->layers + li;
+        for (int64_t r = 0; r < M; r++) rms_norm(x + r * H, L->attn_norm, m->eps, H, h + r * H);
+        if (linear(m, &L->q, h, M, q) || linear(m, &L->k, h, M, k) || linear(m, &L->v, h, M, v)) {
+            rc = -1;
+            break;
+        }
+        char *Kc = (char *)m->k_cache + (size_t)(li * nkv * C * d) * esize;
+        char *Vc = (char *)m->v_cache + (size_t)(li * nkv * C * d) * esize;
+        for (int64_t r = 0; r < M; r++) {
+            const int64_t p = pos + r;
+            const float *cs = m->cos + p * d, *sn = m->sin + p * d;
+            for (int64_t hh = 0; hh < nh; hh++) {
+                float *qh = q + r * qd + hh * d;
+                if (L->q_norm) rms_norm(qh, L->q_norm, m->eps, d, qh);
+                rope(qh, cs, sn, d);
+            }
+            for (int64_t hh = 0; hh < nkv; hh++) {
+                float *kh = k + r * kd + hh * d, *vh = v + r * kd + hh * d;
+                if (L->k_norm) rms_norm(kh, L->k_norm, m->eps, d, kh);
+                rope(kh, cs, sn, d);
+                const size_t at = (size_t)((hh * C + p) * d);
+                if (m->kv_bf16) {
+                    uint16_t *kt = (uint16_t *)Kc + at, *vt = (uint16_t *)Vc + at;
+                    for (int64_t i = 0; i < d; i++) kt[i] = to_bf16(kh[i]), vt[i] = to_bf16(vh[i]);
+                } else {
+                    memcpy((float *)Kc + at, kh, (size_t)d * sizeof(float));
+                    memcpy((float *)Vc + at, vh, (size_t)d * sizeof(float));
+                }
+            }
+        }
+        const int nt = threads_for(m, span * nh * d * 8);
+#pragma omp parallel for collapse(2) num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t hh = 0; hh < nh; hh++) {
+                const int64_t p = pos + r, lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+                const size_t at = (size_t)((hh / group) * C * d) * esize;
+                float *s = sc + (r * nh + hh) * (span + d);
+                attend(m, q + r * qd + hh * d, Kc + at, Vc + at, lo, p, s, att + r * qd + hh * d, s + span);
+            }
+        if (linear(m, &L->o, att, M, h)) {
+            rc = -1;
+            break;
+        }
+        for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
+        for (int64_t r = 0; r < M; r++) rms_norm(x + r * H, L->mlp_norm, m->eps, H, h + r * H);
+        if (linear(m, &L->gate, h, M, g) || linear(m, &L->up, h, M, u)) {
+            rc = -1;
+            break;
+        }
+        const int64_t I = m->inter;
+        for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
+        if (linear(m, &L->down, g, M, h)) {
+            rc = -1;
+            break;
+        }
+        for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
+    }
+    if (rc == 0 && logit_rows > 0) {
+        const float *last = x + (M - logit_rows) * H;
+        for (int64_t r = 0; r < logit_rows; r++) rms_norm(last + r * H, m->final_norm, m->eps, H, h + r * H);
+        rc = linear(m, &m->head, h, logit_rows, logits);
+    }
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,155 @@
+"""The fused decode step (one C call per step, minifloat.infer.generation.fused) against the
+oracle it replaces: transformers' own forward of the same model (float32 weights), and the eager
+path over the same packed weights (weight-only configs). Tiny random models of each family it
+runs: Llama (with biases), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (a sliding window)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minifloat.errors import MinifloatError
+from minifloat.infer import generate, quantize_model
+from minifloat.infer.generation.fused import FusedDecoder, unsupported
+from minifloat.kernels import gemv
+from minifloat.models.gpt import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not gemv.isas(), reason="the compiled kernels are not built")
+
+VOCAB = 96
+
+
+def tiny(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "mistral": transformers.MistralConfig}[family]  # fmt: skip
+    if family == "llama":
+        kw.update(attention_bias=True, mlp_bias=True)
+    if family == "mistral":
+        kw.update(sliding_window=6)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**kw)).eval()
+    with torch.no_grad():  # norms away from 1 and biases away from 0: a missed one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+    return model
+
+
+def bound(ref: torch.Tensor) -> float:
+    """float32 summation-order differences over a few layers: a few ulps of the largest logit."""
+    return 1e-5 * float(ref.abs().max()) + 1e-6
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fused_logits_equal_transformers_forward(family):
+    """Prefill in chunks (40 tokens: more than the 16 rows of one call), then single steps: every
+    row's logits are those of transformers' forward over the whole sequence."""
+    model = tiny(family)
+    assert unsupported(model) is None
+    ids = torch.randint(0, VOCAB, (1, 44))
+    dec = FusedDecoder(model)
+    cache = dec.new_cache("fp32", capacity=64)
+    parts = [dec.forward(ids[:, :40], cache, last=40)]
+    parts += [dec.forward(ids[:, t : t + 1], cache, last=1) for t in range(40, 44)]
+    got = torch.cat(parts)
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    assert cache.length() == 44
+    assert (got - ref).abs().max() <= bound(ref)
+
+
+def test_the_last_rows_only_and_a_full_cache():
+    model = tiny("llama")
+    dec = FusedDecoder(model)
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    cache = dec.new_cache("fp32", capacity=20)
+    got = dec.forward(ids, cache, last=3)
+    assert got.shape == (3, VOCAB) and (got - ref[-3:]).abs().max() <= bound(ref)
+    with pytest.raises(MinifloatError, match="holds 20 positions"):
+        dec.forward(ids[:, :1], cache)
+    cache.truncate(17)  # a rejected draft's positions are written again
+    again = dec.forward(ids[:, 17:], cache, last=3)
+    assert torch.equal(again, got)
+
+
+def test_a_bf16_cache_rounds_as_torch_does():
+    """The bfloat16 cache holds torch's round-to-nearest-even of the float32 cache's keys and values."""
+    model = tiny("qwen2")
+    dec = FusedDecoder(model)
+    ids = torch.randint(0, VOCAB, (1, 24))
+    c32, c16 = dec.new_cache("fp32", 32), dec.new_cache("bf16", 32)
+    dec.forward(ids[:, :1], c32), dec.forward(ids[:, :1], c16)  # layer 0's first keys: the same inputs in both
+    assert torch.equal(c16.k[0, :, :1], c32.k[0, :, :1].to(torch.bfloat16))
+    assert torch.equal(c16.v[0, :, :1], c32.v[0, :, :1].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+@pytest.mark.parametrize("config", [None, "nvfp4-weight-only", "mxfp4-weight-only", "fp8-weight-only"])
+def test_greedy_tokens_equal_the_eager_path(kv, config):
+    model = tiny("llama", seed=1)
+    if config:
+        quantize_model(model, config, quantize_head=True)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    fused = generate(model, ids, 24, kv_cache=kv, decode_step="fused")
+    eager = generate(model, ids, 24, kv_cache=kv, decode_step="eager")
+    assert (fused.decode_step, eager.decode_step) == ("fused", "eager")
+    assert torch.equal(fused.tokens, eager.tokens)
+    assert fused.decode_tokens_per_s > 0 and 0 < fused.prefill_seconds < fused.seconds
+
+
+def test_packed_weights_are_read_in_place_by_every_isa_path(monkeypatch):
+    model = tiny("qwen3", seed=2)
+    quantize_model(model, "nvfp4-weight-only", quantize_head=True)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        ref = model(ids).logits[0]  # the eager path: the same kernels, layer by layer
+    for isa in gemv.isas():
+        monkeypatch.setenv("MINIFLOAT_GEMV_ISA", isa)
+        dec = FusedDecoder(model)
+        got = dec.forward(ids, dec.new_cache("fp32", 16), last=9)
+        assert (got - ref).abs().max() <= bound(ref), isa
+
+
+def test_speculative_decoding_on_the_fused_step_equals_plain_greedy():
+    model = tiny("mistral", seed=3)
+    ids = torch.randint(0, VOCAB, (1, 10))
+    plain = generate(model, ids, 30, kv_cache="fp32", decode_step="eager")
+    spec = generate(model, ids, 30, kv_cache="fp32", draft="nvfp4", draft_tokens=3)
+    assert spec.decode_step == "fused" and torch.equal(spec.tokens, plain.tokens)
+
+
+def test_nan_stays_nan():
+    model = tiny("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5, 0] = float("nan")
+    dec = FusedDecoder(model)
+    logits = dec.forward(torch.tensor([[3, 5]]), dec.new_cache("fp32", 8), last=2)
+    assert torch.isfinite(logits[0]).all() and torch.isnan(logits[1]).all()
+
+
+def test_what_it_does_not_run_is_said_and_runs_eagerly(monkeypatch):
+    gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB))
+    ids = torch.randint(0, VOCAB, (1, 4))
+    with pytest.raises(MinifloatError, match="cannot run this model: model type None"):
+        generate(gpt, ids, 2, decode_step="fused")
+    assert generate(gpt, ids, 2).decode_step == "eager"
+    model = tiny("llama")
+    with pytest.raises(MinifloatError, match="'fp8' with options runs eagerly"):
+        generate(model, ids, 2, kv_cache="fp8", decode_step="fused")
+    assert generate(model, ids, 2, kv_cache="fp8").decode_step == "eager"
+    with pytest.raises(MinifloatError, match="decode_step must be one of auto, fused, eager"):
+        generate(model, ids, 2, decode_step="compiled")
+    monkeypatch.setenv("MINIFLOAT_DECODE", "eager")
+    assert generate(model, ids, 2).decode_step == "eager"
+    monkeypatch.delenv("MINIFLOAT_DECODE")
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert "forward hooks" in unsupported(model)
+    handle.remove()
+    w8a8 = tiny("llama")
+    quantize_model(w8a8, "fp8-dynamic", quantize_head=False)
+    assert "quantizes its input (fp8-dynamic)" in unsupported(w8a8)
