@@ -153,3 +153,27 @@ def test_what_it_does_not_run_is_said_and_runs_eagerly(monkeypatch):
     w8a8 = tiny("llama")
     quantize_model(w8a8, "fp8-dynamic", quantize_head=False)
     assert "quantizes its input (fp8-dynamic)" in unsupported(w8a8)
+
+
+def test_bench_decode_times_both_steps_and_profiles_them(tmp_path, capsys):
+    import json
+
+    from minifloat.cli import main
+    from tests.infer.test_gguf_and_bad_inputs import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert main(["bench", "decode", str(tmp_path / "tiny.gguf"), "--kv-formats", "", "--drafts", "", "--gemv", "",
+                 "--windows", "1", "--new-tokens", "6", "--weights", "fp32,nvfp4-weight-only", "--reps", "1",
+                 "--decode-steps", "fused,eager", "--profile", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    runs = [(r["config"], r["decode_step"]) for r in out["weights"]["runs"]]
+    assert runs == [("fp32", "fused"), ("fp32", "eager"), ("nvfp4-weight-only", "fused"), ("nvfp4-weight-only", "eager")]
+    assert all(r["tokens_per_s"] > 0 for r in out["weights"]["runs"])
+    prof = out["profile"]
+    assert [(r["config"], r["decode_step"]) for r in prof] == runs
+    for r in prof:
+        assert set(r["ms"]) == {"gemv", "attention", "norms_rope_activations", "python_dispatch"}
+        assert r["ms"]["gemv"] > 0 and r["ms"]["attention"] > 0
+        assert sum(r["ms"].values()) == pytest.approx(r["ms_per_token"], rel=1e-9)  # the kinds add up to the wall time
+    assert main(["bench", "decode", str(tmp_path / "tiny.gguf"), "--decode-steps", "compiled"]) == 2
+    assert "--decode-steps 'compiled': use some of auto, fused, eager" in capsys.readouterr().err

@@ -53,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-steps", default="auto",
                    help="decode: comma-separated ways to run a step for --weights: fused (one C call), eager (the model's "
                         "own forward), auto (fused where it runs); each is timed")
+    p.add_argument("--profile", action="store_true",
+                   help="decode: where a decode step's time goes (GEMV, attention, norms / RoPE / activations, Python and "
+                        "dispatch) for each of --weights under each of --decode-steps")
     p.add_argument("--llamacpp", action="store_true",
                    help="decode: llama.cpp's own F32 / Q8_0 / Q4_0 files of the .gguf MODEL decode the same prompts in the "
                         "same interleaved rounds (llama-cpp-python's venv: --llamacpp-python, --build-venv; files in --out; "
@@ -283,6 +286,24 @@ def _decode(args: argparse.Namespace) -> int:
         out["weights"] = decode.weight_speed(args.model, prompts, weights, new_tokens=new, quantize_head=args.quantize_head,
                                              device=device, decode_steps=steps, repeats=args.reps or 3, llamacpp=llama,
                                              threads=args.threads if args.llamacpp else None, echo=echo)  # fmt: skip
+    if args.profile:
+        from minifloat.infer import quantize_model
+
+        echo(f"where a decode step's time goes (ms per token; {torch.get_num_threads()} threads, FP32 KV cache, "
+             f"32 steps after a {prompts[0].shape[1]}-token prompt):")  # fmt: skip
+        echo(f"  {'config':<20} {'step':<6} {'ms/token':>8} {'unprofiled':>10} {'gemv':>13} {'attention':>13} "
+             f"{'norms/rope/act':>14} {'python/dispatch':>15}")  # fmt: skip
+        out["profile"] = []
+        for w in weights:
+            m = load_model(args.model).to(device)
+            if w != "fp32":
+                quantize_model(m, w, quantize_head=args.quantize_head)
+            for s in steps:
+                r = decode.profile_decode(m, prompts[0], decode_step=s) | {"config": w, "asked": s}
+                out["profile"].append(r)
+                cells = " ".join(f"{r['ms'][k]:7.2f} {100 * r['share'][k]:4.0f}%" for k in r["ms"])
+                echo(f"  {w:<20} {r['decode_step']:<6} {r['ms_per_token']:8.2f} {r['unprofiled_ms_per_token']:10.2f} {cells}")
+            del m
     if gemvs and device.type == "cpu":  # the decode kernels and torch's int4 / int8 peers are CPU kernels
         out["gemv"] = decode.gemv_peers(gemvs, echo=echo)
     if formats:

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "_gemv.h"
 
@@ -63,13 +64,30 @@ typedef struct {
     const float *final_norm;
     mf_lin_t head;
     void *k_cache, *v_cache; /* n_layer × n_kv × capacity × head_dim: float32, or bfloat16 bits */
+    double *timers;          /* NULL, or seconds added up per kind of work (T_*): a profile */
 } mf_model_t;
+
+enum { T_GEMV = 0, T_ATTENTION = 1, T_OTHER = 2 }; /* the products; attention and the cache; norms, RoPE, SiLU, residuals */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* With timers: the time since *t0 added to kind `k`, *t0 moved to now. */
+static inline void lap(const mf_model_t *m, double *t0, int k) {
+    if (!m->timers) return;
+    const double t = now();
+    m->timers[k] += t - *t0;
+    *t0 = t;
+}
 
 int64_t mf_decode_sizes(int64_t *out) {
     out[0] = (int64_t)sizeof(mf_lin_t);
     out[1] = (int64_t)sizeof(mf_layer_t);
     out[2] = (int64_t)sizeof(mf_model_t);
-    out[3] = (int64_t)offsetof(mf_model_t, v_cache);
+    out[3] = (int64_t)offsetof(mf_model_t, timers);
     return 4;
 }
 
@@ -260,13 +278,16 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
     float *g = att + M * qd, *u = g + M * big, *sc = u + M * big; /* sc: per row and head, span scores + head_dim */
     memcpy(x, x_in, (size_t)(M * H) * sizeof(float));
     int rc = 0;
+    double t0 = m->timers ? now() : 0.0;
     for (int64_t li = 0; li < m->n_layer && rc == 0; li++) {
         const mf_layer_t *L = m->layers + li;
         for (int64_t r = 0; r < M; r++) rms_norm(x + r * H, L->attn_norm, m->eps, H, h + r * H);
+        lap(m, &t0, T_OTHER);
         if (linear(m, &L->q, h, M, q) || linear(m, &L->k, h, M, k) || linear(m, &L->v, h, M, v)) {
             rc = -1;
             break;
         }
+        lap(m, &t0, T_GEMV);
         char *Kc = (char *)m->k_cache + (size_t)(li * nkv * C * d) * esize;
         char *Vc = (char *)m->v_cache + (size_t)(li * nkv * C * d) * esize;
         for (int64_t r = 0; r < M; r++) {
@@ -291,6 +312,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
                 }
             }
         }
+        lap(m, &t0, T_OTHER);
         const int nt = threads_for(m, span * nh * d * 8);
 #pragma omp parallel for collapse(2) num_threads(nt) schedule(static)
         for (int64_t r = 0; r < M; r++)
@@ -300,28 +322,36 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
                 float *s = sc + (r * nh + hh) * (span + d);
                 attend(m, q + r * qd + hh * d, Kc + at, Vc + at, lo, p, s, att + r * qd + hh * d, s + span);
             }
+        lap(m, &t0, T_ATTENTION);
         if (linear(m, &L->o, att, M, h)) {
             rc = -1;
             break;
         }
+        lap(m, &t0, T_GEMV);
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
         for (int64_t r = 0; r < M; r++) rms_norm(x + r * H, L->mlp_norm, m->eps, H, h + r * H);
+        lap(m, &t0, T_OTHER);
         if (linear(m, &L->gate, h, M, g) || linear(m, &L->up, h, M, u)) {
             rc = -1;
             break;
         }
+        lap(m, &t0, T_GEMV);
         const int64_t I = m->inter;
         for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
+        lap(m, &t0, T_OTHER);
         if (linear(m, &L->down, g, M, h)) {
             rc = -1;
             break;
         }
+        lap(m, &t0, T_GEMV);
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
     }
     if (rc == 0 && logit_rows > 0) {
         const float *last = x + (M - logit_rows) * H;
         for (int64_t r = 0; r < logit_rows; r++) rms_norm(last + r * H, m->final_norm, m->eps, H, h + r * H);
+        lap(m, &t0, T_OTHER);
         rc = linear(m, &m->head, h, logit_rows, logits);
+        lap(m, &t0, T_GEMV);
     }
     free(buf);
     return rc;

@@ -206,6 +206,90 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
+PROFILE_GEMV = ("minifloat::gemv", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
+PROFILE_ATTENTION = ("aten::scaled_dot_product_attention", "minifloat::kv_cache")
+
+
+def _labelled(fn, label: str):
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+@torch.no_grad()
+def profile_decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int = 32, decode_step: str = "eager",
+                   kv_cache: str = "fp32") -> dict:  # fmt: skip
+    """Where `steps` greedy decode steps after `prompt` spend their time, per kind: ``gemv`` (every
+    Linear's product), ``attention`` (attention and the KV cache), ``norms_rope_activations`` (the
+    other tensor operations: norms, the rotary embedding, SiLU, residuals, the embedding, argmax),
+    ``python_dispatch`` (the rest of the wall time: the interpreter, transformers' Python, torch's
+    dispatch between operations). Eager: torch's profiler, its top-level operations by name, each
+    packed Linear's kernel call and each cache update labelled for it (the profiler's own cost
+    lands in python_dispatch: `unprofiled_ms` is the same loop without it). Fused: mf_decode's own
+    timers (`FusedCache.start_profile`); the time outside the C call is python_dispatch."""
+    from minifloat.infer.generation.decoding import forward
+    from minifloat.infer.generation.fused import FusedCache
+    from minifloat.infer.modules.linear import QuantizedLinear
+
+    def run_steps(cache, first: int) -> float:
+        tok = first
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = int(forward(model, torch.tensor([[tok]]), cache, last=1)[0, -1].argmax())
+        return time.perf_counter() - t0
+
+    def fresh():
+        g = generate(model, prompt, 1, kv_cache=kv_cache, decode_step=decode_step)  # the step `generate` would take
+        cache = _cache_like(model, g, kv_cache, prompt.shape[1] + 2 * steps + 2)
+        logits = forward(model, prompt, cache, last=1)[0, -1]
+        return cache, int(logits.argmax()), g.decode_step
+
+    cache, first, taken = fresh()
+    unprofiled = run_steps(cache, first)
+    cache, first, _ = fresh()
+    kinds = dict.fromkeys(("gemv", "attention", "norms_rope_activations", "python_dispatch"), 0.0)
+    if isinstance(cache, FusedCache):
+        cache.start_profile()
+        wall = run_steps(cache, first)
+        for k, v in cache.stop_profile().items():
+            kinds[k] += v
+        kinds["python_dispatch"] = wall - sum(kinds.values())
+    else:
+        # labels for the profiler, as instance attributes (the classes' own methods run inside them)
+        undo = [(m, "forward", "minifloat::gemv") for m in model.modules() if isinstance(m, QuantizedLinear)]
+        undo += [(layer, "update", "minifloat::kv_cache") for layer in getattr(cache, "layers", [])]
+        for obj, name, label in undo:
+            setattr(obj, name, _labelled(getattr(obj, name), label))
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                wall = run_steps(cache, first)
+        finally:
+            for obj, name, _ in undo:
+                delattr(obj, name)
+        for e in prof.events():
+            if e.cpu_parent is not None:
+                continue
+            kind = ("gemv" if e.name in PROFILE_GEMV else "attention" if e.name in PROFILE_ATTENTION
+                    else "norms_rope_activations")  # fmt: skip
+            kinds[kind] += e.cpu_time_total / 1e6
+        kinds["python_dispatch"] = wall - sum(kinds.values())
+    per = {k: 1e3 * v / steps for k, v in kinds.items()}
+    return {"decode_step": taken, "steps": steps, "ms_per_token": 1e3 * wall / steps,
+            "unprofiled_ms_per_token": 1e3 * unprofiled / steps, "ms": per,
+            "share": {k: v / (1e3 * wall / steps) for k, v in per.items()}}  # fmt: skip
+
+
+def _cache_like(model, g, kv_cache: str, capacity: int):
+    """An empty cache of the kind generation `g` used."""
+    from minifloat.infer.generation.fused import FusedDecoder
+
+    if g.decode_step == "fused":
+        return FusedDecoder(model).new_cache(kv_cache, capacity)
+    return new_cache(adapter_for(model), kv_cache)
+
+
 LLAMACPP_PAIRS = {"fp32": "F32", "fp8-weight-only": "Q8_0", "mxfp4-weight-only": "Q4_0", "nvfp4-weight-only": "Q4_0"}
 
 

@@ -41,6 +41,7 @@ from minifloat.kernels import cpu, gemv
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model types whose decoder layer mf_decode computes
 KV_FORMATS = ("fp32", "bf16")  # caches mf_decode keeps (no options: a window, a budget, scales run eagerly)
 MAX_HEAD_DIM = 512  # the rotary embedding's scratch in _decode.c
+PROFILE_KINDS = ("gemv", "attention", "norms_rope_activations")  # T_* of _decode.c: the products; attention and the cache; the rest
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _NONE, _DENSE, _PACKED = 0, 1, 2
 
@@ -68,6 +69,7 @@ class Model(ctypes.Structure):
         *((n, _L) for n in ("n_layer", "hidden", "n_head", "n_kv", "head_dim", "inter", "vocab", "capacity")),
         ("eps", _F), ("scale", _F), *((n, _I) for n in ("kv_bf16", "nthreads", "isa", "serial_below")),
         ("cos", _P), ("sin", _P), ("layers", _P), ("final_norm", _P), ("head", Linear), ("k_cache", _P), ("v_cache", _P),
+        ("timers", _P),
     ]  # fmt: skip
 
 
@@ -81,7 +83,7 @@ def _library():
         lib.mf_decode_sizes.restype = _L
         sizes = (_L * 4)()
         lib.mf_decode_sizes(sizes)
-        mine = (ctypes.sizeof(Linear), ctypes.sizeof(Layer), ctypes.sizeof(Model), Model.v_cache.offset)
+        mine = (ctypes.sizeof(Linear), ctypes.sizeof(Layer), ctypes.sizeof(Model), Model.timers.offset)
         if tuple(sizes) != mine:
             raise RuntimeError(f"fused.Linear / Layer / Model do not mirror _decode.c's structs ({mine} against {tuple(sizes)})")
         lib._mf_decode_declared = True
@@ -290,6 +292,16 @@ class FusedCache:
 
     def length(self, layer: int = 0) -> int:
         return self.filled
+
+    def start_profile(self) -> None:
+        """From now on mf_decode adds up its seconds per kind of work (`stop_profile` reads them)."""
+        self._timers = (ctypes.c_double * len(PROFILE_KINDS))()
+        self.struct.timers = ctypes.addressof(self._timers)
+
+    def stop_profile(self) -> dict[str, float]:
+        """Seconds per kind of work (`PROFILE_KINDS`) since `start_profile`; timing off again."""
+        self.struct.timers = None
+        return dict(zip(PROFILE_KINDS, self._timers, strict=True))
 
     def truncate(self, n: int) -> None:
         """Forget every position from `n` on (a speculative decoder's rejected drafts)."""
