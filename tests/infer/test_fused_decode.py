@@ -177,3 +177,23 @@ def test_bench_decode_times_both_steps_and_profiles_them(tmp_path, capsys):
         assert sum(r["ms"].values()) == pytest.approx(r["ms_per_token"], rel=1e-9)  # the kinds add up to the wall time
     assert main(["bench", "decode", str(tmp_path / "tiny.gguf"), "--decode-steps", "compiled"]) == 2
     assert "--decode-steps 'compiled': use some of auto, fused, eager" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", [None, "nvfp4-weight-only", "mxfp4-weight-only", "fp8-weight-only"])
+def test_rows_verified_together_equal_single_steps_bit_for_bit(monkeypatch, config):
+    """Every row is summed as it would be alone (kernels, attention, norms), so a speculative
+    verification of k + 1 rows gives exactly the logits of k + 1 single steps: its greedy
+    tokens are plain greedy's, not only up to rounding."""
+    model = tiny("llama", seed=4)
+    if config:
+        quantize_model(model, config, quantize_head=True)
+    ids = torch.randint(0, VOCAB, (1, 14))
+    for isa in gemv.isas():
+        monkeypatch.setenv("MINIFLOAT_GEMV_ISA", isa)
+        dec = FusedDecoder(model)
+        together, alone = dec.new_cache("bf16", 16), dec.new_cache("bf16", 16)
+        dec.forward(ids[:, :5], together), dec.forward(ids[:, :5], alone)
+        rows = dec.forward(ids[:, 5:14], together, last=9)
+        single = torch.cat([dec.forward(ids[:, t : t + 1], alone) for t in range(5, 14)])
+        assert torch.equal(rows, single), isa
+        assert torch.equal(together.k, alone.k) and torch.equal(together.v, alone.v)

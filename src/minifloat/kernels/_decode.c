@@ -139,6 +139,52 @@ D512 static float dot512(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
 
+/* Rows n … n + NR − 1 of W (K columns) against R rows of x, NR, R ≤ 4: one accumulator per pair,
+ * the columns in order, so a product does not depend on how many rows came with it (a speculative
+ * verification's logits equal single steps'). Each 16 columns: NR + R loads for NR · R FMAs. */
+D512 static inline __attribute__((always_inline)) void tile512(const float *x, int64_t K, const float *w, float *y,
+                                                               int64_t N, const int R, const int NR) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < NR; q++) acc[r][q] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[4];
+        for (int q = 0; q < NR; q++) wv[q] = _mm512_loadu_ps(w + q * K + k);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+            for (int q = 0; q < NR; q++) acc[r][q] = _mm512_fmadd_ps(xv, wv[q], acc[r][q]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 wv[4];
+        for (int q = 0; q < NR; q++) wv[q] = _mm512_maskz_loadu_ps(m, w + q * K + k);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + k);
+            for (int q = 0; q < NR; q++) acc[r][q] = _mm512_fmadd_ps(xv, wv[q], acc[r][q]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < NR; q++) y[r * N + q] = _mm512_reduce_add_ps(acc[r][q]);
+}
+
+#define TILE_CASE(R, NR) \
+    case (R) * 8 + (NR): tile512(x, K, w, y, N, R, NR); break;
+/* y[r][n0 + q] for every row r < M of x and q < NR ≤ 4, by tiles of ≤ 4 rows of x */
+D512 static void tiles512(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int NR) {
+    for (int64_t r0 = 0; r0 < M; r0 += 4, x += 4 * K, y += 4 * N) {
+        const int R = M - r0 < 4 ? (int)(M - r0) : 4;
+        switch (R * 8 + NR) {
+            TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
+            TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4)
+            TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(3, 4)
+            TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
+        }
+    }
+}
+#undef TILE_CASE
+
 /* acc += p · v over n floats */
 D512 static void axpy512(float *acc, float p, const float *v, int64_t n) {
     const __m512 pp = _mm512_set1_ps(p);
@@ -183,6 +229,12 @@ static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_
         gemv_args_t a = l->g;
         a.x = x, a.y = y, a.M = M, a.isa = m->isa, a.nthreads = nt;
         if (mf_gemv(&a) != 0) return -1;
+    } else if (MF_X86 && m->isa == ISA_AVX512) {
+#if MF_X86
+        const float *w = l->w;
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t n = 0; n < N; n += 4) tiles512(x, M, K, w + n * K, y + n, N, N - n < 4 ? (int)(N - n) : 4);
+#endif
     } else {
         const dot_t dot = dot_for(m->isa);
         const float *w = l->w;

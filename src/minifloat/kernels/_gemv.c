@@ -10,10 +10,13 @@
  * order (the same for any thread count: a row of W is one thread's). NaN and inf codes and
  * scales propagate as the reference's products do.
  *
- * Work per row n of W. One row of x (a decode step, AVX-512: row_fused512): whole chunks are
- * decoded in registers and multiplied at once, one loop per element kind and scale layout. More
- * rows (row_buffered): by segments of KC columns, the segment's codes decoded (scaled) into a
- * float buffer in L1, then every row of x multiplied with it. Within a 32-column chunk a decoder
+ * Work per row n of W. AVX-512 (row_fused512): whole chunks are decoded in registers and
+ * multiplied at once with up to four rows of x (more rows: again per group of four, the row of W
+ * then in L1), one loop per element kind and scale layout. Other paths (row_buffered): by
+ * segments of KC columns, the segment's codes decoded (scaled) into a float buffer in L1, then
+ * every row of x multiplied with it. Either way each row of x is summed as it would be alone, so
+ * y[m] does not depend on the other rows of the call (a speculative verification's rows equal
+ * single steps bit for bit). Within a 32-column chunk a decoder
  * may take the columns in its own order (FP4: even columns, then odd: the two nibbles of a byte;
  * NVFP4 in row_fused512: 128-column chunks, column 8i + q in lane i of the q-th vector); x is
  * copied once per call into the same order, zero beyond K, so the products pair up. Columns past
@@ -365,20 +368,26 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
  * one scale per row); the last, partial chunk by the table. One loop per element kind and
  * scale layout, so the hot loops hold no branch on either. */
 #define FMA2(J, V0, V1, A0, A1)                                                                     \
-    A0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + (J)), V0, A0), A1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + (J) + 16), V1, A1)
+    do {                                                                                            \
+        const __m512 v0_ = (V0), v1_ = (V1);                                                        \
+        for (int r_ = 0; r_ < R; r_++) {                                                            \
+            acc[r_][A0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r_ * xs + (J)), v0_, acc[r_][A0]);    \
+            acc[r_][A1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r_ * xs + (J) + 16), v1_, acc[r_][A1]); \
+        }                                                                                           \
+    } while (0)
 #define FUSED_LOOP(DEC)                                                                             \
     do {                                                                                            \
         for (; j + 2 * CH <= nfull; j += 2 * CH) {                                                  \
             __m512 v0, v1, v2, v3;                                                                  \
             DEC(j, v0, v1);                                                                         \
             DEC(j + CH, v2, v3);                                                                    \
-            FMA2(j, v0, v1, a0, a1);                                                                \
-            FMA2(j + CH, v2, v3, a2, a3);                                                           \
+            FMA2(j, v0, v1, 0, 1);                                                                \
+            FMA2(j + CH, v2, v3, 2, 3);                                                           \
         }                                                                                           \
         if (j < nfull) {                                                                            \
             __m512 v0, v1;                                                                          \
             DEC(j, v0, v1);                                                                         \
-            FMA2(j, v0, v1, a0, a1);                                                                \
+            FMA2(j, v0, v1, 0, 1);                                                                \
             j += CH;                                                                                \
         }                                                                                           \
     } while (0)
@@ -402,13 +411,16 @@ T512 static inline __attribute__((always_inline)) __m512 e8m0_512(__m128i raw) {
     return _mm512_castsi512_ps(bits);
 }
 
-T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int lb, const uint8_t *scale_end,
-                              int wide) {
+T512 static inline __attribute__((always_inline)) void
+rows_fused512(const gemv_args_t *a, int64_t n, const float *xp, int64_t xs, float *y, int lb, const uint8_t *scale_end,
+              int wide, const int R) {
     DECODE_SETUP_512;
     const uint8_t *row = a->data + n * a->row_bytes;
     const int64_t t0 = (a->br == 1 ? n : n / a->br) * a->ngc, nfull = a->K / CH * CH;
     const int nan_free = a->nan_free;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    __m512 acc[4][4]; /* row r of x: four partial sums, as one row alone has them (R ≤ 4) */
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
     int64_t j = 0;
     if (wide) {
         /* NVFP4, 128 columns (64 bytes) at a time: shifting each 32-bit lane by 4q puts the code of
@@ -425,11 +437,11 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
                 const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * h)), S);
                 const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * h) / 2));
                 const float *xx = xp + j + 128 * h;
-#define WIDE_Q(q, A) A = _mm512_fmadd_ps(_mm512_loadu_ps(xx + 16 * (q)), \
-                                         _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * (q)), t4), sv), A)
-                WIDE_Q(0, a0); WIDE_Q(1, a1); WIDE_Q(2, a2); WIDE_Q(3, a3);
-                WIDE_Q(4, a0); WIDE_Q(5, a1); WIDE_Q(6, a2); WIDE_Q(7, a3);
-#undef WIDE_Q
+                for (int q = 0; q < 8; q++) {
+                    const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4), sv);
+                    for (int r = 0; r < R; r++)
+                        acc[r][q & 3] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), v, acc[r][q & 3]);
+                }
             }
         }
         j = k128;
@@ -449,8 +461,8 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
                     __m512 v0, v1, v2, v3;
                     fp4s_512(row, j + CH * c, _mm512_permutexvar_ps(i0, S), t4, &v0, &v1);
                     fp4s_512(row, j + CH * (c + 1), _mm512_permutexvar_ps(i1, S), t4, &v2, &v3);
-                    FMA2(j + CH * c, v0, v1, a0, a1);
-                    FMA2(j + CH * c + CH, v2, v3, a2, a3);
+                    FMA2(j + CH * c, v0, v1, 0, 1);
+                    FMA2(j + CH * c + CH, v2, v3, 2, 3);
                 }
             }
             if (j < nfull) { /* the last, partial group of chunks: its codes read within the scale grid */
@@ -458,7 +470,7 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
                 for (int c = 0; j < nfull; j += CH, c++) {
                     __m512 v0, v1;
                     fp4s_512(row, j, _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * c)), S), t4, &v0, &v1);
-                    FMA2(j, v0, v1, a0, a1);
+                    FMA2(j, v0, v1, 0, 1);
                 }
             }
         }
@@ -476,8 +488,8 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
                     const __m512 ts1 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c + 1]));
                     const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c) / 2)));
                     const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
-                    FMA2(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), a0, a1);
-                    FMA2(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), a2, a3);
+                    FMA2(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), 0, 1);
+                    FMA2(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), 2, 3);
                 }
             }
             if (j < nfull) { /* the last, partial group of chunks */
@@ -485,7 +497,7 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
                 for (int c = 0; j < nfull; j += CH, c++) {
                     const __m512 ts = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
                     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + j / 2)));
-                    FMA2(j, _mm512_permutexvar_ps(b, ts), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), ts), a0, a1);
+                    FMA2(j, _mm512_permutexvar_ps(b, ts), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), ts), 0, 1);
                 }
             }
         }
@@ -502,9 +514,26 @@ T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, 
         hs[0] = scale_at(a, t0 + (j >> lb));
         hs[1] = a->K - j > 16 ? scale_at(a, t0 + ((j + 16) >> lb)) : hs[0];
         decode_tail(a, row, j, 0, a->K - j, hs, w);
-        FMA2(j, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);
+        FMA2(j, _mm512_load_ps(w), _mm512_load_ps(w + 16), 0, 1);
     }
-    a->y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    for (int r = 0; r < R; r++)
+        y[r * a->N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
+/* Row n of W against every row of x, by groups of ≤ 4 rows: each group's chunks decoded once in
+ * registers and multiplied with each of its rows, every row summed as it would be alone. */
+T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int64_t xs, int lb,
+                              const uint8_t *scale_end, int wide) {
+    for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
+        const float *x = xp + m0 * xs;
+        float *y = a->y + m0 * a->N;
+        switch (a->M - m0 < 4 ? a->M - m0 : 4) {
+        case 1: rows_fused512(a, n, x, xs, y, lb, scale_end, wide, 1); break;
+        case 2: rows_fused512(a, n, x, xs, y, lb, scale_end, wide, 2); break;
+        case 3: rows_fused512(a, n, x, xs, y, lb, scale_end, wide, 3); break;
+        default: rows_fused512(a, n, x, xs, y, lb, scale_end, wide, 4); break;
+        }
+    }
 }
 #endif
 
@@ -519,7 +548,7 @@ int mf_gemv(const gemv_args_t *a) {
     else if ((a->bc & (a->bc - 1)) == 0) lb = __builtin_ctzll((unsigned long long)a->bc);
     /* NVFP4 (16-column blocks, E4M3 scales) decoding one row of x on AVX-512: whole 128-column
      * chunks by shifts of 64 loaded bytes (see row_fused512), x in their order */
-    const int wide = MF_X86 && a->isa == ISA_AVX512 && M == 1 && a->kind == K_FP4 && lb == 4 && a->sfmt == SF_E4M3;
+    const int wide = MF_X86 && a->isa == ISA_AVX512 && a->kind == K_FP4 && lb == 4 && a->sfmt == SF_E4M3;
     int perm[CH], identity = !wide;
     for (int c = 0; c < CH; c++) identity &= (perm[c] = chunk_pos(c, a->kind, a->isa)) == c;
     for (int64_t m = 0; m < M; m++) { /* x in the decoders' chunk order, zero past K */
@@ -549,8 +578,8 @@ int mf_gemv(const gemv_args_t *a) {
 #pragma omp parallel for num_threads(a->nthreads) schedule(static)
     for (int64_t n = 0; n < a->N; n++) {
 #if MF_X86
-        if (a->isa == ISA_AVX512 && M == 1 && lb >= 0) {
-            row_fused512(a, n, xp, lb, scale_end, wide);
+        if (a->isa == ISA_AVX512 && lb >= 0) {
+            row_fused512(a, n, xp, Kc, lb, scale_end, wide);
             continue;
         }
 #endif
