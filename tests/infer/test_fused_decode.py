@@ -197,3 +197,21 @@ def test_rows_verified_together_equal_single_steps_bit_for_bit(monkeypatch, conf
         single = torch.cat([dec.forward(ids[:, t : t + 1], alone) for t in range(5, 14)])
         assert torch.equal(rows, single), isa
         assert torch.equal(together.k, alone.k) and torch.equal(together.v, alone.v)
+
+
+def test_hadamard_rotated_layers_run_fused_as_the_eager_path_computes_them():
+    """GPTQ's recommended NVFP4 pipeline rotates every layer's input (hadamard:16): the fused
+    step rotates as minifloat.kernels.reference.rht does, and equals the eager path."""
+    model = tiny("qwen2", seed=5)
+    calib = [torch.randint(0, VOCAB, (2, 16)) for _ in range(2)]
+    quantize_model(model, "nvfp4-weight-only", method="gptq", calibration=calib, quantize_head=False)
+    rotated = [m for m in model.modules() if getattr(m, "input_transform", None) is not None]
+    assert rotated and unsupported(model) is None
+    ids = torch.randint(0, VOCAB, (1, 10))
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    dec = FusedDecoder(model)
+    got = dec.forward(ids, dec.new_cache("fp32", 16), last=10)
+    assert (got - ref).abs().max() <= bound(ref)
+    eager = generate(model, ids, 12, kv_cache="fp32", decode_step="eager")
+    assert torch.equal(generate(model, ids, 12, kv_cache="fp32", decode_step="fused").tokens, eager.tokens)

@@ -41,10 +41,11 @@ enum { LIN_NONE = 0, LIN_DENSE = 1, LIN_PACKED = 2 };
 
 /* Must match Linear in minifloat/infer/generation/fused.py field for field (as the structs below). */
 typedef struct {
-    const float *w;    /* LIN_DENSE: N × K float32, contiguous */
-    const float *bias; /* N float32, or NULL */
-    gemv_args_t g;     /* LIN_PACKED: the weight's plan (x, y, M, isa and nthreads are set per call) */
-    int64_t N, K;
+    const float *w;         /* LIN_DENSE: N × K float32, contiguous */
+    const float *bias;      /* N float32, or NULL */
+    const float *rot_signs; /* a Hadamard rotation of the input (rot_n signs, ±1), or NULL */
+    gemv_args_t g;          /* LIN_PACKED: the weight's plan (x, y, M, isa and nthreads are set per call) */
+    int64_t N, K, rot_n;    /* rot_n: the rotation's group width, dividing K */
     int32_t kind, pad;
 } mf_lin_t;
 
@@ -221,14 +222,42 @@ static axpy_t axpy_for(int isa) {
 /* ---- the operations ------------------------------------------------------------------------- */
 static int threads_for(const mf_model_t *m, int64_t n) { return n < m->serial_below ? 1 : m->nthreads; }
 
-/* y (M × N) = x (M × K) · Wᵀ + bias */
+/* Each rot_n-wide group of x (M × K) times T = diag(s) · H / sqrt(rot_n), into out: v ⊙ s, then
+ * the butterflies (v[i], v[i + h]) → (v[i] + v[i + h], v[i] − v[i + h]) for h = 1, 2, …, then
+ * × 1/sqrt(rot_n) — minifloat.kernels.reference.rht's order, so the same float32 results. */
+static void rotate(const mf_lin_t *l, const float *x, int64_t M, float *out) {
+    const int64_t n = l->rot_n, total = M * l->K;
+    const float inv = (float)(1.0 / sqrt((double)n));
+    for (int64_t g = 0; g < total; g += n) {
+        float *v = out + g;
+        for (int64_t i = 0; i < n; i++) v[i] = x[g + i] * l->rot_signs[i];
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t i = 0; i < n; i++)
+                if ((i & h) == 0) {
+                    const float a = v[i], b = v[i + h];
+                    v[i] = a + b, v[i + h] = a - b;
+                }
+        for (int64_t i = 0; i < n; i++) v[i] *= inv;
+    }
+}
+
+/* y (M × N) = x (M × K) · Wᵀ + bias (x rotated first where the layer says) */
 static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_t M, float *y) {
     const int64_t N = l->N, K = l->K;
     const int nt = threads_for(m, N * K);
+    float *rx = NULL;
+    if (l->rot_signs) {
+        if (!(rx = malloc((size_t)(M * K) * sizeof(float)))) return -1;
+        rotate(l, x, M, rx);
+        x = rx;
+    }
     if (l->kind == LIN_PACKED) {
         gemv_args_t a = l->g;
         a.x = x, a.y = y, a.M = M, a.isa = m->isa, a.nthreads = nt;
-        if (mf_gemv(&a) != 0) return -1;
+        if (mf_gemv(&a) != 0) {
+            free(rx);
+            return -1;
+        }
     } else if (MF_X86 && m->isa == ISA_AVX512) {
 #if MF_X86
         const float *w = l->w;
@@ -242,6 +271,7 @@ static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_
         for (int64_t n = 0; n < N; n++)
             for (int64_t r = 0; r < M; r++) y[r * N + n] = dot(x + r * K, w + n * K, K);
     }
+    free(rx);
     if (l->bias)
         for (int64_t r = 0; r < M; r++)
             for (int64_t n = 0; n < N; n++) y[r * N + n] += l->bias[n];

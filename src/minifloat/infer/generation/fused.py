@@ -36,6 +36,8 @@ from minifloat.errors import MinifloatError
 from minifloat.infer.generation.hf_cache import sliding_windows
 from minifloat.infer.generation.kvspec import KVSpec
 from minifloat.infer.modules.linear import QuantizedLinear
+from minifloat.infer.ptq.rotation import HadamardRotation
+from minifloat.quant.hadamard import hadamard_signs
 from minifloat.kernels import cpu, gemv
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model types whose decoder layer mf_decode computes
@@ -49,7 +51,8 @@ _NONE, _DENSE, _PACKED = 0, 1, 2
 class Linear(ctypes.Structure):
     """``mf_lin_t`` of _decode.c, field for field."""
 
-    _fields_ = [("w", _P), ("bias", _P), ("g", gemv.GemvArgs), ("N", _L), ("K", _L), ("kind", _I), ("pad", _I)]
+    _fields_ = [("w", _P), ("bias", _P), ("rot_signs", _P), ("g", gemv.GemvArgs), ("N", _L), ("K", _L), ("rot_n", _L),
+                ("kind", _I), ("pad", _I)]  # fmt: skip
 
 
 _LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -106,8 +109,9 @@ def _linear_problem(name: str, lin) -> str | None:
     if isinstance(lin, QuantizedLinear):
         if lin.config.activation is not None:
             return f"{name} quantizes its input ({lin.config.name})"
-        if lin.input_transform is not None:
-            return f"{name} transforms its input (a rotation or smoothing)"
+        t = lin.input_transform
+        if t is not None and not (type(t) is HadamardRotation and lin.in_features % t.size == 0):
+            return f"{name} transforms its input by a {type(t).__name__} (the fused step applies Hadamard rotations only)"
         if not lin._prepacked.decodes(torch.empty(1, lin.in_features)):
             return f"{name}'s {lin.config.name} weight is not one the decode kernels read"
         if lin.bias is not None and not _is_float32_cpu(lin.bias):
@@ -230,6 +234,8 @@ class FusedDecoder:
             plan = lin._prepacked.plan
             self.keep.append(plan)  # holds the parts its addresses point at
             out.kind, out.g = _PACKED, gemv.GemvArgs.from_buffer_copy(plan.args)
+            if (t := lin.input_transform) is not None:  # a Hadamard rotation (`unsupported` refuses others)
+                out.rot_signs, out.rot_n = self._hold(hadamard_signs(t.size, t.seed)), t.size
         else:
             out.w = self._hold(lin.weight)
         if lin.bias is not None:
