@@ -20,10 +20,10 @@ pytestmark = pytest.mark.skipif(not gemv.isas(), reason="the compiled kernels ar
 VOCAB = 96
 
 
-def tiny(family: str, seed: int = 0):
+def tiny(family: str, seed: int = 0, heads: int = 4, kv_heads: int = 2):
     torch.manual_seed(seed)
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=heads,
+              num_key_value_heads=kv_heads, max_position_embeddings=128)  # fmt: skip
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "mistral": transformers.MistralConfig}[family]  # fmt: skip
     if family == "llama":
@@ -84,8 +84,8 @@ def test_a_bf16_cache_rounds_as_torch_does():
     ids = torch.randint(0, VOCAB, (1, 24))
     c32, c16 = dec.new_cache("fp32", 32), dec.new_cache("bf16", 32)
     dec.forward(ids[:, :1], c32), dec.forward(ids[:, :1], c16)  # layer 0's first keys: the same inputs in both
-    assert torch.equal(c16.k[0, :, :1], c32.k[0, :, :1].to(torch.bfloat16))
-    assert torch.equal(c16.v[0, :, :1], c32.v[0, :, :1].to(torch.bfloat16))
+    assert torch.equal(c16.held["k"][0, :, :1], c32.held["k"][0, :, :1].to(torch.bfloat16))
+    assert torch.equal(c16.held["v"][0, :, :1], c32.held["v"][0, :, :1].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("kv", ["fp32", "bf16"])
@@ -139,9 +139,13 @@ def test_what_it_does_not_run_is_said_and_runs_eagerly(monkeypatch):
         generate(gpt, ids, 2, decode_step="fused")
     assert generate(gpt, ids, 2).decode_step == "eager"
     model = tiny("llama")
-    with pytest.raises(MinifloatError, match="'fp8' with options runs eagerly"):
-        generate(model, ids, 2, kv_cache="fp8", decode_step="fused")
-    assert generate(model, ids, 2, kv_cache="fp8").decode_step == "eager"
+    with pytest.raises(MinifloatError, match="'nvfp4' with these options runs eagerly"):
+        generate(model, ids, 2, kv_cache="nvfp4+bf16@channel", decode_step="fused")
+    assert generate(model, ids, 2, kv_cache="fp8_e5m2").decode_step == "eager"
+    assert generate(model, ids, 2, kv_cache="nvfp4", kv_budget_bytes=10**6).decode_step == "eager"
+    with pytest.raises(MinifloatError, match="head_dim 16 is not whole mxfp4 blocks of 32"):
+        FusedDecoder(model).new_cache("mxfp4", 8)
+    assert generate(model, ids, 2, kv_cache="mxfp4").decode_step == "eager"
     with pytest.raises(MinifloatError, match="decode_step must be one of auto, fused, eager"):
         generate(model, ids, 2, decode_step="compiled")
     monkeypatch.setenv("MINIFLOAT_DECODE", "eager")
@@ -196,7 +200,7 @@ def test_rows_verified_together_equal_single_steps_bit_for_bit(monkeypatch, conf
         rows = dec.forward(ids[:, 5:14], together, last=9)
         single = torch.cat([dec.forward(ids[:, t : t + 1], alone) for t in range(5, 14)])
         assert torch.equal(rows, single), isa
-        assert torch.equal(together.k, alone.k) and torch.equal(together.v, alone.v)
+        assert all(torch.equal(together.held[n], alone.held[n]) for n in ("k", "v"))
 
 
 def test_hadamard_rotated_layers_run_fused_as_the_eager_path_computes_them():
@@ -215,3 +219,85 @@ def test_hadamard_rotated_layers_run_fused_as_the_eager_path_computes_them():
     assert (got - ref).abs().max() <= bound(ref)
     eager = generate(model, ids, 12, kv_cache="fp32", decode_step="eager")
     assert torch.equal(generate(model, ids, 12, kv_cache="fp32", decode_step="fused").tokens, eager.tokens)
+
+
+def _layer0_rows(dec, ids, steps):
+    """Layer 0's keys of every token, float32, token-major (T · KV heads, head_dim): they depend
+    only on the tokens, so every cache format computes the same ones."""
+    c = dec.new_cache("fp32", ids.shape[1])
+    dec.forward(ids[:, : ids.shape[1] - steps], c)
+    for t in range(ids.shape[1] - steps, ids.shape[1]):
+        dec.forward(ids[:, t : t + 1], c)
+    return c.held["k"][0].permute(1, 0, 2).reshape(-1, c.held["k"].shape[-1])
+
+
+def _packed_rows(cache, name, t0, t1):
+    """Positions t0 … t1 − 1 of layer 0's packed `name` (codes or scales), token-major."""
+    x = cache.held[name][0][:, t0:t1]
+    return x.permute(1, 0, *range(2, x.dim())).reshape(-1, *x.shape[2:])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_packed_kv_holds_minifloat_s_own_quantization(fmt):
+    """A prompt is one chunk, each step another, as KVCache stores updates: codes, scales and
+    NVFP4's chunk tensor scale equal minifloat.quant.quantize of the same rows in the KV format's
+    scheme, bit for bit."""
+    from minifloat.infer.generation.kvspec import kv_format
+    from minifloat.quant import quantize
+
+    model = tiny("llama", seed=6, heads=2, kv_heads=1)  # head_dim 32: whole MXFP4 blocks
+    dec = FusedDecoder(model)
+    ids = torch.randint(0, VOCAB, (1, 11))
+    rows = _layer0_rows(dec, ids, steps=2)
+    c = dec.new_cache(fmt, 16)
+    dec.forward(ids[:, :9], c), dec.forward(ids[:, 9:10], c), dec.forward(ids[:, 10:11], c)
+    G = c.held["kc"].shape[1]
+    for t0, t1 in ((0, 9), (9, 10), (10, 11)):
+        q = quantize(rows[t0 * G : t1 * G], kv_format(fmt))
+        assert torch.equal(_packed_rows(c, "kc", t0, t1), q.data[: (t1 - t0) * G])
+        scales = _packed_rows(c, "ks", t0, t1)
+        assert torch.equal(scales.reshape(q.scale.shape) if fmt == "fp8" else scales, q.scale[: (t1 - t0) * G])
+        if fmt == "nvfp4":
+            assert torch.equal(c.held["kts"][0, t0:t1], q.tensor_scale.expand(t1 - t0))
+
+
+def test_a_bf16_window_before_nvfp4_ages_tokens_as_kvcache_does():
+    """Sinks 2, window 4: a 12-token prompt keeps tokens 0–1 and 8–11 in bfloat16 and packs 2–7 as one
+    chunk (from their bfloat16 values); each step packs the token that leaves the window."""
+    from minifloat.infer.generation.kvspec import KVSpec, kv_format
+    from minifloat.quant import quantize
+
+    model = tiny("qwen2", seed=7)
+    dec = FusedDecoder(model)
+    ids = torch.randint(0, VOCAB, (1, 14))
+    rows = _layer0_rows(dec, ids, steps=2).to(torch.bfloat16)
+    G = model.config.num_key_value_heads
+    c = dec.new_cache(KVSpec(format="nvfp4", recent_format="bf16", sink_tokens=2, recent_tokens=4), 16)
+    dec.forward(ids[:, :12], c)
+    assert c.precisions() == ["bf16"] * 2 + ["nvfp4"] * 6 + ["bf16"] * 4
+    assert torch.equal(c.held["ksink"][0].permute(1, 0, 2).reshape(-1, rows.shape[1]), rows[: 2 * G])
+    assert torch.equal(c.held["kring"][0].permute(1, 0, 2).reshape(-1, rows.shape[1]), rows[8 * G : 12 * G])  # slots 8 % 4 …
+    dec.forward(ids[:, 12:13], c), dec.forward(ids[:, 13:14], c)
+    assert c.precisions() == ["bf16"] * 2 + ["nvfp4"] * 8 + ["bf16"] * 4
+    for t0, t1 in ((2, 8), (8, 9), (9, 10)):
+        q = quantize(rows[t0 * G : t1 * G].float(), kv_format("nvfp4"))
+        assert torch.equal(_packed_rows(c, "kc", t0, t1), q.data[: (t1 - t0) * G])
+        assert torch.equal(_packed_rows(c, "ks", t0, t1), q.scale[: (t1 - t0) * G])
+        assert torch.equal(c.held["kts"][0, t0:t1], q.tensor_scale.expand(t1 - t0))
+    c.truncate(11)  # a rollback keeps what left the window packed, as KVCache does
+    assert c.precisions() == ["bf16"] * 2 + ["nvfp4"] * 8 + ["bf16"]
+
+
+@pytest.mark.parametrize("kv", ["fp8", "nvfp4", "mxfp4", "nvfp4+bf16", "fp8+bf16"])
+def test_packed_caches_decode_as_the_eager_quantized_cache(kv):
+    """Greedy tokens equal the eager path's over the same quantized cache; logits agree up to
+    what a code on a rounding boundary moves (the eager K and V differ in float32's last bits)."""
+    model = tiny("llama", seed=8, heads=2, kv_heads=1)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    fused = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="fused")
+    eager = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="eager")
+    assert fused.decode_step == "fused" and torch.equal(fused.tokens, eager.tokens)
+    assert fused.kv_precisions[:4] == eager.kv_precisions[:4] and len(fused.kv_precisions) == len(eager.kv_precisions)
+    assert fused.kv_precisions == eager.kv_precisions
+    fp32 = generate(model, ids, 20, kv_cache="fp32")
+    assert fused.kv_bytes < fp32.kv_bytes / (3 if kv.startswith("fp8") and "+" not in kv else 2)

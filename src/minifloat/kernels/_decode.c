@@ -19,6 +19,7 @@
  * attends to positions ≤ pos + m (and > pos + m − window on a sliding-window layer). A bfloat16
  * cache rounds to nearest even, as torch's conversion does (NaN stays NaN).
  */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -27,6 +28,12 @@
 #include <time.h>
 
 #include "_gemv.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_thread_num(void) { return 0; }
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #define MF_X86 1
@@ -56,16 +63,35 @@ typedef struct {
     int64_t window;                    /* sliding window in tokens; 0: every position */
 } mf_layer_t;
 
+/* KV formats: float32 and bfloat16 as they are; FP8 (E4M3, a float32 scale per head's row),
+ * NVFP4 (E2M1, E4M3 scales per 16 values, a float32 tensor scale per stored chunk), MXFP4 (E2M1,
+ * E8M0 scales per 32, exponent rounded up) packed: minifloat.infer.generation.kvspec's formats,
+ * quantized as its KVCache quantizes them (a chunk is what one call stores of a layer's K, or V). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2, KV_NVFP4 = 3, KV_MXFP4 = 4 };
+
+typedef struct {
+    int32_t kind, window;    /* KV_*; window (packed kinds): the first `sinks` and the last `recent` tokens in bfloat16 */
+    int64_t sinks, recent;
+    int64_t *aged;           /* packed kinds: positions sinks … *aged − 1 are packed (all, without a window) */
+    void *k, *v;             /* KV_F32 / KV_BF16: n_layer × n_kv × capacity × head_dim */
+    uint8_t *kc, *vc;        /* packed: codes, n_layer × n_kv × capacity × row bytes */
+    void *ks, *vs;           /* packed: scales, n_layer × n_kv × capacity × (head_dim / block) codes; FP8: one float32 */
+    float *kts, *vts;        /* NVFP4: the tensor scale of each token's chunk, n_layer × capacity */
+    uint16_t *ksink, *vsink; /* window: n_layer × n_kv × sinks × head_dim bfloat16 */
+    uint16_t *kring, *vring; /* window: n_layer × n_kv × recent × head_dim bfloat16, position p in slot p % recent */
+    const float *e4m3, *e8m0, *e2m1; /* the formats' value tables, by code (256, 256, 16) */
+} mf_kv_t;
+
 typedef struct {
     int64_t n_layer, hidden, n_head, n_kv, head_dim, inter, vocab, capacity;
     float eps, scale; /* RMSNorm's epsilon; the attention scores' scale */
-    int32_t kv_bf16, nthreads, isa, serial_below;
+    int32_t nthreads, isa, serial_below, pad;
     const float *cos, *sin; /* capacity × head_dim: the rotary tables (rotate-half form) */
     const mf_layer_t *layers;
     const float *final_norm;
     mf_lin_t head;
-    void *k_cache, *v_cache; /* n_layer × n_kv × capacity × head_dim: float32, or bfloat16 bits */
-    double *timers;          /* NULL, or seconds added up per kind of work (T_*): a profile */
+    mf_kv_t kv;
+    double *timers; /* NULL, or seconds added up per kind of work (T_*): a profile */
 } mf_model_t;
 
 enum { T_GEMV = 0, T_ATTENTION = 1, T_OTHER = 2 }; /* the products; attention and the cache; norms, RoPE, SiLU, residuals */
@@ -84,12 +110,13 @@ static inline void lap(const mf_model_t *m, double *t0, int k) {
     *t0 = t;
 }
 
-int64_t mf_decode_sizes(int64_t *out) {
+int64_t mf_decode_sizes(int64_t *out) { /* the bindings check their mirrors of the structs against these */
     out[0] = (int64_t)sizeof(mf_lin_t);
     out[1] = (int64_t)sizeof(mf_layer_t);
     out[2] = (int64_t)sizeof(mf_model_t);
     out[3] = (int64_t)offsetof(mf_model_t, timers);
-    return 4;
+    out[4] = (int64_t)sizeof(mf_kv_t);
+    return 5;
 }
 
 /* ---- dot products --------------------------------------------------------------------------- */
@@ -252,11 +279,13 @@ static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_
         x = rx;
     }
     if (l->kind == LIN_PACKED) {
-        gemv_args_t a = l->g;
-        a.x = x, a.y = y, a.M = M, a.isa = m->isa, a.nthreads = nt;
-        if (mf_gemv(&a) != 0) {
-            free(rx);
-            return -1;
+        for (int64_t r0 = 0; r0 < M; r0 += MMAX) { /* the decode kernels take MMAX rows a call */
+            gemv_args_t a = l->g;
+            a.x = x + r0 * K, a.y = y + r0 * N, a.M = M - r0 < MMAX ? M - r0 : MMAX, a.isa = m->isa, a.nthreads = nt;
+            if (mf_gemv(&a) != 0) {
+                free(rx);
+                return -1;
+            }
         }
     } else if (MF_X86 && m->isa == ISA_AVX512) {
 #if MF_X86
@@ -314,50 +343,260 @@ static inline void from_bf16(const uint16_t *b, float *out, int64_t n) {
     }
 }
 
-/* One query row against positions lo … hi of one KV head: out (head_dim) = softmax(q·K ·
- * scale) · V. `s` holds hi − lo + 1 scores; `kb`, `vb`: head_dim floats (bfloat16 rows unpacked). */
-static void attend(const mf_model_t *m, const float *q, const void *K, const void *V, int64_t lo, int64_t hi,
-                   float *s, float *out, float *kb) {
-    const int64_t d = m->head_dim;
+/* ---- the KV cache ----------------------------------------------------------------------------- */
+
+/* E4M3 code of v: round to nearest even, saturating at ±448; NaN: 0x7F (minifloat's canonical NaN) */
+static uint8_t enc_e4m3(float v) {
+    if (v != v) return 0x7F;
+    const uint8_t sign = signbit(v) ? 0x80 : 0;
+    const float a = fabsf(v);
+    uint8_t c;
+    if (a >= 448.0f) c = 0x7E;
+    else if (a < 0.015625f) c = (uint8_t)nearbyintf(a * 512.0f); /* subnormals: multiples of 2^-9 (8: 2^-6) */
+    else {
+        uint32_t u;
+        memcpy(&u, &a, 4);
+        u += 0x7FFFFu + ((u >> 20) & 1u); /* to nearest even at E4M3's last mantissa bit; a carry moves the exponent */
+        const uint32_t code = (((u >> 23) - 120u) << 3) | ((u >> 20) & 7u);
+        c = code > 0x7E ? 0x7E : (uint8_t)code;
+    }
+    return sign | c;
+}
+
+/* E2M1 code of v (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives): nearest, ties to the even
+ * code, saturating at ±6 */
+static uint8_t enc_e2m1(float v) {
+    const uint8_t sign = signbit(v) ? 8 : 0;
+    const float a = fabsf(v);
+    const uint8_t c = a <= 0.25f ? 0 : a < 0.75f ? 1 : a <= 1.25f ? 2 : a < 1.75f ? 3 : a <= 2.5f ? 4 : a < 3.5f ? 5
+                      : a <= 5.0f ? 6 : 7;
+    return sign | c;
+}
+
+/* max |x| over n values: inf counts as 0; NaN propagates unless ignore_nan (rules.finite_amax) */
+static float finite_amax(const float *x, int64_t n, int ignore_nan) {
+    float m = 0.0f;
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        if (a != a) nan = 1;
+        else if (a != INFINITY && a > m) m = a;
+    }
+    return nan && !ignore_nan ? NAN : m;
+}
+
+static int64_t kv_row_bytes(const mf_model_t *m) { return m->kv.kind == KV_FP8 ? m->head_dim : m->head_dim / 2; }
+static int64_t kv_scales_per_row(const mf_model_t *m) {
+    return m->kv.kind == KV_FP8 ? 1 : m->kv.kind == KV_NVFP4 ? m->head_dim / 16 : m->head_dim / 32;
+}
+
+/* Quantize a chunk of n rows (head_dim values each; row i is token t0 + i / n_kv, KV head i % n_kv)
+ * of layer li's K (which 0) or V (1) into the packed store, as minifloat.kernels.reference.quantize
+ * does for the KV format's scheme (rules.py's formulas, float32 operations in its order). */
+static void kv_quantize(const mf_model_t *m, int64_t li, int which, const float *rows, int64_t n, int64_t t0) {
+    const mf_kv_t *kv = &m->kv;
+    const int64_t d = m->head_dim, C = m->capacity, rb = kv_row_bytes(m), ns = kv_scales_per_row(m);
+    uint8_t *codes = which ? kv->vc : kv->kc;
+    void *scales = which ? kv->vs : kv->ks;
+    float ts = 1.0f, s_enc = 1.0f;
+    if (kv->kind == KV_NVFP4) { /* the chunk's tensor scale: S_enc = 448·6 / amax, 1 for amax 0 */
+        const float g = finite_amax(rows, n * d, 1);
+        s_enc = g == 0.0f ? 1.0f : 2688.0f / g;
+        if (s_enc > FLT_MAX) s_enc = FLT_MAX;
+        if (s_enc == 0.0f) s_enc = 1.0f;
+        ts = 1.0f / s_enc;
+        float *tss = (which ? kv->vts : kv->kts) + li * C;
+        for (int64_t t = t0; t < t0 + n / m->n_kv; t++) tss[t] = ts;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float *x = rows + i * d;
+        const int64_t t = t0 + i / m->n_kv, g = i % m->n_kv, at = (li * m->n_kv + g) * C + t;
+        uint8_t *c = codes + at * rb;
+        if (kv->kind == KV_FP8) { /* encode 448 / amax (1 for amax 0), decode scale its inverse */
+            const float a = finite_amax(x, d, 0);
+            float enc = a == 0.0f ? 1.0f : 448.0f / a;
+            if (enc == INFINITY) enc = FLT_MAX;
+            ((float *)scales)[at] = 1.0f / enc;
+            for (int64_t k = 0; k < d; k++) c[k] = enc_e4m3(x[k] * enc);
+            continue;
+        }
+        uint8_t *sc = (uint8_t *)scales + at * ns;
+        const int64_t bw = d / ns;
+        memset(c, 0, (size_t)rb);
+        for (int64_t b = 0; b < ns; b++) {
+            const float a = finite_amax(x + b * bw, bw, 0);
+            float enc;
+            if (kv->kind == KV_NVFP4) { /* E4M3 block scale of (amax / 6) · S_enc; encode 1 / (scale · ts) */
+                float s = (a / 6.0f) * s_enc;
+                if (s > FLT_MAX) s = FLT_MAX;
+                sc[b] = enc_e4m3(s);
+                const float dec = kv->e4m3[sc[b]] * ts;
+                enc = dec == 0.0f ? 0.0f : 1.0f / dec;
+            } else { /* MXFP4: E8M0 exponent of amax / 6 rounded up to a power of two */
+                int e = 0;
+                const float mant = frexpf(a * (float)(1.0 / 6.0), &e);
+                int ex = a == 0.0f ? 0 : (e - 1) + (mant != 0.5f);
+                ex = ex < -127 ? -127 : ex > 127 ? 127 : ex;
+                sc[b] = a != a ? 255 : (uint8_t)(ex + 127);
+                enc = a != a ? NAN : ldexpf(1.0f, -ex);
+            }
+            for (int64_t k = b * bw; k < (b + 1) * bw; k++) c[k / 2] |= (uint8_t)(enc_e2m1(x[k] * enc) << (4 * (k & 1)));
+        }
+    }
+}
+
+/* Row j (head_dim values) of KV head g of layer li, K (which 0) or V (1), in float32: a pointer
+ * into the cache, or `buf` holding it decoded. `aged`: the packed positions' end (packed kinds). */
+static const float *kv_row(const mf_model_t *m, int64_t li, int64_t g, int64_t j, int which, int64_t aged, float *buf) {
+    const mf_kv_t *kv = &m->kv;
+    const int64_t d = m->head_dim, C = m->capacity, at = (li * m->n_kv + g) * C + j;
+    if (kv->kind == KV_F32) return (const float *)(which ? kv->v : kv->k) + at * d;
+    if (kv->kind == KV_BF16) return from_bf16((const uint16_t *)(which ? kv->v : kv->k) + at * d, buf, d), buf;
+    if (kv->window && j < kv->sinks) {
+        const uint16_t *s = which ? kv->vsink : kv->ksink;
+        return from_bf16(s + ((li * m->n_kv + g) * kv->sinks + j) * d, buf, d), buf;
+    }
+    if (kv->window && j >= aged) {
+        const uint16_t *r = which ? kv->vring : kv->kring;
+        return from_bf16(r + ((li * m->n_kv + g) * kv->recent + j % kv->recent) * d, buf, d), buf;
+    }
+    const uint8_t *c = (which ? kv->vc : kv->kc) + at * kv_row_bytes(m);
+    if (kv->kind == KV_FP8) {
+        const float s = ((const float *)(which ? kv->vs : kv->ks))[at];
+        for (int64_t k = 0; k < d; k++) buf[k] = kv->e4m3[c[k]] * s;
+        return buf;
+    }
+    const int64_t ns = kv_scales_per_row(m), bw = d / ns;
+    const uint8_t *sc = (const uint8_t *)(which ? kv->vs : kv->ks) + at * ns;
+    const float ts = kv->kind == KV_NVFP4 ? (which ? kv->vts : kv->kts)[li * C + j] : 1.0f;
+    for (int64_t b = 0; b < ns; b++) {
+        const float s = kv->kind == KV_NVFP4 ? kv->e4m3[sc[b]] * ts : kv->e8m0[sc[b]];
+        for (int64_t k = b * bw; k < (b + 1) * bw; k++) buf[k] = kv->e2m1[(c[k / 2] >> (4 * (k & 1))) & 15] * s;
+    }
+    return buf;
+}
+
+/* Layer li's K and V of rows pos … pos + M − 1 (k, v: M × n_kv × head_dim, rotated) into the
+ * cache. Packed kinds: without a window the M rows are one chunk; with one, the tokens that leave
+ * it now (positions aged0 … aged − 1, from their bfloat16 values, as KVCache demotes them) are one
+ * chunk and the rest enter the window. Returns 0, or -1 out of memory. */
+static int kv_store(const mf_model_t *m, int64_t li, int64_t pos, int64_t M, const float *k, const float *v,
+                    int64_t aged0, int64_t aged) {
+    const mf_kv_t *kv = &m->kv;
+    const int64_t d = m->head_dim, C = m->capacity, nkv = m->n_kv;
+    if (kv->kind == KV_F32 || kv->kind == KV_BF16) {
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t g = 0; g < nkv; g++) {
+                const int64_t at = ((li * nkv + g) * C + pos + r) * d;
+                const float *kh = k + (r * nkv + g) * d, *vh = v + (r * nkv + g) * d;
+                if (kv->kind == KV_BF16) {
+                    uint16_t *kt = (uint16_t *)kv->k + at, *vt = (uint16_t *)kv->v + at;
+                    for (int64_t i = 0; i < d; i++) kt[i] = to_bf16(kh[i]), vt[i] = to_bf16(vh[i]);
+                } else {
+                    memcpy((float *)kv->k + at, kh, (size_t)d * sizeof(float));
+                    memcpy((float *)kv->v + at, vh, (size_t)d * sizeof(float));
+                }
+            }
+        return 0;
+    }
+    if (!kv->window) {
+        kv_quantize(m, li, 0, k, M * nkv, pos);
+        kv_quantize(m, li, 1, v, M * nkv, pos);
+        return 0;
+    }
+    for (int which = 0; which < 2; which++) {
+        const float *src = which ? v : k;
+        uint16_t *ring = which ? kv->vring : kv->kring, *sink = which ? kv->vsink : kv->ksink;
+        if (aged > aged0) { /* the tokens leaving the window: their bfloat16 values, one chunk */
+            float *rows = malloc((size_t)((aged - aged0) * nkv * d) * sizeof(float));
+            if (!rows) return -1;
+            for (int64_t t = aged0; t < aged; t++)
+                for (int64_t g = 0; g < nkv; g++) {
+                    float *o = rows + ((t - aged0) * nkv + g) * d;
+                    if (t < pos) from_bf16(ring + ((li * nkv + g) * kv->recent + t % kv->recent) * d, o, d);
+                    else
+                        for (int64_t i = 0; i < d; i++) {
+                            const uint32_t u = (uint32_t)to_bf16(src[((t - pos) * nkv + g) * d + i]) << 16;
+                            memcpy(o + i, &u, 4);
+                        }
+                }
+            kv_quantize(m, li, which, rows, (aged - aged0) * nkv, aged0);
+            free(rows);
+        }
+        for (int64_t r = 0; r < M; r++) { /* the others enter the window (the first `sinks` for good) */
+            const int64_t p = pos + r;
+            if (p >= kv->sinks && p < aged) continue;
+            for (int64_t g = 0; g < nkv; g++) {
+                uint16_t *o = p < kv->sinks ? sink + ((li * nkv + g) * kv->sinks + p) * d
+                                            : ring + ((li * nkv + g) * kv->recent + p % kv->recent) * d;
+                const float *x = src + (r * nkv + g) * d;
+                for (int64_t i = 0; i < d; i++) o[i] = to_bf16(x[i]);
+            }
+        }
+    }
+    return 0;
+}
+
+/* Query row q_r's heads of KV group g (`group` heads, contiguous in q and out) against positions
+ * lo … hi: out = softmax(q·K · scale) · V per head. Each K and V row is read (decoded) once for
+ * the group. `s`: group × (hi − lo + 1) scores; `buf`: head_dim floats. */
+static void attend(const mf_model_t *m, int64_t li, int64_t g, int64_t group, const float *q, int64_t lo, int64_t hi,
+                   int64_t aged, float *s, float *out, float *buf) {
+    const int64_t d = m->head_dim, n = hi - lo + 1;
     const dot_t dot = dot_for(m->isa);
     const axpy_t axpy = axpy_for(m->isa);
-    float mx = -INFINITY;
+    float mx[64], inv[64];
+    for (int64_t h = 0; h < group; h++) mx[h] = -INFINITY;
     for (int64_t j = lo; j <= hi; j++) {
-        const float *k = m->kv_bf16 ? (from_bf16((const uint16_t *)K + j * d, kb, d), kb) : (const float *)K + j * d;
-        const float v = dot(q, k, d) * m->scale;
-        s[j - lo] = v;
-        mx = v > mx ? v : mx;
+        const float *k = kv_row(m, li, g, j, 0, aged, buf);
+        for (int64_t h = 0; h < group; h++) {
+            const float v = dot(q + h * d, k, d) * m->scale;
+            s[h * n + j - lo] = v;
+            mx[h] = v > mx[h] ? v : mx[h];
+        }
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j <= hi - lo; j++) sum += (s[j] = expf(s[j] - mx));
-    const float inv = 1.0f / sum;
-    memset(out, 0, (size_t)d * sizeof(float));
+    for (int64_t h = 0; h < group; h++) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) sum += (s[h * n + j] = expf(s[h * n + j] - mx[h]));
+        inv[h] = 1.0f / sum;
+    }
+    memset(out, 0, (size_t)(group * d) * sizeof(float));
     for (int64_t j = lo; j <= hi; j++) {
-        const float *v = m->kv_bf16 ? (from_bf16((const uint16_t *)V + j * d, kb, d), kb) : (const float *)V + j * d;
-        axpy(out, s[j - lo] * inv, v, d);
+        const float *v = kv_row(m, li, g, j, 1, aged, buf);
+        for (int64_t h = 0; h < group; h++) axpy(out + h * d, s[h * n + j - lo] * inv[h], v, d);
     }
 }
 
-/* Scratch floats a call of M rows at positions up to span − 1 needs. */
-static int64_t scratch_floats(const mf_model_t *m, int64_t M, int64_t span) {
+/* Scratch floats a call of M rows needs, beside the attention's (per thread). */
+static int64_t scratch_floats(const mf_model_t *m, int64_t M) {
     const int64_t qd = m->n_head * m->head_dim, kd = m->n_kv * m->head_dim;
     const int64_t big = m->inter > m->hidden ? m->inter : m->hidden;
-    return M * (2 * m->hidden + qd + 2 * kd + qd + 2 * big) + M * m->n_head * (span + m->head_dim);
+    return M * (2 * m->hidden + qd + 2 * kd + qd + 2 * big);
 }
 
-/* Rows pos … pos + M − 1 through the model; `x_in`: their embeddings (M × hidden). Writes the
- * logits of the last `logit_rows` rows (logit_rows × vocab). Returns 0; -1 out of memory; -2 a
- * position past the cache's capacity or a bad row count. */
+/* Rows pos … pos + M − 1 through the model (a prompt at once, or a few tokens); `x_in`: their
+ * embeddings (M × hidden). Writes the logits of the last `logit_rows` rows (logit_rows × vocab).
+ * Returns 0; -1 out of memory; -2 a position past the cache's capacity or a bad row count. */
 int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, int64_t logit_rows, float *logits) {
-    if (M < 1 || M > MMAX || pos < 0 || pos + M > m->capacity || logit_rows < 0 || logit_rows > M) return -2;
-    const int64_t H = m->hidden, d = m->head_dim, nh = m->n_head, nkv = m->n_kv, C = m->capacity;
+    if (M < 1 || pos < 0 || pos + M > m->capacity || logit_rows < 0 || logit_rows > M) return -2;
+    const int64_t H = m->hidden, d = m->head_dim, nh = m->n_head, nkv = m->n_kv;
     const int64_t qd = nh * d, kd = nkv * d, big = m->inter > H ? m->inter : H, group = nh / nkv;
-    const size_t esize = m->kv_bf16 ? 2 : 4;
     const int64_t span = pos + M; /* the last row's positions */
-    float *buf = malloc((size_t)scratch_floats(m, M, span) * sizeof(float));
+    const mf_kv_t *kv = &m->kv;
+    const int packed = kv->kind != KV_F32 && kv->kind != KV_BF16;
+    /* packed positions' end before and after this call (every layer alike) */
+    const int64_t aged0 = packed ? *kv->aged : 0;
+    int64_t aged = pos + M;
+    if (packed && kv->window) {
+        aged = pos + M - kv->recent > kv->sinks ? pos + M - kv->recent : kv->sinks;
+        aged = aged > aged0 ? aged : aged0;
+    }
+    const int nt = threads_for(m, span * nh * d * 8);
+    const int64_t per_thread = group * span + d; /* one attention task's scores and row buffer */
+    float *buf = malloc((size_t)(scratch_floats(m, M) + nt * per_thread) * sizeof(float));
     if (!buf) return -1;
     float *x = buf, *h = x + M * H, *q = h + M * H, *k = q + M * qd, *v = k + M * kd, *att = v + M * kd;
-    float *g = att + M * qd, *u = g + M * big, *sc = u + M * big; /* sc: per row and head, span scores + head_dim */
+    float *g = att + M * qd, *u = g + M * big, *sc = u + M * big;
     memcpy(x, x_in, (size_t)(M * H) * sizeof(float));
     int rc = 0;
     double t0 = m->timers ? now() : 0.0;
@@ -370,8 +609,6 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             break;
         }
         lap(m, &t0, T_GEMV);
-        char *Kc = (char *)m->k_cache + (size_t)(li * nkv * C * d) * esize;
-        char *Vc = (char *)m->v_cache + (size_t)(li * nkv * C * d) * esize;
         for (int64_t r = 0; r < M; r++) {
             const int64_t p = pos + r;
             const float *cs = m->cos + p * d, *sn = m->sin + p * d;
@@ -381,28 +618,23 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
                 rope(qh, cs, sn, d);
             }
             for (int64_t hh = 0; hh < nkv; hh++) {
-                float *kh = k + r * kd + hh * d, *vh = v + r * kd + hh * d;
+                float *kh = k + r * kd + hh * d;
                 if (L->k_norm) rms_norm(kh, L->k_norm, m->eps, d, kh);
                 rope(kh, cs, sn, d);
-                const size_t at = (size_t)((hh * C + p) * d);
-                if (m->kv_bf16) {
-                    uint16_t *kt = (uint16_t *)Kc + at, *vt = (uint16_t *)Vc + at;
-                    for (int64_t i = 0; i < d; i++) kt[i] = to_bf16(kh[i]), vt[i] = to_bf16(vh[i]);
-                } else {
-                    memcpy((float *)Kc + at, kh, (size_t)d * sizeof(float));
-                    memcpy((float *)Vc + at, vh, (size_t)d * sizeof(float));
-                }
             }
         }
         lap(m, &t0, T_OTHER);
-        const int nt = threads_for(m, span * nh * d * 8);
+        if (kv_store(m, li, pos, M, k, v, aged0, aged)) {
+            rc = -1;
+            break;
+        }
 #pragma omp parallel for collapse(2) num_threads(nt) schedule(static)
         for (int64_t r = 0; r < M; r++)
-            for (int64_t hh = 0; hh < nh; hh++) {
+            for (int64_t gg = 0; gg < nkv; gg++) {
                 const int64_t p = pos + r, lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-                const size_t at = (size_t)((hh / group) * C * d) * esize;
-                float *s = sc + (r * nh + hh) * (span + d);
-                attend(m, q + r * qd + hh * d, Kc + at, Vc + at, lo, p, s, att + r * qd + hh * d, s + span);
+                float *s = sc + (int64_t)omp_get_thread_num() * per_thread;
+                attend(m, li, gg, group, q + r * qd + gg * group * d, lo, p, aged, s, att + r * qd + gg * group * d,
+                       s + group * span);
             }
         lap(m, &t0, T_ATTENTION);
         if (linear(m, &L->o, att, M, h)) {
@@ -428,6 +660,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         lap(m, &t0, T_GEMV);
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
     }
+    if (rc == 0 && packed) *kv->aged = aged;
     if (rc == 0 && logit_rows > 0) {
         const float *last = x + (M - logit_rows) * H;
         for (int64_t r = 0; r < logit_rows; r++) rms_norm(last + r * H, m->final_norm, m->eps, H, h + r * H);

@@ -230,7 +230,7 @@ def generate(
 
     def make_cache(m) -> KVCache | FusedCache:
         if (fused := step_of(m)) is not None:
-            return fused.new_cache(spec.format, capacity)
+            return fused.new_cache(spec, capacity)
         return new_cache(adapter_for(m), spec=spec, scales=kv_scales if m is model else None,
                          slack=(draft_tokens + 1) if draft is not None else 0)  # a rejected draft's tokens roll back
 

@@ -33,6 +33,8 @@ import os
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.formats.codec import value_table
+from minifloat.formats.registry import get_format
 from minifloat.infer.generation.hf_cache import sliding_windows
 from minifloat.infer.generation.kvspec import KVSpec
 from minifloat.infer.modules.linear import QuantizedLinear
@@ -41,7 +43,8 @@ from minifloat.quant.hadamard import hadamard_signs
 from minifloat.kernels import cpu, gemv
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model types whose decoder layer mf_decode computes
-KV_FORMATS = ("fp32", "bf16")  # caches mf_decode keeps (no options: a window, a budget, scales run eagerly)
+KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
+PACKED_BLOCK = {"fp8": 1, "nvfp4": 16, "mxfp4": 32}  # head_dim must be a multiple (whole blocks, whole bytes)
 MAX_HEAD_DIM = 512  # the rotary embedding's scratch in _decode.c
 PROFILE_KINDS = ("gemv", "attention", "norms_rope_activations")  # T_* of _decode.c: the products; attention and the cache; the rest
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -65,14 +68,23 @@ class Layer(ctypes.Structure):
                 ("window", _L)]  # fmt: skip
 
 
+class KV(ctypes.Structure):
+    """``mf_kv_t`` of _decode.c, field for field."""
+
+    _fields_ = [
+        ("kind", _I), ("window", _I), ("sinks", _L), ("recent", _L), ("aged", _P), ("k", _P), ("v", _P), ("kc", _P),
+        ("vc", _P), ("ks", _P), ("vs", _P), ("kts", _P), ("vts", _P), ("ksink", _P), ("vsink", _P), ("kring", _P),
+        ("vring", _P), ("e4m3", _P), ("e8m0", _P), ("e2m1", _P),
+    ]  # fmt: skip
+
+
 class Model(ctypes.Structure):
     """``mf_model_t`` of _decode.c, field for field."""
 
     _fields_ = [
         *((n, _L) for n in ("n_layer", "hidden", "n_head", "n_kv", "head_dim", "inter", "vocab", "capacity")),
-        ("eps", _F), ("scale", _F), *((n, _I) for n in ("kv_bf16", "nthreads", "isa", "serial_below")),
-        ("cos", _P), ("sin", _P), ("layers", _P), ("final_norm", _P), ("head", Linear), ("k_cache", _P), ("v_cache", _P),
-        ("timers", _P),
+        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "pad")),
+        ("cos", _P), ("sin", _P), ("layers", _P), ("final_norm", _P), ("head", Linear), ("kv", KV), ("timers", _P),
     ]  # fmt: skip
 
 
@@ -84,9 +96,9 @@ def _library():
         lib.mf_decode.restype = ctypes.c_int
         lib.mf_decode.argtypes = [ctypes.POINTER(Model), _P, _L, _L, _L, _P]
         lib.mf_decode_sizes.restype = _L
-        sizes = (_L * 4)()
+        sizes = (_L * 5)()
         lib.mf_decode_sizes(sizes)
-        mine = (ctypes.sizeof(Linear), ctypes.sizeof(Layer), ctypes.sizeof(Model), Model.timers.offset)
+        mine = (ctypes.sizeof(Linear), ctypes.sizeof(Layer), ctypes.sizeof(Model), Model.timers.offset, ctypes.sizeof(KV))
         if tuple(sizes) != mine:
             raise RuntimeError(f"fused.Linear / Layer / Model do not mirror _decode.c's structs ({mine} against {tuple(sizes)})")
         lib._mf_decode_declared = True
@@ -126,8 +138,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return "MINIFLOAT_DECODE=eager"
     if _library() is None:
         return "the compiled kernels are not built"
-    if kv is not None and (kv.format not in KV_FORMATS or kv != KVSpec(format=kv.format) or kv_scales is not None):
-        return f"the KV cache {kv.format!r} with options runs eagerly (the fused step keeps {' or '.join(KV_FORMATS)}, plain)"
+    if kv is not None and (why := _kv_problem(kv, kv_scales)) is not None:
+        return why
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
@@ -145,6 +157,11 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     head_dim = _head_dim(text)
     if head_dim > MAX_HEAD_DIM or head_dim % 2:
         return f"head_dim {head_dim}"
+    if kv is not None and kv.format in PACKED_BLOCK and head_dim % PACKED_BLOCK[kv.format]:
+        return f"head_dim {head_dim} is not whole {kv.format} blocks of {PACKED_BLOCK[kv.format]}"
+    heads, kv_heads = int(text.num_attention_heads), int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    if heads % kv_heads or heads // kv_heads > 64:
+        return f"{heads} query heads over {kv_heads} KV heads"
     eps = None
     for i, layer in enumerate(layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -171,6 +188,19 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return "the final norm is not a float32 RMSNorm with the layers' epsilon"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "a module has forward hooks (the fused step would not run them)"
+    return None
+
+
+def _kv_problem(kv: KVSpec, kv_scales) -> str | None:
+    """Why the fused step cannot keep a cache of `kv` (None: it can): a format of `KV_KINDS`,
+    with a bfloat16 recent window or none, and no other option."""
+    plain = KVSpec(format=kv.format, sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens,
+                   recent_format=kv.recent_format)  # fmt: skip
+    if kv.format not in KV_KINDS or kv != plain or kv_scales is not None:
+        return (f"the KV cache {kv.format!r} with these options runs eagerly (the fused step keeps "
+                f"{', '.join(KV_KINDS)}, with a bf16 recent window or none)")  # fmt: skip
+    if kv.recent_format not in (None, "bf16") or (kv.recent_format is not None and kv.format not in PACKED_BLOCK):
+        return f"a {kv.recent_format} recent window before {kv.format} runs eagerly (the fused step keeps a bf16 one before a packed format)"
     return None
 
 
@@ -242,11 +272,16 @@ class FusedDecoder:
             out.bias = self._hold(lin.bias.float())
         return out
 
-    def new_cache(self, kv_format: str = "fp32", capacity: int = 2048) -> FusedCache:
-        """An empty cache of `capacity` positions in `kv_format` (one of `KV_FORMATS`)."""
-        if kv_format not in KV_FORMATS:
-            raise MinifloatError(f"the fused decode step keeps a {' or '.join(KV_FORMATS)} KV cache, not {kv_format!r}")
-        return FusedCache(self, kv_format, capacity)
+    def new_cache(self, kv: str | KVSpec = "fp32", capacity: int = 2048) -> FusedCache:
+        """An empty cache of `capacity` positions: a `KV_KINDS` format, or a `KVSpec` (a bf16
+        recent window before a packed format, as `KVCache` keeps it)."""
+        spec = kv if isinstance(kv, KVSpec) else KVSpec(format=kv)
+        why = _kv_problem(spec, None)
+        if why is None and spec.format in PACKED_BLOCK and self.head_dim % PACKED_BLOCK[spec.format]:
+            why = f"head_dim {self.head_dim} is not whole {spec.format} blocks of {PACKED_BLOCK[spec.format]}"
+        if why is not None:
+            raise MinifloatError(f"the fused decode step cannot keep this cache: {why}")
+        return FusedCache(self, spec, capacity)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: FusedCache, last: int = 1) -> torch.Tensor:
@@ -259,41 +294,67 @@ class FusedDecoder:
             raise MinifloatError(f"the cache holds {cache.capacity} positions; {cache.length()} + {T} do not fit")
         x = self.model.get_input_embeddings()(ids.reshape(1, T))[0].float().contiguous()
         out = torch.empty(last, self.vocab, dtype=torch.float32)
-        step = gemv.MAX_ROWS
-        for a in range(0, T, step):
-            b = min(a + step, T)
-            rows = max(0, b - max(a, T - last))  # of the chunk's rows, those whose logits are asked for
-            dst = out[last - (T - b) - rows :] if rows else out
-            rc = self.lib.mf_decode(ctypes.byref(cache.struct), x[a].data_ptr(), cache.length(), b - a, rows, dst.data_ptr())
-            if rc == -1:
-                raise MemoryError("mf_decode: no memory for its scratch")
-            if rc != 0:
-                raise MinifloatError(f"mf_decode refused rows {a} … {b} at position {cache.length()} (capacity {cache.capacity})")
-            cache.filled += b - a
+        # all T rows in one call: a packed cache stores them as one chunk, as KVCache stores one update
+        rc = self.lib.mf_decode(ctypes.byref(cache.struct), x.data_ptr(), cache.length(), T, last, out.data_ptr())
+        if rc == -1:
+            raise MemoryError("mf_decode: no memory for its scratch")
+        if rc != 0:
+            raise MinifloatError(f"mf_decode refused {T} rows at position {cache.length()} (capacity {cache.capacity})")
+        cache.filled += T
         return out
 
 
 class FusedCache:
-    """The KV cache `FusedDecoder` owns: layer × KV head × position × head_dim keys (rotated) and
-    values, float32 or bfloat16, allocated for `capacity` positions (what `nbytes` counts)."""
+    """The KV cache `FusedDecoder` owns, allocated for `capacity` positions (what `nbytes`
+    counts): keys (rotated) and values per layer × KV head × position — float32 or bfloat16 rows,
+    or packed ones (codes, scales and NVFP4's per-chunk tensor scales), with a bfloat16 window
+    (the first `sink_tokens`, and a ring of the last `recent_tokens`) before a packed format."""
 
-    def __init__(self, decoder: FusedDecoder, kv_format: str, capacity: int) -> None:
-        self.format, self.capacity, self.filled = kv_format, int(capacity), 0
-        dtype = torch.float32 if kv_format == "fp32" else torch.bfloat16
-        shape = (decoder.n_layer, decoder.n_kv, self.capacity, decoder.head_dim)
-        self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    def __init__(self, decoder: FusedDecoder, spec: KVSpec, capacity: int) -> None:
+        self.spec, self.format, self.capacity, self.filled = spec, spec.format, int(capacity), 0
+        L, G, C, d = decoder.n_layer, decoder.n_kv, self.capacity, decoder.head_dim
+        self.struct = Model.from_buffer_copy(decoder.template)
+        kv = self.struct.kv
+        kv.kind = KV_KINDS[self.format]
+        self.held: dict[str, torch.Tensor] = {}  # every tensor the cache holds, by name (its bytes: nbytes)
+
+        def hold(name: str, shape, dtype) -> int:
+            self.held[name] = torch.zeros(shape, dtype=dtype)
+            return self.held[name].data_ptr()
+
+        if self.format in ("fp32", "bf16"):
+            dtype = torch.float32 if self.format == "fp32" else torch.bfloat16
+            kv.k, kv.v = hold("k", (L, G, C, d), dtype), hold("v", (L, G, C, d), dtype)
+        else:
+            rb = d if self.format == "fp8" else d // 2
+            kv.kc, kv.vc = hold("kc", (L, G, C, rb), torch.uint8), hold("vc", (L, G, C, rb), torch.uint8)
+            if self.format == "fp8":
+                kv.ks, kv.vs = hold("ks", (L, G, C), torch.float32), hold("vs", (L, G, C), torch.float32)
+            else:
+                ns = d // PACKED_BLOCK[self.format]
+                kv.ks, kv.vs = hold("ks", (L, G, C, ns), torch.uint8), hold("vs", (L, G, C, ns), torch.uint8)
+            if self.format == "nvfp4":
+                kv.kts, kv.vts = hold("kts", (L, C), torch.float32), hold("vts", (L, C), torch.float32)
+            self.window = spec.recent_format is not None
+            self.sinks = spec.sink_tokens if self.window else 0
+            kv.window, kv.sinks, kv.recent = int(self.window), self.sinks, spec.recent_tokens if self.window else 0
+            if self.window:
+                kv.ksink, kv.vsink = (hold(n, (L, G, self.sinks, d), torch.bfloat16) for n in ("ksink", "vsink"))
+                kv.kring, kv.vring = (hold(n, (L, G, kv.recent, d), torch.bfloat16) for n in ("kring", "vring"))
+            self.aged = torch.tensor([self.sinks], dtype=torch.int64)  # not the cache's bytes: mf_decode's counter
+            kv.aged = self.aged.data_ptr()
+            self.tables = [value_table(get_format(f), torch.float32).contiguous() for f in ("e4m3", "e8m0", "e2m1")]
+            kv.e4m3, kv.e8m0, kv.e2m1 = (t.data_ptr() for t in self.tables)
         rot = decoder.model.model.rotary_emb
         cos, sin = rot(torch.empty(0, dtype=torch.float32), torch.arange(self.capacity)[None])
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        if self.cos.shape != (self.capacity, decoder.head_dim):
+        if self.cos.shape != (self.capacity, d):
             raise MinifloatError(f"the rotary embedding gives tables of {tuple(self.cos.shape)}; the fused step needs (positions, head_dim)")
-        self.struct = Model.from_buffer_copy(decoder.template)
-        self.struct.capacity, self.struct.kv_bf16 = self.capacity, int(kv_format == "bf16")
+        self.struct.capacity = self.capacity
         self.struct.nthreads = torch.get_num_threads()
         self.struct.cos, self.struct.sin = self.cos.data_ptr(), self.sin.data_ptr()
-        self.struct.k_cache, self.struct.v_cache = self.k.data_ptr(), self.v.data_ptr()
         self.decoder = decoder  # the tensors the struct points at live as long as the cache
-        self.n_layer = decoder.n_layer
+        self.n_layer = L
         self.events: list[dict] = []
 
     def length(self, layer: int = 0) -> int:
@@ -310,16 +371,24 @@ class FusedCache:
         return dict(zip(PROFILE_KINDS, self._timers, strict=True))
 
     def truncate(self, n: int) -> None:
-        """Forget every position from `n` on (a speculative decoder's rejected drafts)."""
+        """Forget every position from `n` on (a speculative decoder's rejected drafts). Tokens
+        that left the window stay packed, as `KVCache` keeps them."""
         self.filled = min(self.filled, int(n))
+        if self.format in PACKED_BLOCK:
+            self.aged[0] = max(self.sinks, min(int(self.aged[0]), self.filled)) if self.window else self.filled
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.held.values())
 
     def precisions(self, layer: int = 0) -> list[str]:
-        return [self.format] * self.filled
+        if self.format not in PACKED_BLOCK or not self.window:
+            return [self.format] * self.filled
+        aged = int(self.aged[0])
+        return [self.format if self.sinks <= p < aged else self.spec.recent_format for p in range(self.filled)]
 
     def keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s keys and values (1, KV heads, length, head_dim) in float32."""
+        """Layer `layer`'s keys and values (1, KV heads, length, head_dim) in float32 (fp32 / bf16 caches)."""
+        if self.format not in ("fp32", "bf16"):
+            raise MinifloatError("keys_values reads fp32 and bf16 fused caches; a packed one is read in place by mf_decode")
         n = self.filled
-        return self.k[layer, :, :n].float()[None], self.v[layer, :, :n].float()[None]
+        return self.held["k"][layer, :, :n].float()[None], self.held["v"][layer, :, :n].float()[None]
