@@ -11,6 +11,7 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.infer import generate, quantize_model
 from minifloat.infer.generation.fused import FusedDecoder, unsupported
+from minifloat.infer.generation.kvspec import KVSpec
 from minifloat.kernels import gemv
 from minifloat.models.gpt import GPT, GPTConfig
 
@@ -183,12 +184,13 @@ def test_bench_decode_times_both_steps_and_profiles_them(tmp_path, capsys):
     assert "--decode-steps 'compiled': use some of auto, fused, eager" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (2, 1)])  # head_dim 16, and 32 (AVX-512's attention in registers)
 @pytest.mark.parametrize("config", [None, "nvfp4-weight-only", "mxfp4-weight-only", "fp8-weight-only"])
-def test_rows_verified_together_equal_single_steps_bit_for_bit(monkeypatch, config):
+def test_rows_verified_together_equal_single_steps_bit_for_bit(monkeypatch, config, heads):
     """Every row is summed as it would be alone (kernels, attention, norms), so a speculative
     verification of k + 1 rows gives exactly the logits of k + 1 single steps: its greedy
     tokens are plain greedy's, not only up to rounding."""
-    model = tiny("llama", seed=4)
+    model = tiny("llama", seed=4, heads=heads[0], kv_heads=heads[1])
     if config:
         quantize_model(model, config, quantize_head=True)
     ids = torch.randint(0, VOCAB, (1, 14))
@@ -289,15 +291,40 @@ def test_a_bf16_window_before_nvfp4_ages_tokens_as_kvcache_does():
 
 
 @pytest.mark.parametrize("kv", ["fp8", "nvfp4", "mxfp4", "nvfp4+bf16", "fp8+bf16"])
-def test_packed_caches_decode_as_the_eager_quantized_cache(kv):
-    """Greedy tokens equal the eager path's over the same quantized cache; logits agree up to
-    what a code on a rounding boundary moves (the eager K and V differ in float32's last bits)."""
+def test_packed_caches_decode_as_the_eager_quantized_cache(kv, monkeypatch):
+    """Greedy tokens equal the eager path's over the same quantized cache (each ISA path's
+    decoding of the packed rows)."""
     model = tiny("llama", seed=8, heads=2, kv_heads=1)
     ids = torch.randint(0, VOCAB, (1, 40))
-    fused = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="fused")
     eager = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="eager")
-    assert fused.decode_step == "fused" and torch.equal(fused.tokens, eager.tokens)
+    for isa in gemv.isas():
+        monkeypatch.setenv("MINIFLOAT_GEMV_ISA", isa)
+        fused = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="fused")
+        assert fused.decode_step == "fused" and torch.equal(fused.tokens, eager.tokens), isa
     assert fused.kv_precisions[:4] == eager.kv_precisions[:4] and len(fused.kv_precisions) == len(eager.kv_precisions)
     assert fused.kv_precisions == eager.kv_precisions
     fp32 = generate(model, ids, 20, kv_cache="fp32")
     assert fused.kv_bytes < fp32.kv_bytes / (3 if kv.startswith("fp8") and "+" not in kv else 2)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "nvfp4+bf16"])
+def test_long_rows_split_into_parts_still_equal_transformers(kv):
+    """Past 512 positions a row's attention runs in parts merged by rescaling: 1,100 tokens; an
+    NVFP4 cache with its window decodes them (head_dim 32: AVX-512's attention in registers)."""
+    model = tiny("llama", seed=9, heads=2, kv_heads=1)
+    model.config.max_position_embeddings = 2048
+    ids = torch.randint(0, VOCAB, (1, 1100))
+    dec = FusedDecoder(model)
+    spec = KVSpec.parse(kv)
+    cache = dec.new_cache(spec, 1100)
+    got = torch.cat([dec.forward(ids[:, :1090], cache, last=1090)] + [dec.forward(ids[:, t : t + 1], cache) for t in range(1090, 1100)])
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    if kv == "fp32":
+        assert (got - ref).abs().max() <= 2 * bound(ref)
+    else:  # the quantized keys and values: near, not equal
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+    if kv == "fp32":  # rows together = single steps (a packed window would age them as one chunk, as KVCache does)
+        again = dec.new_cache(spec, 1100)
+        dec.forward(ids[:, :1090], again)
+        assert torch.equal(dec.forward(ids[:, 1090:], again, last=10), got[-10:])

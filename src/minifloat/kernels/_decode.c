@@ -45,6 +45,7 @@ static int omp_get_thread_num(void) { return 0; }
 #endif
 
 enum { LIN_NONE = 0, LIN_DENSE = 1, LIN_PACKED = 2 };
+#define MAX_HEAD_DIM 512 /* fused.MAX_HEAD_DIM: the rotary embedding's and a KV row's scratch */
 
 /* Must match Linear in minifloat/infer/generation/fused.py field for field (as the structs below). */
 typedef struct {
@@ -322,7 +323,7 @@ static void rms_norm(const float *x, const float *w, float eps, int64_t n, float
 /* x (head_dim) rotated in place at the tables' row: x·cos + rotate_half(x)·sin */
 static void rope(float *x, const float *c, const float *s, int64_t d) {
     const int64_t h = d / 2;
-    float t[512];
+    float t[MAX_HEAD_DIM];
     memcpy(t, x, (size_t)d * sizeof(float));
     for (int64_t i = 0; i < h; i++) x[i] = t[i] * c[i] + (-t[i + h]) * s[i];
     for (int64_t i = h; i < d; i++) x[i] = t[i] * c[i] + t[i - h] * s[i];
@@ -445,6 +446,24 @@ static void kv_quantize(const mf_model_t *m, int64_t li, int which, const float 
     }
 }
 
+#if MF_X86
+/* An FP4 row (d values, d / 32 times 16 bytes: low nibbles the even columns) decoded into buf in
+ * column order: per 16 bytes, the two nibbles' values by 16-entry vpermps lookups, interleaved
+ * by two-source permutes into columns 0–15 and 16–31, each times its block's scale (s16[c]: the
+ * scale of columns 16c … 16c + 15). The same products as the scalar loop. */
+D512 static void fp4_row512(const uint8_t *c, const float *lut, const float *s16, int64_t d, float *buf) {
+    const __m512 t = _mm512_loadu_ps(lut);
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t k = 0; k < d; k += 32) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + k / 2)));
+        const __m512 even = _mm512_permutexvar_ps(b, t), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
+        _mm512_storeu_ps(buf + k, _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), _mm512_set1_ps(s16[k / 16])));
+        _mm512_storeu_ps(buf + k + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), _mm512_set1_ps(s16[k / 16 + 1])));
+    }
+}
+#endif
+
 /* Row j (head_dim values) of KV head g of layer li, K (which 0) or V (1), in float32: a pointer
  * into the cache, or `buf` holding it decoded. `aged`: the packed positions' end (packed kinds). */
 static const float *kv_row(const mf_model_t *m, int64_t li, int64_t g, int64_t j, int which, int64_t aged, float *buf) {
@@ -469,6 +488,15 @@ static const float *kv_row(const mf_model_t *m, int64_t li, int64_t g, int64_t j
     const int64_t ns = kv_scales_per_row(m), bw = d / ns;
     const uint8_t *sc = (const uint8_t *)(which ? kv->vs : kv->ks) + at * ns;
     const float ts = kv->kind == KV_NVFP4 ? (which ? kv->vts : kv->kts)[li * C + j] : 1.0f;
+#if MF_X86
+    if (m->isa == ISA_AVX512 && d % 32 == 0 && d <= MAX_HEAD_DIM) {
+        float s16[MAX_HEAD_DIM / 16];
+        for (int64_t h = 0; h < d / 16; h++)
+            s16[h] = kv->kind == KV_NVFP4 ? kv->e4m3[sc[h]] * ts : kv->e8m0[sc[h / 2]];
+        fp4_row512(c, kv->e2m1, s16, d, buf);
+        return buf;
+    }
+#endif
     for (int64_t b = 0; b < ns; b++) {
         const float s = kv->kind == KV_NVFP4 ? kv->e4m3[sc[b]] * ts : kv->e8m0[sc[b]];
         for (int64_t k = b * bw; k < (b + 1) * bw; k++) buf[k] = kv->e2m1[(c[k / 2] >> (4 * (k & 1))) & 15] * s;
@@ -537,15 +565,22 @@ static int kv_store(const mf_model_t *m, int64_t li, int64_t pos, int64_t M, con
     return 0;
 }
 
-/* Query row q_r's heads of KV group g (`group` heads, contiguous in q and out) against positions
- * lo … hi: out = softmax(q·K · scale) · V per head. Each K and V row is read (decoded) once for
- * the group. `s`: group × (hi − lo + 1) scores; `buf`: head_dim floats. */
-static void attend(const mf_model_t *m, int64_t li, int64_t g, int64_t group, const float *q, int64_t lo, int64_t hi,
-                   int64_t aged, float *s, float *out, float *buf) {
+/* Attention of one query row is split into parts of PART positions, at fixed offsets from the
+ * row's first position (so a row's result depends on its positions only: not on the threads,
+ * nor on the rows beside it): each part gives its heads' score maximum, exp-sum and unnormalized
+ * output; the parts then merge in order (the usual rescaling by exp(max_part − max)). Short
+ * rows are one part: softmax(q·K · scale) · V as written. */
+#define PART 512
+
+/* Query row q's heads of KV group g (`group` heads, contiguous in q) against positions lo … hi
+ * (≤ PART of them): per head h, mx[h] the largest score, sum[h] Σ exp(score − mx[h]) and out
+ * (group × head_dim) Σ exp(score − mx[h]) · V. Each K and V row is read (decoded) once for the
+ * group. `s`: group × PART scores; `buf`: head_dim floats. */
+static void attend_part(const mf_model_t *m, int64_t li, int64_t g, int64_t group, const float *q, int64_t lo,
+                        int64_t hi, int64_t aged, float *s, float *out, float *mx, float *sum, float *buf) {
     const int64_t d = m->head_dim, n = hi - lo + 1;
     const dot_t dot = dot_for(m->isa);
     const axpy_t axpy = axpy_for(m->isa);
-    float mx[64], inv[64];
     for (int64_t h = 0; h < group; h++) mx[h] = -INFINITY;
     for (int64_t j = lo; j <= hi; j++) {
         const float *k = kv_row(m, li, g, j, 0, aged, buf);
@@ -556,14 +591,128 @@ static void attend(const mf_model_t *m, int64_t li, int64_t g, int64_t group, co
         }
     }
     for (int64_t h = 0; h < group; h++) {
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) sum += (s[h * n + j] = expf(s[h * n + j] - mx[h]));
-        inv[h] = 1.0f / sum;
+        float t = 0.0f;
+        for (int64_t j = 0; j < n; j++) t += (s[h * n + j] = expf(s[h * n + j] - mx[h]));
+        sum[h] = t;
     }
     memset(out, 0, (size_t)(group * d) * sizeof(float));
     for (int64_t j = lo; j <= hi; j++) {
         const float *v = kv_row(m, li, g, j, 1, aged, buf);
-        for (int64_t h = 0; h < group; h++) axpy(out + h * d, s[h * n + j - lo] * inv[h], v, d);
+        for (int64_t h = 0; h < group; h++) axpy(out + h * d, s[h * n + j - lo], v, d);
+    }
+}
+
+#if MF_X86
+/* Row j of KV head g (K: which 0, V: 1) as nv = head_dim / 16 vectors in registers: float32
+ * loaded, bfloat16 widened, FP4 decoded (fp4_row512's lookups and interleave); FP8 through the
+ * scalar decoder's buffer. The same values as kv_row. */
+D512 static inline __attribute__((always_inline)) void row512(const mf_model_t *m, int64_t li, int64_t g, int64_t j,
+                                                              int which, int64_t aged, int nv, __m512 *v, float *buf) {
+    const mf_kv_t *kv = &m->kv;
+    const int64_t d = m->head_dim, C = m->capacity, at = (li * m->n_kv + g) * C + j;
+    const uint16_t *b16 = NULL;
+    if (kv->kind == KV_F32) {
+        const float *r = (const float *)(which ? kv->v : kv->k) + at * d;
+        for (int c = 0; c < nv; c++) v[c] = _mm512_loadu_ps(r + 16 * c);
+        return;
+    }
+    if (kv->kind == KV_BF16) b16 = (const uint16_t *)(which ? kv->v : kv->k) + at * d;
+    else if (kv->window && j < kv->sinks) b16 = (which ? kv->vsink : kv->ksink) + ((li * m->n_kv + g) * kv->sinks + j) * d;
+    else if (kv->window && j >= aged) b16 = (which ? kv->vring : kv->kring) + ((li * m->n_kv + g) * kv->recent + j % kv->recent) * d;
+    if (b16) {
+        for (int c = 0; c < nv; c++)
+            v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b16 + 16 * c))), 16));
+        return;
+    }
+    if (kv->kind == KV_FP8) {
+        const float *r = kv_row(m, li, g, j, which, aged, buf);
+        for (int c = 0; c < nv; c++) v[c] = _mm512_loadu_ps(r + 16 * c);
+        return;
+    }
+    const uint8_t *cd = (which ? kv->vc : kv->kc) + at * (d / 2);
+    const int64_t ns = kv_scales_per_row(m);
+    const uint8_t *sc = (const uint8_t *)(which ? kv->vs : kv->ks) + at * ns;
+    const float ts = kv->kind == KV_NVFP4 ? (which ? kv->vts : kv->kts)[li * C + j] : 1.0f;
+    const __m512 t = _mm512_loadu_ps(kv->e2m1);
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int c = 0; c < nv; c += 2) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cd + 8 * c)));
+        const __m512 even = _mm512_permutexvar_ps(b, t), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
+        const float s0 = kv->kind == KV_NVFP4 ? kv->e4m3[sc[c]] * ts : kv->e8m0[sc[c / 2]];
+        const float s1 = kv->kind == KV_NVFP4 ? kv->e4m3[sc[c + 1]] * ts : s0;
+        v[c] = _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), _mm512_set1_ps(s0));
+        v[c + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), _mm512_set1_ps(s1));
+    }
+}
+
+/* attend_part with each row's vectors in registers and the group's outputs accumulated in
+ * registers (group · head_dim / 16 ≤ 24 vectors; head_dim 32, 64 or 128). */
+D512 static inline __attribute__((always_inline)) void attend_part512_nv(const mf_model_t *m, int64_t li, int64_t g,
+        int64_t group, const float *q, int64_t lo, int64_t hi, int64_t aged, float *s, float *out, float *mx,
+        float *sum, float *buf, const int nv) {
+    const int64_t d = m->head_dim, n = hi - lo + 1;
+    __m512 qv[24], acc[24], v[8];
+    for (int64_t h = 0; h < group; h++) {
+        mx[h] = -INFINITY;
+        for (int c = 0; c < nv; c++) qv[h * nv + c] = _mm512_loadu_ps(q + h * d + 16 * c), acc[h * nv + c] = _mm512_setzero_ps();
+    }
+    for (int64_t j = lo; j <= hi; j++) {
+        row512(m, li, g, j, 0, aged, nv, v, buf);
+        for (int64_t h = 0; h < group; h++) {
+            __m512 a = _mm512_mul_ps(qv[h * nv], v[0]);
+            for (int c = 1; c < nv; c++) a = _mm512_fmadd_ps(qv[h * nv + c], v[c], a);
+            const float sc = _mm512_reduce_add_ps(a) * m->scale;
+            s[h * n + j - lo] = sc;
+            mx[h] = sc > mx[h] ? sc : mx[h];
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float t = 0.0f;
+        for (int64_t j = 0; j < n; j++) t += (s[h * n + j] = expf(s[h * n + j] - mx[h]));
+        sum[h] = t;
+    }
+    for (int64_t j = lo; j <= hi; j++) {
+        row512(m, li, g, j, 1, aged, nv, v, buf);
+        for (int64_t h = 0; h < group; h++) {
+            const __m512 p = _mm512_set1_ps(s[h * n + j - lo]);
+            for (int c = 0; c < nv; c++) acc[h * nv + c] = _mm512_fmadd_ps(p, v[c], acc[h * nv + c]);
+        }
+    }
+    for (int64_t h = 0; h < group; h++)
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(out + h * d + 16 * c, acc[h * nv + c]);
+}
+
+D512 static void attend_part512(const mf_model_t *m, int64_t li, int64_t g, int64_t group, const float *q, int64_t lo,
+                                int64_t hi, int64_t aged, float *s, float *out, float *mx, float *sum, float *buf) {
+    switch (m->head_dim) {
+    case 32: attend_part512_nv(m, li, g, group, q, lo, hi, aged, s, out, mx, sum, buf, 2); break;
+    case 64: attend_part512_nv(m, li, g, group, q, lo, hi, aged, s, out, mx, sum, buf, 4); break;
+    default: attend_part512_nv(m, li, g, group, q, lo, hi, aged, s, out, mx, sum, buf, 8); break;
+    }
+}
+#endif
+
+/* The parts' results (np of them, each group × (head_dim + 2): output, max, sum) merged into
+ * out (group × head_dim), in order. */
+static void attend_merge(int64_t group, int64_t d, int64_t np, const float *parts, float *out) {
+    const int64_t stride = group * (d + 2);
+    for (int64_t h = 0; h < group; h++) {
+        float mx = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < np; p++) {
+            const float v = parts[p * stride + group * d + h];
+            mx = v > mx ? v : mx;
+        }
+        float *o = out + h * d;
+        memset(o, 0, (size_t)d * sizeof(float));
+        for (int64_t p = 0; p < np; p++) {
+            const float *part = parts + p * stride;
+            const float w = np == 1 ? 1.0f : expf(part[group * d + h] - mx);
+            total += w * part[group * d + group + h];
+            for (int64_t i = 0; i < d; i++) o[i] += w * part[h * d + i];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < d; i++) o[i] *= inv;
     }
 }
 
@@ -592,11 +741,15 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         aged = aged > aged0 ? aged : aged0;
     }
     const int nt = threads_for(m, span * nh * d * 8);
-    const int64_t per_thread = group * span + d; /* one attention task's scores and row buffer */
-    float *buf = malloc((size_t)(scratch_floats(m, M) + nt * per_thread) * sizeof(float));
+    /* AVX-512 attention with rows and outputs in registers: head_dim 32, 64 or 128, ≤ 24 output vectors */
+    const int fast512 = MF_X86 && m->isa == ISA_AVX512 && (d == 32 || d == 64 || d == 128) && group * (d / 16) <= 24;
+    (void)fast512;
+    const int64_t per_thread = group * PART + d; /* one attention task's scores and row buffer */
+    const int64_t np_max = (span + PART - 1) / PART, part_floats = group * (d + 2);
+    float *buf = malloc((size_t)(scratch_floats(m, M) + nt * per_thread + M * nkv * np_max * part_floats) * sizeof(float));
     if (!buf) return -1;
     float *x = buf, *h = x + M * H, *q = h + M * H, *k = q + M * qd, *v = k + M * kd, *att = v + M * kd;
-    float *g = att + M * qd, *u = g + M * big, *sc = u + M * big;
+    float *g = att + M * qd, *u = g + M * big, *sc = u + M * big, *parts = sc + nt * per_thread;
     memcpy(x, x_in, (size_t)(M * H) * sizeof(float));
     int rc = 0;
     double t0 = m->timers ? now() : 0.0;
@@ -628,13 +781,30 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             rc = -1;
             break;
         }
-#pragma omp parallel for collapse(2) num_threads(nt) schedule(static)
+#pragma omp parallel for collapse(3) num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t gg = 0; gg < nkv; gg++)
+                for (int64_t pp = 0; pp < np_max; pp++) {
+                    const int64_t p = pos + r, lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+                    const int64_t a0 = lo + pp * PART, a1 = a0 + PART - 1 < p ? a0 + PART - 1 : p;
+                    if (a0 > p) continue; /* this row has fewer parts */
+                    float *s = sc + (int64_t)omp_get_thread_num() * per_thread;
+                    float *o = parts + ((r * nkv + gg) * np_max + pp) * part_floats;
+#if MF_X86
+                    if (fast512) {
+                        attend_part512(m, li, gg, group, q + r * qd + gg * group * d, a0, a1, aged, s, o, o + group * d,
+                                       o + group * d + group, s + group * PART);
+                        continue;
+                    }
+#endif
+                    attend_part(m, li, gg, group, q + r * qd + gg * group * d, a0, a1, aged, s, o, o + group * d,
+                                o + group * d + group, s + group * PART);
+                }
         for (int64_t r = 0; r < M; r++)
             for (int64_t gg = 0; gg < nkv; gg++) {
                 const int64_t p = pos + r, lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-                float *s = sc + (int64_t)omp_get_thread_num() * per_thread;
-                attend(m, li, gg, group, q + r * qd + gg * group * d, lo, p, aged, s, att + r * qd + gg * group * d,
-                       s + group * span);
+                attend_merge(group, d, (p - lo) / PART + 1, parts + (r * nkv + gg) * np_max * part_floats,
+                             att + r * qd + gg * group * d);
             }
         lap(m, &t0, T_ATTENTION);
         if (linear(m, &L->o, att, M, h)) {

@@ -46,17 +46,27 @@ FP4_COST_RATIO = 0.25  # an FP4 draft's forward against a BF16 target's: a quart
 
 
 @torch.no_grad()
-def _decode_logits(model, window: torch.Tensor, fmt: str, prefill: int) -> tuple[torch.Tensor, float, int]:
+def _decode_logits(model, window: torch.Tensor, fmt: str, prefill: int,
+                   decode_step: str = "auto") -> tuple[torch.Tensor, float, int, str]:  # fmt: skip
     """`fmt`: a KV format, or ``FORMAT+RECENT`` (e.g. ``fp8+bf16``: the sinks and the last 32
-    tokens in RECENT, older ones in FORMAT), with ``@OPTION``s (`parse_kv_spec`)."""
+    tokens in RECENT, older ones in FORMAT), with ``@OPTION``s (`parse_kv_spec`); decoded by the
+    fused step where it keeps that cache (`decode_step` ``"auto"``), else eagerly."""
+    from minifloat.infer.generation.decoding import forward
+    from minifloat.infer.generation.fused import FusedCache, FusedDecoder, unsupported
+    from minifloat.infer.generation.kvspec import KVSpec
+
     name, kw = parse_kv_spec(fmt)
-    adapter = adapter_for(model)
-    cache = new_cache(adapter, name, **kw)
-    rows = [adapter.forward(window[:, :prefill], cache)[0, -1:]]
+    spec = KVSpec(format=name, **kw)
+    if decode_step != "eager" and unsupported(model, spec) is None:  # the step `generate` takes
+        cache = FusedDecoder(model).new_cache(spec, window.shape[1])
+    else:
+        cache = new_cache(adapter_for(model), spec=spec)
+    rows = [forward(model, window[:, :prefill], cache, last=1)[0]]
     t0 = time.perf_counter()
     for t in range(prefill, window.shape[1] - 1):
-        rows.append(adapter.forward(window[:, t : t + 1], cache)[0, -1:])
-    return torch.cat(rows).float(), time.perf_counter() - t0, cache.nbytes()
+        rows.append(forward(model, window[:, t : t + 1], cache, last=1)[0])
+    step = "fused" if isinstance(cache, FusedCache) else "eager"
+    return torch.cat(rows).float(), time.perf_counter() - t0, cache.nbytes(), step
 
 
 def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMATS, contexts: Sequence[int] = (128,),
@@ -76,15 +86,16 @@ def kv_quality(model, text: torch.Tensor, formats: Sequence[str] = DEFAULT_FORMA
         for fmt in formats:
             q, secs = Quality(), 0.0
             for w, r in zip(ws, ref, strict=True):
-                lg, s, nbytes = _decode_logits(model, w, fmt, prefill)
+                lg, s, nbytes, step = _decode_logits(model, w, fmt, prefill)
                 q.add(lg, reference=r)
                 secs += s
             n, quality = q.tokens, q.result()
             row = {"format": fmt, "context": ctx, "source": source, "tokens": int(n), "kl": quality["kl"], "top1": quality["top1"],
-                   "kv_bytes": nbytes, "tokens_per_s": (n - len(ws)) / secs if secs else float("inf")}  # fmt: skip
+                   "kv_bytes": nbytes, "tokens_per_s": (n - len(ws)) / secs if secs else float("inf"),
+                   "decode_step": step}  # fmt: skip
             rows.append(row)
             echo(f"  ctx {ctx:>4} {fmt:<22} KL {row['kl']:.2e}  top-1 {row['top1']:.4f}  KV {nbytes:,} B  "
-                 f"{row['tokens_per_s']:,.0f} tok/s")  # fmt: skip
+                 f"{row['tokens_per_s']:,.0f} tok/s ({step})")  # fmt: skip
     return rows
 
 
