@@ -4,6 +4,7 @@ whole file (names, Q / K order, metadata), llama.cpp itself where it is installe
 back by minifloat with the codes intact."""
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -350,3 +351,29 @@ def test_q8_0_inputs_round_as_ggufs_own_q8_0():
     want = gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
                                   gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
     np.testing.assert_array_equal(q8_0_inputs(x).numpy(), want)
+
+
+def test_bench_decode_beside_llama_cpp_checks_for_it_first(tiny, tmp_path, capsys, monkeypatch):
+    from minifloat.measure import llamacpp
+
+    monkeypatch.setenv("MINIFLOAT_LLAMACPP_PYTHON", str(tmp_path / "nowhere" / "python"))
+    monkeypatch.setattr(llamacpp, "VENV", tmp_path / "venv")
+    assert main(["bench", "decode", str(tiny), "--llamacpp", "--out", str(tmp_path / "b")]) == 2
+    assert "no llama-cpp-python found" in capsys.readouterr().err
+    assert main(["bench", "decode", str(tmp_path / "a-transformers-folder"), "--llamacpp"]) == 2
+    assert "from a .gguf model" in capsys.readouterr().err
+
+
+@pytest.mark.llamacpp
+def test_bench_decode_times_llama_cpp_beside_minifloat(tiny, tmp_path, capsys):
+    """The same prompts through minifloat's fused step and llama.cpp's own F32 and Q4_0 files, each row with its pair."""
+    pytest.importorskip("llama_cpp")
+    assert main(["bench", "decode", str(tiny), "--llamacpp", "--llamacpp-python", sys.executable, "--out", str(tmp_path / "b"),
+                 "--weights", "fp32,nvfp4-weight-only", "--decode-steps", "fused", "--drafts", "", "--kv-formats", "",
+                 "--gemv", "", "--windows", "2", "--new-tokens", "6", "--reps", "1", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)["weights"]
+    assert [r["file"] for r in out["llamacpp"]] == ["F32", "Q4_0"] and all(r["tokens_per_s"] > 0 for r in out["llamacpp"])
+    fp32, fp4 = out["runs"]
+    assert (fp32["llamacpp_file"], fp4["llamacpp_file"]) == ("F32", "Q4_0")
+    assert fp32["vs_llamacpp"] == fp32["tokens_per_s"] / out["llamacpp"][0]["tokens_per_s"]
+    assert fp4["decode_step"] == "fused" and fp4["vs_llamacpp"] > 0

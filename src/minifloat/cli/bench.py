@@ -245,8 +245,16 @@ def _decode(args: argparse.Namespace) -> int:
     for s in steps:
         if s not in DECODE_STEPS:
             raise MinifloatError(f"--decode-steps {s!r}: use some of {', '.join(DECODE_STEPS)}")
-    if args.llamacpp and (args.device or 'cpu') != 'cpu':
-        raise MinifloatError("--llamacpp compares CPU decoding: leave --device out (or cpu)")
+    llama = None  # (the Python of llama-cpp-python's venv, the folder for its files): found before any work
+    if args.llamacpp:
+        from minifloat.measure import llamacpp
+
+        if (args.device or "cpu") != "cpu":
+            raise MinifloatError("--llamacpp compares CPU decoding: leave --device out (or cpu)")
+        if not str(args.model).endswith(".gguf"):
+            raise MinifloatError(f"--llamacpp makes llama.cpp's files from a .gguf model; {args.model} is not one")
+        python = llamacpp.build_venv(progress=print) if args.build_venv else llamacpp.llamacpp_python(args.llamacpp_python)
+        llama = (python, args.out)
     gemvs = [_gemv_shape(s.strip()) for s in args.gemv.split(",") if s.strip()]
     import torch
 
@@ -277,12 +285,6 @@ def _decode(args: argparse.Namespace) -> int:
         new = min(args.new_tokens, context - 16)
         echo(f"greedy decoding per weight format, {len(prompts)} prompts × {new} tokens, "
              f"{'head quantized too' if args.quantize_head else 'head in float'}, FP32 KV cache:")  # fmt: skip
-        llama = None
-        if args.llamacpp:
-            from minifloat.measure import llamacpp
-
-            python = llamacpp.build_venv(progress=echo) if args.build_venv else llamacpp.llamacpp_python(args.llamacpp_python)
-            llama = (python, args.out)
         out["weights"] = decode.weight_speed(args.model, prompts, weights, new_tokens=new, quantize_head=args.quantize_head,
                                              device=device, decode_steps=steps, repeats=args.reps or 3, llamacpp=llama,
                                              threads=args.threads if args.llamacpp else None, echo=echo)  # fmt: skip

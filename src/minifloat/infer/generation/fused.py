@@ -1,7 +1,10 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
 Qwen2, Qwen3) run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
-the plans their layers already hold — and a KV cache it owns (float32 or bfloat16).
+the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
+owns: float32, bfloat16, or FP8 / NVFP4 / MXFP4 rows packed as `KVCache` packs them (each call's
+rows one chunk; with a bfloat16 window of sinks and recent tokens, each call's aged tokens one
+chunk), read in place by the attention.
 
 Why C and not the eager model: on SmolLM2-135M (30 layers) an eager step runs ~600 torch
 operations through transformers' Python, each paying the interpreter and the dispatcher; at
@@ -9,7 +12,9 @@ decode sizes that costs more than the products (`minifloat bench decode --profil
 
 Invariants: `FusedDecoder.forward` returns the eager model's logits up to float32 summation order
 (the same formulas in the same order: RMSNorm, rotary embedding from the model's own tables,
-softmax attention, SiLU-gated MLP); the decoder holds the model's tensors, not copies, so it is
+softmax attention, SiLU-gated MLP; over a packed cache, up to the codes a last-bit difference in
+K or V moves), and each row's as it would be alone (rows verified together equal single steps,
+bit for bit, but where a packed window ages them as one chunk); the decoder holds the model's tensors, not copies, so it is
 built for one generation (`generate` builds one per call) and reads the weights as they are then.
 `unsupported` names, for any other model or cache, why the eager path runs instead.
 
@@ -39,8 +44,8 @@ from minifloat.infer.generation.hf_cache import sliding_windows
 from minifloat.infer.generation.kvspec import KVSpec
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.rotation import HadamardRotation
-from minifloat.quant.hadamard import hadamard_signs
 from minifloat.kernels import cpu, gemv
+from minifloat.quant.hadamard import hadamard_signs
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model types whose decoder layer mf_decode computes
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
