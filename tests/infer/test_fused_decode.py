@@ -136,7 +136,7 @@ def test_nan_stays_nan():
 def test_what_it_does_not_run_is_said_and_runs_eagerly(monkeypatch):
     gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB))
     ids = torch.randint(0, VOCAB, (1, 4))
-    with pytest.raises(MinifloatError, match="cannot run this model: model type None"):
+    with pytest.raises(MinifloatError, match="cannot run this model: a GPT, not a transformers model"):
         generate(gpt, ids, 2, decode_step="fused")
     assert generate(gpt, ids, 2).decode_step == "eager"
     model = tiny("llama")

@@ -148,7 +148,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
-        return f"model type {kind!r} (the fused step runs {', '.join(FAMILIES)})"
+        what = f"model type {kind!r}" if kind is not None else f"a {type(model).__name__}, not a transformers model"
+        return f"{what} (the fused step runs transformers' {', '.join(FAMILIES)})"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
