@@ -44,7 +44,7 @@ static int omp_get_thread_num(void) { return 0; }
 #define MF_X86 0
 #endif
 
-enum { LIN_NONE = 0, LIN_DENSE = 1, LIN_PACKED = 2 };
+enum { LIN_DENSE = 1, LIN_PACKED = 2 }; /* mf_lin_t.kind */
 #define MAX_HEAD_DIM 512 /* fused.MAX_HEAD_DIM: the rotary embedding's and a KV row's scratch */
 
 /* Must match Linear in minifloat/infer/generation/fused.py field for field (as the structs below). */

@@ -35,10 +35,8 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.infer import generate, load_model, quantize_model
 from minifloat.infer.evaluation.metrics import Quality
-from minifloat.infer.generation.cache import new_cache
 from minifloat.infer.generation.decoding import DRAFTS, device_of, draft_model
 from minifloat.infer.generation.kvcache import parse_kv_spec
-from minifloat.models.adapter import adapter_for
 
 WEIGHT_CONFIGS = ("fp32", "fp8-weight-only", "mxfp4-weight-only", "nvfp4-weight-only")
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
@@ -51,16 +49,12 @@ def _decode_logits(model, window: torch.Tensor, fmt: str, prefill: int,
     """`fmt`: a KV format, or ``FORMAT+RECENT`` (e.g. ``fp8+bf16``: the sinks and the last 32
     tokens in RECENT, older ones in FORMAT), with ``@OPTION``s (`parse_kv_spec`); decoded by the
     fused step where it keeps that cache (`decode_step` ``"auto"``), else eagerly."""
-    from minifloat.infer.generation.decoding import forward
-    from minifloat.infer.generation.fused import FusedCache, FusedDecoder, unsupported
+    from minifloat.infer.generation.decoding import decode_cache, forward
+    from minifloat.infer.generation.fused import FusedCache
     from minifloat.infer.generation.kvspec import KVSpec
 
     name, kw = parse_kv_spec(fmt)
-    spec = KVSpec(format=name, **kw)
-    if decode_step != "eager" and unsupported(model, spec) is None:  # the step `generate` takes
-        cache = FusedDecoder(model).new_cache(spec, window.shape[1])
-    else:
-        cache = new_cache(adapter_for(model), spec=spec)
+    cache = decode_cache(model, KVSpec(format=name, **kw), window.shape[1], decode_step=decode_step)
     rows = [forward(model, window[:, :prefill], cache, last=1)[0]]
     t0 = time.perf_counter()
     for t in range(prefill, window.shape[1] - 1):
@@ -240,8 +234,9 @@ def profile_decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int = 32
     packed Linear's kernel call and each cache update labelled for it (the profiler's own cost
     lands in python_dispatch: `unprofiled_ms` is the same loop without it). Fused: mf_decode's own
     timers (`FusedCache.start_profile`); the time outside the C call is python_dispatch."""
-    from minifloat.infer.generation.decoding import forward
+    from minifloat.infer.generation.decoding import decode_cache, forward
     from minifloat.infer.generation.fused import FusedCache
+    from minifloat.infer.generation.kvspec import KVSpec
     from minifloat.infer.modules.linear import QuantizedLinear
 
     def run_steps(cache, first: int) -> float:
@@ -252,10 +247,9 @@ def profile_decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int = 32
         return time.perf_counter() - t0
 
     def fresh():
-        g = generate(model, prompt, 1, kv_cache=kv_cache, decode_step=decode_step)  # the step `generate` would take
-        cache = _cache_like(model, g, kv_cache, prompt.shape[1] + 2 * steps + 2)
+        cache = decode_cache(model, KVSpec(format=kv_cache), prompt.shape[1] + steps + 1, decode_step=decode_step)
         logits = forward(model, prompt, cache, last=1)[0, -1]
-        return cache, int(logits.argmax()), g.decode_step
+        return cache, int(logits.argmax()), "fused" if isinstance(cache, FusedCache) else "eager"
 
     cache, first, taken = fresh()
     unprofiled = run_steps(cache, first)
@@ -290,15 +284,6 @@ def profile_decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int = 32
     return {"decode_step": taken, "steps": steps, "ms_per_token": 1e3 * wall / steps,
             "unprofiled_ms_per_token": 1e3 * unprofiled / steps, "ms": per,
             "share": {k: v / (1e3 * wall / steps) for k, v in per.items()}}  # fmt: skip
-
-
-def _cache_like(model, g, kv_cache: str, capacity: int):
-    """An empty cache of the kind generation `g` used."""
-    from minifloat.infer.generation.fused import FusedDecoder
-
-    if g.decode_step == "fused":
-        return FusedDecoder(model).new_cache(kv_cache, capacity)
-    return new_cache(adapter_for(model), kv_cache)
 
 
 LLAMACPP_PAIRS = {"fp32": "F32", "fp8-weight-only": "Q8_0", "mxfp4-weight-only": "Q4_0", "nvfp4-weight-only": "Q4_0"}

@@ -125,6 +125,22 @@ def calibrate_kv(model, batches) -> dict[int, tuple[float, float]]:
     return {i: (a[0], a[1]) for i, a in amax.items()}
 
 
+def decode_cache(model, spec: KVSpec, capacity: int, *, decode_step: str = "auto", scales=None,
+                 slack: int = 0) -> KVCache | FusedCache:  # fmt: skip
+    """The cache `generate` decodes `model` with: the fused step's (`FusedCache`, `capacity`
+    positions) where it runs the model and `spec` and `decode_step` allows it, else the eager
+    model's (`new_cache`, with `scales` and `slack`); ``decode_step="fused"`` where it cannot run:
+    an error saying why."""
+    if decode_step not in DECODE_STEPS:
+        raise MinifloatError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {decode_step!r}")
+    why = "asked" if decode_step == "eager" else unsupported(model, spec, scales)
+    if why is None:
+        return FusedDecoder(model).new_cache(spec, capacity)
+    if decode_step == "fused":
+        raise MinifloatError(f"decode_step='fused' cannot run this model: {why}; use decode_step='auto' or 'eager'")
+    return new_cache(adapter_for(model), spec=spec, scales=scales, slack=slack)
+
+
 def device_of(model: torch.nn.Module) -> torch.device:
     """Where `model` holds its weights (its first parameter or buffer; the CPU for neither)."""
     return next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
@@ -215,37 +231,24 @@ def generate(
     given = dict(budget_bytes=kv_budget_bytes, pressure_format=kv_pressure_format, sink_tokens=kv_sink_tokens,
                  recent_tokens=kv_recent_tokens, recent_format=kv_recent_format, drop=kv_drop or None)  # fmt: skip
     spec = KVSpec(format=kv_name, **{k: v for k, v in given.items() if v is not None}, **kv_options)
-    if decode_step not in DECODE_STEPS:
-        raise MinifloatError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {decode_step!r}")
-    steps: dict[int, FusedDecoder | None] = {}  # per model driven: its fused step, or None (eager)
     capacity = input_ids.shape[1] + max_new_tokens + (draft_tokens + 1 if draft is not None else 0)
 
-    def step_of(m) -> FusedDecoder | None:
-        if id(m) not in steps:
-            why = unsupported(m, spec, kv_scales if m is model else None) if decode_step != "eager" else "asked"
-            if why is not None and decode_step == "fused":
-                raise MinifloatError(f"decode_step='fused' cannot run this model: {why}; use decode_step='auto' or 'eager'")
-            steps[id(m)] = FusedDecoder(m) if why is None else None
-        return steps[id(m)]
-
     def make_cache(m) -> KVCache | FusedCache:
-        if (fused := step_of(m)) is not None:
-            return fused.new_cache(spec, capacity)
-        return new_cache(adapter_for(m), spec=spec, scales=kv_scales if m is model else None,
-                         slack=(draft_tokens + 1) if draft is not None else 0)  # a rejected draft's tokens roll back
+        return decode_cache(m, spec, capacity, decode_step=decode_step, scales=kv_scales if m is model else None,
+                            slack=(draft_tokens + 1) if draft is not None else 0)  # a rejected draft's tokens roll back
 
-    make_cache(model)  # bad budget arguments: a clear error before any work
+    cache = make_cache(model)  # bad budget arguments, a step that cannot run: a clear error before any work
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     was = model.training
     model.eval()
     t0 = time.perf_counter()
     try:
         if draft is None:
-            seq, cache, forwards, stats = _plain(model, input_ids, max_new_tokens, make_cache, temperature, top_k, top_p, gen,
+            seq, cache, forwards, stats = _plain(model, input_ids, max_new_tokens, cache, temperature, top_k, top_p, gen,
                                                  stream, set(stop_tokens))  # fmt: skip
         else:
             d = draft_model(model, draft)
-            seq, cache, forwards, stats = _speculative(model, d, input_ids, max_new_tokens, make_cache, temperature, top_k,
+            seq, cache, forwards, stats = _speculative(model, d, input_ids, max_new_tokens, cache, make_cache, temperature, top_k,
                                                        top_p, gen, stream, draft_tokens)  # fmt: skip
             seq = _cut_at_stop(seq, input_ids.shape[1], set(stop_tokens))
     finally:
@@ -268,9 +271,8 @@ def _cut_at_stop(seq: torch.Tensor, prompt: int, stop: set[int]) -> torch.Tensor
     return seq if at is None else seq[:, : prompt + at + 1]
 
 
-def _plain(model, ids, n, make_cache, temperature, top_k, top_p, gen, stream, stop=frozenset()):
+def _plain(model, ids, n, cache, temperature, top_k, top_p, gen, stream, stop=frozenset()):
     t0 = time.perf_counter()
-    cache = make_cache(model)
     logits = forward(model, ids, cache, last=1)[0, -1]
     seq = ids
     forwards = 1
@@ -290,8 +292,7 @@ def _plain(model, ids, n, make_cache, temperature, top_k, top_p, gen, stream, st
     return seq, cache, forwards, {"prefill_seconds": prefill}
 
 
-def _speculative(model, draft, ids, n, make_cache, temperature, top_k, top_p, gen, stream, k):
-    target_cache = make_cache(model)
+def _speculative(model, draft, ids, n, target_cache, make_cache, temperature, top_k, top_p, gen, stream, k):
     draft_cache = make_cache(draft)
     seq = ids
     prompt = ids.shape[1]

@@ -53,7 +53,7 @@ PACKED_BLOCK = {"fp8": 1, "nvfp4": 16, "mxfp4": 32}  # head_dim must be a multip
 MAX_HEAD_DIM = 512  # the rotary embedding's scratch in _decode.c
 PROFILE_KINDS = ("gemv", "attention", "norms_rope_activations")  # T_* of _decode.c: the products; attention and the cache; the rest
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
-_NONE, _DENSE, _PACKED = 0, 1, 2
+_DENSE, _PACKED = 1, 2  # LIN_* of _decode.c
 
 
 class Linear(ctypes.Structure):
