@@ -134,11 +134,14 @@ def test_nan_stays_nan():
 
 
 def test_what_it_does_not_run_is_said_and_runs_eagerly(monkeypatch):
-    gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
     ids = torch.randint(0, VOCAB, (1, 4))
-    with pytest.raises(MinifloatError, match="cannot run this model: a GPT, not a transformers model"):
-        generate(gpt, ids, 2, decode_step="fused")
-    assert generate(gpt, ids, 2).decode_step == "eager"
+    with pytest.raises(MinifloatError, match="cannot run this model: model type 'gpt2'"):
+        generate(gpt2, ids, 2, decode_step="fused")
+    assert generate(gpt2, ids, 2).decode_step == "eager"
+    gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB))
+    with pytest.raises(MinifloatError, match="with these options runs eagerly"):  # StreamingLLM's dropping
+        generate(gpt, ids, 2, kv_cache="fp8", kv_budget_bytes=10**6, kv_drop=True, decode_step="fused")
     model = tiny("llama")
     with pytest.raises(MinifloatError, match="'nvfp4' with these options runs eagerly"):
         generate(model, ids, 2, kv_cache="nvfp4+bf16@channel", decode_step="fused")
@@ -328,3 +331,28 @@ def test_long_rows_split_into_parts_still_equal_transformers(kv):
         again = dec.new_cache(spec, 1100)
         dec.forward(ids[:, :1090], again)
         assert torch.equal(dec.forward(ids[:, 1090:], again, last=10), got[-10:])
+
+
+@pytest.mark.parametrize("config", [None, "nvfp4-weight-only"])
+def test_the_built_in_gpt_runs_fused(config):
+    """LayerNorms, one qkv product, GELU, learned positions: its own forward's logits, eager's tokens."""
+    torch.manual_seed(10)
+    gpt = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, vocab_size=VOCAB)).eval()
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    if config:
+        quantize_model(gpt, config, quantize_head=True)
+    assert unsupported(gpt) is None
+    ids = torch.randint(0, VOCAB, (1, 30))
+    dec = FusedDecoder(gpt)
+    cache = dec.new_cache("fp32", 30)
+    got = torch.cat([dec.forward(ids[:, :25], cache, last=25)] + [dec.forward(ids[:, t : t + 1], cache) for t in range(25, 30)])
+    with torch.no_grad():
+        ref = gpt(ids)[0]
+    assert (got - ref).abs().max() <= bound(ref)
+    for kv in ("bf16", "nvfp4+bf16"):
+        fused = generate(gpt, ids[:, :5], 40, kv_cache=kv)
+        assert fused.decode_step == "fused"
+        assert torch.equal(fused.tokens, generate(gpt, ids[:, :5], 40, kv_cache=kv, decode_step="eager").tokens)

@@ -44,7 +44,8 @@ static int omp_get_thread_num(void) { return 0; }
 #define MF_X86 0
 #endif
 
-enum { LIN_DENSE = 1, LIN_PACKED = 2 }; /* mf_lin_t.kind */
+enum { LIN_ABSENT = 0, LIN_DENSE = 1, LIN_PACKED = 2 }; /* mf_lin_t.kind; absent: the GPT's k and v (in q: its fused qkv) and gate */
+enum { NORM_RMS = 0, NORM_LAYER = 1 };
 #define MAX_HEAD_DIM 512 /* fused.MAX_HEAD_DIM: the rotary embedding's and a KV row's scratch */
 
 /* Must match Linear in minifloat/infer/generation/fused.py field for field (as the structs below). */
@@ -59,7 +60,8 @@ typedef struct {
 
 typedef struct {
     mf_lin_t q, k, v, o, gate, up, down;
-    const float *attn_norm, *mlp_norm; /* RMSNorm weights, hidden each */
+    const float *attn_norm, *mlp_norm; /* the norms' weights, hidden each */
+    const float *attn_norm_b, *mlp_norm_b; /* LayerNorm's biases (NULL: none) */
     const float *q_norm, *k_norm;      /* QK-norm weights (head_dim), or NULL */
     int64_t window;                    /* sliding window in tokens; 0: every position */
 } mf_layer_t;
@@ -86,10 +88,10 @@ typedef struct {
 typedef struct {
     int64_t n_layer, hidden, n_head, n_kv, head_dim, inter, vocab, capacity;
     float eps, scale; /* RMSNorm's epsilon; the attention scores' scale */
-    int32_t nthreads, isa, serial_below, pad;
-    const float *cos, *sin; /* capacity × head_dim: the rotary tables (rotate-half form) */
+    int32_t nthreads, isa, serial_below, norm; /* norm: NORM_RMS (Llama's) or NORM_LAYER (the built-in GPT's) */
+    const float *cos, *sin; /* capacity × head_dim: the rotary tables (rotate-half form); NULL: no rotary embedding */
     const mf_layer_t *layers;
-    const float *final_norm;
+    const float *final_norm, *final_norm_b;
     mf_lin_t head;
     mf_kv_t kv;
     double *timers; /* NULL, or seconds added up per kind of work (T_*): a profile */
@@ -318,6 +320,24 @@ static void rms_norm(const float *x, const float *w, float eps, int64_t n, float
     for (; i < n; i++) ss += x[i] * x[i];
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* out = (x − mean) / sqrt(var + eps) · w + b over n values (torch's LayerNorm, biased variance) */
+static void layer_norm(const float *x, const float *w, const float *b, float eps, int64_t n, float *out) {
+    float sum = 0.0f, sq = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i];
+    const float mean = sum / (float)n;
+    for (int64_t i = 0; i < n; i++) sq += (x[i] - mean) * (x[i] - mean);
+    const float r = 1.0f / sqrtf(sq / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mean) * r * w[i] + (b ? b[i] : 0.0f);
+}
+
+/* the model's norm of each of M rows of x (hidden values) */
+static void norm_rows(const mf_model_t *m, const float *x, const float *w, const float *b, int64_t M, float *out) {
+    for (int64_t r = 0; r < M; r++) {
+        if (m->norm == NORM_LAYER) layer_norm(x + r * m->hidden, w, b, m->eps, m->hidden, out + r * m->hidden);
+        else rms_norm(x + r * m->hidden, w, m->eps, m->hidden, out + r * m->hidden);
+    }
 }
 
 /* x (head_dim) rotated in place at the tables' row: x·cos + rotate_half(x)·sin */
@@ -716,11 +736,17 @@ static void attend_merge(int64_t group, int64_t d, int64_t np, const float *part
     }
 }
 
+/* Floats of a row of the MLP's hidden layer, the model's width, or a fused qkv product, the widest. */
+static int64_t wide_floats(const mf_model_t *m) {
+    const int64_t qkv = (m->n_head + 2 * m->n_kv) * m->head_dim;
+    const int64_t w = m->inter > m->hidden ? m->inter : m->hidden;
+    return w > qkv ? w : qkv;
+}
+
 /* Scratch floats a call of M rows needs, beside the attention's (per thread). */
 static int64_t scratch_floats(const mf_model_t *m, int64_t M) {
     const int64_t qd = m->n_head * m->head_dim, kd = m->n_kv * m->head_dim;
-    const int64_t big = m->inter > m->hidden ? m->inter : m->hidden;
-    return M * (2 * m->hidden + qd + 2 * kd + qd + 2 * big);
+    return M * (2 * m->hidden + qd + 2 * kd + qd + 2 * wide_floats(m));
 }
 
 /* Rows pos … pos + M − 1 through the model (a prompt at once, or a few tokens); `x_in`: their
@@ -729,7 +755,7 @@ static int64_t scratch_floats(const mf_model_t *m, int64_t M) {
 int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, int64_t logit_rows, float *logits) {
     if (M < 1 || pos < 0 || pos + M > m->capacity || logit_rows < 0 || logit_rows > M) return -2;
     const int64_t H = m->hidden, d = m->head_dim, nh = m->n_head, nkv = m->n_kv;
-    const int64_t qd = nh * d, kd = nkv * d, big = m->inter > H ? m->inter : H, group = nh / nkv;
+    const int64_t qd = nh * d, kd = nkv * d, big = wide_floats(m), group = nh / nkv;
     const int64_t span = pos + M; /* the last row's positions */
     const mf_kv_t *kv = &m->kv;
     const int packed = kv->kind != KV_F32 && kv->kind != KV_BF16;
@@ -755,25 +781,35 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
     double t0 = m->timers ? now() : 0.0;
     for (int64_t li = 0; li < m->n_layer && rc == 0; li++) {
         const mf_layer_t *L = m->layers + li;
-        for (int64_t r = 0; r < M; r++) rms_norm(x + r * H, L->attn_norm, m->eps, H, h + r * H);
+        norm_rows(m, x, L->attn_norm, L->attn_norm_b, M, h);
         lap(m, &t0, T_OTHER);
-        if (linear(m, &L->q, h, M, q) || linear(m, &L->k, h, M, k) || linear(m, &L->v, h, M, v)) {
+        if (L->k.kind == LIN_ABSENT) { /* one qkv product (the GPT's): its columns split into q, k and v */
+            if (linear(m, &L->q, h, M, g)) {
+                rc = -1;
+                break;
+            }
+            for (int64_t r = 0; r < M; r++) {
+                memcpy(q + r * qd, g + r * (qd + 2 * kd), (size_t)qd * sizeof(float));
+                memcpy(k + r * kd, g + r * (qd + 2 * kd) + qd, (size_t)kd * sizeof(float));
+                memcpy(v + r * kd, g + r * (qd + 2 * kd) + qd + kd, (size_t)kd * sizeof(float));
+            }
+        } else if (linear(m, &L->q, h, M, q) || linear(m, &L->k, h, M, k) || linear(m, &L->v, h, M, v)) {
             rc = -1;
             break;
         }
         lap(m, &t0, T_GEMV);
         for (int64_t r = 0; r < M; r++) {
             const int64_t p = pos + r;
-            const float *cs = m->cos + p * d, *sn = m->sin + p * d;
+            const float *cs = m->cos ? m->cos + p * d : NULL, *sn = m->sin ? m->sin + p * d : NULL;
             for (int64_t hh = 0; hh < nh; hh++) {
                 float *qh = q + r * qd + hh * d;
                 if (L->q_norm) rms_norm(qh, L->q_norm, m->eps, d, qh);
-                rope(qh, cs, sn, d);
+                if (m->cos) rope(qh, cs, sn, d);
             }
             for (int64_t hh = 0; hh < nkv; hh++) {
                 float *kh = k + r * kd + hh * d;
                 if (L->k_norm) rms_norm(kh, L->k_norm, m->eps, d, kh);
-                rope(kh, cs, sn, d);
+                if (m->cos) rope(kh, cs, sn, d);
             }
         }
         lap(m, &t0, T_OTHER);
@@ -813,15 +849,19 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         }
         lap(m, &t0, T_GEMV);
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
-        for (int64_t r = 0; r < M; r++) rms_norm(x + r * H, L->mlp_norm, m->eps, H, h + r * H);
+        norm_rows(m, x, L->mlp_norm, L->mlp_norm_b, M, h);
         lap(m, &t0, T_OTHER);
-        if (linear(m, &L->gate, h, M, g) || linear(m, &L->up, h, M, u)) {
+        const int gated = L->gate.kind != LIN_ABSENT;
+        if ((gated && linear(m, &L->gate, h, M, g)) || linear(m, &L->up, h, M, u)) {
             rc = -1;
             break;
         }
         lap(m, &t0, T_GEMV);
         const int64_t I = m->inter;
-        for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
+        if (gated)
+            for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
+        else
+            for (int64_t i = 0; i < M * I; i++) g[i] = 0.5f * u[i] * (1.0f + erff(u[i] * 0.70710678118654752f)); /* gelu(fc) */
         lap(m, &t0, T_OTHER);
         if (linear(m, &L->down, g, M, h)) {
             rc = -1;
@@ -833,7 +873,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
     if (rc == 0 && packed) *kv->aged = aged;
     if (rc == 0 && logit_rows > 0) {
         const float *last = x + (M - logit_rows) * H;
-        for (int64_t r = 0; r < logit_rows; r++) rms_norm(last + r * H, m->final_norm, m->eps, H, h + r * H);
+        norm_rows(m, last, m->final_norm, m->final_norm_b, logit_rows, h);
         lap(m, &t0, T_OTHER);
         rc = linear(m, &m->head, h, logit_rows, logits);
         lap(m, &t0, T_GEMV);

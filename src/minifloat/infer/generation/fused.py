@@ -45,6 +45,7 @@ from minifloat.infer.generation.kvspec import KVSpec
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.rotation import HadamardRotation
 from minifloat.kernels import cpu, gemv
+from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model types whose decoder layer mf_decode computes
@@ -53,7 +54,8 @@ PACKED_BLOCK = {"fp8": 1, "nvfp4": 16, "mxfp4": 32}  # head_dim must be a multip
 MAX_HEAD_DIM = 512  # the rotary embedding's scratch in _decode.c
 PROFILE_KINDS = ("gemv", "attention", "norms_rope_activations")  # T_* of _decode.c: the products; attention and the cache; the rest
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
-_DENSE, _PACKED = 1, 2  # LIN_* of _decode.c
+_ABSENT, _DENSE, _PACKED = 0, 1, 2  # LIN_* of _decode.c
+_NORM_RMS, _NORM_LAYER = 0, 1  # NORM_* of _decode.c
 
 
 class Linear(ctypes.Structure):
@@ -69,7 +71,8 @@ _LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 class Layer(ctypes.Structure):
     """``mf_layer_t`` of _decode.c, field for field."""
 
-    _fields_ = [*((n, Linear) for n in _LINEARS), *((n, _P) for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm")),
+    _fields_ = [*((n, Linear) for n in _LINEARS),
+                *((n, _P) for n in ("attn_norm", "mlp_norm", "attn_norm_b", "mlp_norm_b", "q_norm", "k_norm")),
                 ("window", _L)]  # fmt: skip
 
 
@@ -88,8 +91,9 @@ class Model(ctypes.Structure):
 
     _fields_ = [
         *((n, _L) for n in ("n_layer", "hidden", "n_head", "n_kv", "head_dim", "inter", "vocab", "capacity")),
-        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "pad")),
-        ("cos", _P), ("sin", _P), ("layers", _P), ("final_norm", _P), ("head", Linear), ("kv", KV), ("timers", _P),
+        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm")),
+        ("cos", _P), ("sin", _P), ("layers", _P), ("final_norm", _P), ("final_norm_b", _P), ("head", Linear), ("kv", KV),
+        ("timers", _P),
     ]  # fmt: skip
 
 
@@ -145,6 +149,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return "the compiled kernels are not built"
     if kv is not None and (why := _kv_problem(kv, kv_scales)) is not None:
         return why
+    if isinstance(model, GPT):
+        return _gpt_problem(model, kv)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
@@ -197,6 +203,28 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     return None
 
 
+def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
+    """Why the fused step cannot run the built-in GPT `gpt` (None: it can): LayerNorms, a fused
+    qkv, GELU, learned positions, every Linear float32 or weight-only packed."""
+    c = gpt.config
+    d = c.n_embd // c.n_head
+    if d > MAX_HEAD_DIM or kv is not None and kv.format in PACKED_BLOCK and d % PACKED_BLOCK[kv.format]:
+        return f"head_dim {d}" + (f" is not whole {kv.format} blocks of {PACKED_BLOCK[kv.format]}" if kv is not None else "")
+    norms = [gpt.ln_f] + [n for b in gpt.blocks for n in (b.ln1, b.ln2)]
+    if any(type(n) is not torch.nn.LayerNorm or n.weight is None or n.bias is None or not _is_float32_cpu(n.weight)
+           or float(n.eps) != float(gpt.ln_f.eps) for n in norms):  # fmt: skip
+        return "a norm is not a float32 LayerNorm with weight, bias and the model's epsilon"
+    for i, b in enumerate(gpt.blocks):
+        for name, lin in (("attn.qkv", b.attn.qkv), ("attn.proj", b.attn.proj), ("mlp.fc", b.mlp.fc), ("mlp.proj", b.mlp.proj)):
+            if (why := _linear_problem(f"blocks.{i}.{name}", lin)) is not None:
+                return why
+    if (why := _linear_problem("lm_head", gpt.lm_head)) is not None:
+        return why
+    if any(m._forward_hooks or m._forward_pre_hooks for m in gpt.modules()):
+        return "a module has forward hooks (the fused step would not run them)"
+    return None
+
+
 def _kv_problem(kv: KVSpec, kv_scales) -> str | None:
     """Why the fused step cannot keep a cache of `kv` (None: it can): a format of `KV_KINDS`,
     with a bfloat16 recent window or none, and no other option."""
@@ -227,9 +255,12 @@ class FusedDecoder:
             raise MinifloatError(f"the fused decode step cannot run this model: {why}")
         self.model = model
         self.lib = _library()
+        self.keep: list[torch.Tensor] = []  # tensors whose addresses the structs hold
+        if isinstance(model, GPT):
+            self._gpt(model)
+            return
         text = _text_config(model)
         inner = model.model
-        self.keep: list[torch.Tensor] = []  # tensors whose addresses the structs hold
         layers = (Layer * len(inner.layers))()
         windows = sliding_windows(model.config)
         for i, layer in enumerate(inner.layers):
@@ -255,6 +286,48 @@ class FusedDecoder:
             isa=gemv.ISAS.index(gemv.best_isa()), layers=ctypes.cast(layers, _P), final_norm=self._hold(inner.norm.weight),
             head=self._linear(model.lm_head),
         )  # fmt: skip
+
+    def _gpt(self, gpt: GPT) -> None:
+        """The built-in GPT: LayerNorms with biases, one qkv product (in `q`; k and v absent), a
+        GELU MLP (up = fc, no gate), positions added to the embedding (`embed`), no rotary tables."""
+        c = gpt.config
+        layers = (Layer * c.n_layer)()
+        for i, b in enumerate(gpt.blocks):
+            layers[i].q, layers[i].o = self._linear(b.attn.qkv), self._linear(b.attn.proj)
+            layers[i].up, layers[i].down = self._linear(b.mlp.fc), self._linear(b.mlp.proj)
+            for name in ("k", "v", "gate"):
+                setattr(layers[i], name, Linear(kind=_ABSENT))
+            layers[i].attn_norm, layers[i].attn_norm_b = self._hold(b.ln1.weight), self._hold(b.ln1.bias)
+            layers[i].mlp_norm, layers[i].mlp_norm_b = self._hold(b.ln2.weight), self._hold(b.ln2.bias)
+        self.layers, self.n_layer, self.n_kv = layers, c.n_layer, c.n_head
+        self.head_dim, self.vocab = c.n_embd // c.n_head, int(gpt.lm_head.out_features)
+        self.template = Model(
+            n_layer=c.n_layer, hidden=c.n_embd, n_head=c.n_head, n_kv=c.n_head, head_dim=self.head_dim,
+            inter=int(gpt.blocks[0].mlp.fc.out_features), vocab=self.vocab, eps=float(gpt.ln_f.eps),
+            scale=self.head_dim**-0.5, serial_below=cpu.SERIAL_BELOW, isa=gemv.ISAS.index(gemv.best_isa()),
+            norm=_NORM_LAYER, layers=ctypes.cast(layers, _P), final_norm=self._hold(gpt.ln_f.weight),
+            final_norm_b=self._hold(gpt.ln_f.bias), head=self._linear(gpt.lm_head),
+        )  # fmt: skip
+
+    def embed(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        """The input rows (T, hidden) float32 of `ids` (1, T) at positions pos …: the token
+        embedding, plus the learned position's for the built-in GPT (as its forward adds them)."""
+        T = ids.shape[-1]
+        if isinstance(self.model, GPT):
+            x = self.model.wte(ids.reshape(1, T)) + self.model.wpe(torch.arange(pos, pos + T, device=ids.device))
+        else:
+            x = self.model.get_input_embeddings()(ids.reshape(1, T))
+        return x[0].float().contiguous()
+
+    def rope_tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary embedding's (cos, sin) (capacity, head_dim), from the model's own module; None for the GPT."""
+        if isinstance(self.model, GPT):
+            return None
+        cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(capacity)[None])
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        if cos.shape != (capacity, self.head_dim):
+            raise MinifloatError(f"the rotary embedding gives tables of {tuple(cos.shape)}; the fused step needs (positions, head_dim)")
+        return cos, sin
 
     def _hold(self, t: torch.Tensor) -> int:
         t = t.detach()
@@ -298,7 +371,7 @@ class FusedDecoder:
             raise MinifloatError(f"last must be in 1 … {T}, got {last}")
         if cache.length() + T > cache.capacity:
             raise MinifloatError(f"the cache holds {cache.capacity} positions; {cache.length()} + {T} do not fit")
-        x = self.model.get_input_embeddings()(ids.reshape(1, T))[0].float().contiguous()
+        x = self.embed(ids, cache.length())
         out = torch.empty(last, self.vocab, dtype=torch.float32)
         # all T rows in one call: a packed cache stores them as one chunk, as KVCache stores one update
         rc = self.lib.mf_decode(ctypes.byref(cache.struct), x.data_ptr(), cache.length(), T, last, out.data_ptr())
@@ -351,14 +424,11 @@ class FusedCache:
             kv.aged = self.aged.data_ptr()
             self.tables = [value_table(get_format(f), torch.float32).contiguous() for f in ("e4m3", "e8m0", "e2m1")]
             kv.e4m3, kv.e8m0, kv.e2m1 = (t.data_ptr() for t in self.tables)
-        rot = decoder.model.model.rotary_emb
-        cos, sin = rot(torch.empty(0, dtype=torch.float32), torch.arange(self.capacity)[None])
-        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        if self.cos.shape != (self.capacity, d):
-            raise MinifloatError(f"the rotary embedding gives tables of {tuple(self.cos.shape)}; the fused step needs (positions, head_dim)")
+        self.tables_rope = decoder.rope_tables(self.capacity)  # None: no rotary embedding (the GPT)
         self.struct.capacity = self.capacity
         self.struct.nthreads = torch.get_num_threads()
-        self.struct.cos, self.struct.sin = self.cos.data_ptr(), self.sin.data_ptr()
+        if self.tables_rope is not None:
+            self.struct.cos, self.struct.sin = (t.data_ptr() for t in self.tables_rope)
         self.decoder = decoder  # the tensors the struct points at live as long as the cache
         self.n_layer = L
         self.events: list[dict] = []
