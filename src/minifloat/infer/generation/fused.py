@@ -1,5 +1,5 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
-Qwen2, Qwen3) run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
+Qwen2, Qwen3) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
 owns: float32, bfloat16, or FP8 / NVFP4 / MXFP4 rows packed as `KVCache` packs them (each call's
