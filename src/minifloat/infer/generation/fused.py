@@ -208,8 +208,10 @@ def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
     qkv, GELU, learned positions, every Linear float32 or weight-only packed."""
     c = gpt.config
     d = c.n_embd // c.n_head
-    if d > MAX_HEAD_DIM or kv is not None and kv.format in PACKED_BLOCK and d % PACKED_BLOCK[kv.format]:
-        return f"head_dim {d}" + (f" is not whole {kv.format} blocks of {PACKED_BLOCK[kv.format]}" if kv is not None else "")
+    if d > MAX_HEAD_DIM:
+        return f"head_dim {d} (the fused step takes ≤ {MAX_HEAD_DIM})"
+    if kv is not None and kv.format in PACKED_BLOCK and d % PACKED_BLOCK[kv.format]:
+        return f"head_dim {d} is not whole {kv.format} blocks of {PACKED_BLOCK[kv.format]}"
     norms = [gpt.ln_f] + [n for b in gpt.blocks for n in (b.ln1, b.ln2)]
     if any(type(n) is not torch.nn.LayerNorm or n.weight is None or n.bias is None or not _is_float32_cpu(n.weight)
            or float(n.eps) != float(gpt.ln_f.eps) for n in norms):  # fmt: skip
