@@ -466,23 +466,16 @@ static void kv_quantize(const mf_model_t *m, int64_t li, int which, const float 
     }
 }
 
-#if MF_X86
-/* An FP4 row (d values, d / 32 times 16 bytes: low nibbles the even columns) decoded into buf in
- * column order: per 16 bytes, the two nibbles' values by 16-entry vpermps lookups, interleaved
- * by two-source permutes into columns 0–15 and 16–31, each times its block's scale (s16[c]: the
- * scale of columns 16c … 16c + 15). The same products as the scalar loop. */
-D512 static void fp4_row512(const uint8_t *c, const float *lut, const float *s16, int64_t d, float *buf) {
-    const __m512 t = _mm512_loadu_ps(lut);
-    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int64_t k = 0; k < d; k += 32) {
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + k / 2)));
-        const __m512 even = _mm512_permutexvar_ps(b, t), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
-        _mm512_storeu_ps(buf + k, _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), _mm512_set1_ps(s16[k / 16])));
-        _mm512_storeu_ps(buf + k + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), _mm512_set1_ps(s16[k / 16 + 1])));
-    }
+/* The bfloat16 row j of KV head g (K: which 0, V: 1) — a bf16 cache's, or a window's sink or ring
+ * slot — or NULL where the row is float32 or packed. */
+static const uint16_t *bf16_row(const mf_model_t *m, int64_t li, int64_t g, int64_t j, int which, int64_t aged) {
+    const mf_kv_t *kv = &m->kv;
+    const int64_t d = m->head_dim, lg = li * m->n_kv + g;
+    if (kv->kind == KV_BF16) return (const uint16_t *)(which ? kv->v : kv->k) + (lg * m->capacity + j) * d;
+    if (kv->window && j < kv->sinks) return (which ? kv->vsink : kv->ksink) + (lg * kv->sinks + j) * d;
+    if (kv->window && j >= aged) return (which ? kv->vring : kv->kring) + (lg * kv->recent + j % kv->recent) * d;
+    return NULL;
 }
-#endif
 
 /* Row j (head_dim values) of KV head g of layer li, K (which 0) or V (1), in float32: a pointer
  * into the cache, or `buf` holding it decoded. `aged`: the packed positions' end (packed kinds). */
@@ -490,15 +483,8 @@ static const float *kv_row(const mf_model_t *m, int64_t li, int64_t g, int64_t j
     const mf_kv_t *kv = &m->kv;
     const int64_t d = m->head_dim, C = m->capacity, at = (li * m->n_kv + g) * C + j;
     if (kv->kind == KV_F32) return (const float *)(which ? kv->v : kv->k) + at * d;
-    if (kv->kind == KV_BF16) return from_bf16((const uint16_t *)(which ? kv->v : kv->k) + at * d, buf, d), buf;
-    if (kv->window && j < kv->sinks) {
-        const uint16_t *s = which ? kv->vsink : kv->ksink;
-        return from_bf16(s + ((li * m->n_kv + g) * kv->sinks + j) * d, buf, d), buf;
-    }
-    if (kv->window && j >= aged) {
-        const uint16_t *r = which ? kv->vring : kv->kring;
-        return from_bf16(r + ((li * m->n_kv + g) * kv->recent + j % kv->recent) * d, buf, d), buf;
-    }
+    const uint16_t *b16 = bf16_row(m, li, g, j, which, aged);
+    if (b16) return from_bf16(b16, buf, d), buf;
     const uint8_t *c = (which ? kv->vc : kv->kc) + at * kv_row_bytes(m);
     if (kv->kind == KV_FP8) {
         const float s = ((const float *)(which ? kv->vs : kv->ks))[at];
@@ -508,15 +494,6 @@ static const float *kv_row(const mf_model_t *m, int64_t li, int64_t g, int64_t j
     const int64_t ns = kv_scales_per_row(m), bw = d / ns;
     const uint8_t *sc = (const uint8_t *)(which ? kv->vs : kv->ks) + at * ns;
     const float ts = kv->kind == KV_NVFP4 ? (which ? kv->vts : kv->kts)[li * C + j] : 1.0f;
-#if MF_X86
-    if (m->isa == ISA_AVX512 && d % 32 == 0 && d <= MAX_HEAD_DIM) {
-        float s16[MAX_HEAD_DIM / 16];
-        for (int64_t h = 0; h < d / 16; h++)
-            s16[h] = kv->kind == KV_NVFP4 ? kv->e4m3[sc[h]] * ts : kv->e8m0[sc[h / 2]];
-        fp4_row512(c, kv->e2m1, s16, d, buf);
-        return buf;
-    }
-#endif
     for (int64_t b = 0; b < ns; b++) {
         const float s = kv->kind == KV_NVFP4 ? kv->e4m3[sc[b]] * ts : kv->e8m0[sc[b]];
         for (int64_t k = b * bw; k < (b + 1) * bw; k++) buf[k] = kv->e2m1[(c[k / 2] >> (4 * (k & 1))) & 15] * s;
@@ -624,21 +601,19 @@ static void attend_part(const mf_model_t *m, int64_t li, int64_t g, int64_t grou
 
 #if MF_X86
 /* Row j of KV head g (K: which 0, V: 1) as nv = head_dim / 16 vectors in registers: float32
- * loaded, bfloat16 widened, FP4 decoded (fp4_row512's lookups and interleave); FP8 through the
+ * loaded, bfloat16 widened, FP4 decoded (per 16 bytes, both nibbles' values by 16-entry vpermps
+ * lookups, interleaved into column order by two-source permutes, times each block's scale); FP8 through the
  * scalar decoder's buffer. The same values as kv_row. */
 D512 static inline __attribute__((always_inline)) void row512(const mf_model_t *m, int64_t li, int64_t g, int64_t j,
                                                               int which, int64_t aged, int nv, __m512 *v, float *buf) {
     const mf_kv_t *kv = &m->kv;
     const int64_t d = m->head_dim, C = m->capacity, at = (li * m->n_kv + g) * C + j;
-    const uint16_t *b16 = NULL;
     if (kv->kind == KV_F32) {
         const float *r = (const float *)(which ? kv->v : kv->k) + at * d;
         for (int c = 0; c < nv; c++) v[c] = _mm512_loadu_ps(r + 16 * c);
         return;
     }
-    if (kv->kind == KV_BF16) b16 = (const uint16_t *)(which ? kv->v : kv->k) + at * d;
-    else if (kv->window && j < kv->sinks) b16 = (which ? kv->vsink : kv->ksink) + ((li * m->n_kv + g) * kv->sinks + j) * d;
-    else if (kv->window && j >= aged) b16 = (which ? kv->vring : kv->kring) + ((li * m->n_kv + g) * kv->recent + j % kv->recent) * d;
+    const uint16_t *b16 = bf16_row(m, li, g, j, which, aged);
     if (b16) {
         for (int c = 0; c < nv; c++)
             v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b16 + 16 * c))), 16));

@@ -149,6 +149,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return "the compiled kernels are not built"
     if kv is not None and (why := _kv_problem(kv, kv_scales)) is not None:
         return why
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "a module has forward hooks (the fused step would not run them)"
     if isinstance(model, GPT):
         return _gpt_problem(model, kv)
     config = getattr(model, "config", None)
@@ -198,8 +200,6 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return why
     if not _is_float32_cpu(inner.norm.weight) or float(inner.norm.variance_epsilon) != eps:
         return "the final norm is not a float32 RMSNorm with the layers' epsilon"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
-        return "a module has forward hooks (the fused step would not run them)"
     return None
 
 
@@ -222,8 +222,6 @@ def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
                 return why
     if (why := _linear_problem("lm_head", gpt.lm_head)) is not None:
         return why
-    if any(m._forward_hooks or m._forward_pre_hooks for m in gpt.modules()):
-        return "a module has forward hooks (the fused step would not run them)"
     return None
 
 
@@ -463,10 +461,3 @@ class FusedCache:
             return [self.format] * self.filled
         aged = int(self.aged[0])
         return [self.format if self.sinks <= p < aged else self.spec.recent_format for p in range(self.filled)]
-
-    def keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s keys and values (1, KV heads, length, head_dim) in float32 (fp32 / bf16 caches)."""
-        if self.format not in ("fp32", "bf16"):
-            raise MinifloatError("keys_values reads fp32 and bf16 fused caches; a packed one is read in place by mf_decode")
-        n = self.filled
-        return self.held["k"][layer, :, :n].float()[None], self.held["v"][layer, :, :n].float()[None]
