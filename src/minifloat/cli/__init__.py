@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     As a command (argv None) it owns its process, so large freed buffers stay in its heap
     (`keep_freed_memory`) unless ``--default-allocator`` says otherwise."""
     args = build_parser().parse_args(argv)
+    args.owns_process = argv is None
     if argv is None and not getattr(args, "default_allocator", False):
         keep_freed_memory()
     try:

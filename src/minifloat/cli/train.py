@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from minifloat.cli.defaults import keyword_defaults
 from minifloat.errors import MinifloatError
@@ -158,8 +159,19 @@ def run(args: argparse.Namespace) -> int:
         task = PretrainedTask()
     result = train(c, args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, task=task)
     final = {k: v for k, v in result["final"].items() if k != "telemetry"}
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the run
-        return 0
-    delivered = {k: result[k] for k in ("model", "adapter", "merged") if k in result}
-    print(jsonio.dumps({"final": final, "log": result["log"], "params": result["params"], **delivered}))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        delivered = {k: result[k] for k in ("model", "adapter", "merged") if k in result}
+        print(jsonio.dumps({"final": final, "log": result["log"], "params": result["params"], **delivered}))
+    if c.fsdp and getattr(args, "owns_process", False):
+        _leave_without_teardown()
     return 0
+
+
+def _leave_without_teardown() -> None:
+    """End a torchrun rank now that its files are written and its process group destroyed,
+    without the interpreter's teardown: there gloo's threads can still hold work objects and abort
+    the rank ("terminate called without an active exception", pytorch/pytorch#179291; seen in CI
+    on a 2-rank run that had finished), which torchrun reports as the whole run failing."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
