@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(not gemv.isas(), reason="the compiled kernels ar
 VOCAB = 96
 
 
-def tiny(family: str, seed: int = 0, heads: int = 4, kv_heads: int = 2):
+def tiny(family: str, seed: int = 0, heads: int = 4, kv_heads: int = 2, hidden: int = 64):
     torch.manual_seed(seed)
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=heads,
+    kw = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=96, num_hidden_layers=3, num_attention_heads=heads,
               num_key_value_heads=kv_heads, max_position_embeddings=128)  # fmt: skip
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "mistral": transformers.MistralConfig}[family]  # fmt: skip
@@ -356,3 +356,59 @@ def test_the_built_in_gpt_runs_fused(config):
         fused = generate(gpt, ids[:, :5], 40, kv_cache=kv)
         assert fused.decode_step == "fused"
         assert torch.equal(fused.tokens, generate(gpt, ids[:, :5], 40, kv_cache=kv, decode_step="eager").tokens)
+
+
+@pytest.mark.parametrize("kv", ["fp32@hadamard-kv", "fp32@pre-rope", "bf16@hadamard"])
+def test_rotated_and_pre_rope_caches_keep_transformers_logits(kv):
+    """Keys (and values) stored Hadamard-rotated, or before RoPE: attention reads what it read
+    without them (queries rotated to meet the keys, outputs rotated back; RoPE given at read), so
+    a float32 cache's logits are still transformers' own; the rows held are the model's keys
+    times the rotation (the kvtransforms matrix), or before their rotary embedding."""
+    from minifloat.infer.generation.kvtransforms import hadamard, rotate_half
+
+    model = tiny("llama", seed=11, heads=2, kv_heads=1)
+    dec = FusedDecoder(model)
+    ids = torch.randint(0, VOCAB, (1, 24))
+    spec = KVSpec.parse(kv)
+    cache = dec.new_cache(spec, 32)
+    got = torch.cat([dec.forward(ids[:, :20], cache, last=20)] + [dec.forward(ids[:, t : t + 1], cache) for t in range(20, 24)])
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    tol = 2 * bound(ref) if spec.format == "fp32" else 0.05 * float(ref.abs().max())
+    assert (got - ref).abs().max() <= tol
+    if spec.format != "fp32":
+        return
+    keys = _layer0_rows(dec, ids, steps=4)  # the plain cache's: after RoPE, not rotated
+    held = cache.held["k"][0][:, :24].permute(1, 0, 2).reshape(keys.shape)
+    if spec.rotate:
+        assert torch.allclose(held, keys @ hadamard(keys.shape[1]), atol=1e-5)
+        values = FusedDecoder(model).new_cache("fp32", 32)
+        dec.forward(ids, values)
+        assert torch.allclose(cache.held["v"][0, 0, :24], values.held["v"][0, 0, :24] @ hadamard(keys.shape[1]), atol=1e-5)
+    else:  # RoPE undone by the inverse rotation gives the stored (pre-RoPE) keys
+        cos, sin = dec.rope_tables(24)
+        assert torch.allclose(held, keys * cos - rotate_half(keys) * sin, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["nvfp4+bf16@hadamard", "mxfp4@hadamard-kv", "fp8@pre-rope", "nvfp4+bf16@pre-rope"])
+def test_packed_caches_with_kv_options_decode_as_the_eager_cache(kv, monkeypatch):
+    """Each ISA path: greedy tokens and every token's format equal the eager KVCache's with the
+    same options."""
+    model = tiny("llama", seed=8, heads=2, kv_heads=1)  # head_dim 32: a power of two, whole MXFP4 blocks
+    ids = torch.randint(0, VOCAB, (1, 40))
+    eager = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="eager")
+    for isa in gemv.isas():
+        monkeypatch.setenv("MINIFLOAT_GEMV_ISA", isa)
+        fused = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="fused")
+        assert fused.decode_step == "fused" and torch.equal(fused.tokens, eager.tokens), isa
+    assert fused.kv_precisions == eager.kv_precisions
+
+
+def test_kv_options_the_fused_step_leaves_to_the_eager_path():
+    model = tiny("llama", seed=8, heads=2, kv_heads=1)
+    assert "@hadamard or @pre-rope" in unsupported(model, KVSpec.parse("nvfp4+bf16@hadamard@pre-rope"))
+    assert "@channel" in unsupported(model, KVSpec.parse("nvfp4+bf16@channel"))
+    odd = tiny("llama", seed=8, heads=4, kv_heads=2, hidden=96)  # head_dim 24
+    assert "needs a power of two; head_dim is 24" in unsupported(odd, KVSpec.parse("fp8@hadamard"))
+    gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB))
+    assert "learns positions" in unsupported(gpt, KVSpec.parse("fp8@pre-rope"))

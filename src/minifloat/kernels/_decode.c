@@ -83,6 +83,13 @@ typedef struct {
     uint16_t *ksink, *vsink; /* window: n_layer × n_kv × sinks × head_dim bfloat16 */
     uint16_t *kring, *vring; /* window: n_layer × n_kv × recent × head_dim bfloat16, position p in slot p % recent */
     const float *e4m3, *e8m0, *e2m1; /* the formats' value tables, by code (256, 256, 16) */
+    /* KVCache's row transforms (kvtransforms.py): rot, rot_t the head_dim × head_dim Hadamard
+     * rotation R and its transpose, or NULL — every stored K row (and V row with rot_v) is x·R,
+     * queries are rotated instead of each K row rotated back ((q·R)·(x·R) = q·x), and with
+     * rot_v the attention output is rotated back once; pre_rope: K rows are stored before the
+     * rotary embedding and get it as attention reads them (never with rot). */
+    const float *rot, *rot_t;
+    int32_t rot_v, pre_rope;
 } mf_kv_t;
 
 typedef struct {
@@ -349,6 +356,16 @@ static void rope(float *x, const float *c, const float *s, int64_t d) {
     for (int64_t i = h; i < d; i++) x[i] = t[i] * c[i] + t[i - h] * s[i];
 }
 
+/* x (head_dim) times the d × d matrix r, in place: x[j] ← Σ_i x[i]·r[i][j] */
+static void times_matrix(float *x, const float *r, int64_t d) {
+    float t[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
+    memcpy(t, x, (size_t)d * sizeof(float));
+    memset(o, 0, (size_t)d * sizeof(float));
+    for (int64_t i = 0; i < d; i++)
+        for (int64_t j = 0; j < d; j++) o[j] += t[i] * r[i * d + j];
+    memcpy(x, o, (size_t)d * sizeof(float));
+}
+
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -581,6 +598,11 @@ static void attend_part(const mf_model_t *m, int64_t li, int64_t g, int64_t grou
     for (int64_t h = 0; h < group; h++) mx[h] = -INFINITY;
     for (int64_t j = lo; j <= hi; j++) {
         const float *k = kv_row(m, li, g, j, 0, aged, buf);
+        if (m->kv.pre_rope) { /* a key stored before the rotary embedding gets its position's now */
+            if (k != buf) memcpy(buf, k, (size_t)d * sizeof(float));
+            rope(buf, m->cos + j * d, m->sin + j * d, d);
+            k = buf;
+        }
         for (int64_t h = 0; h < group; h++) {
             const float v = dot(q + h * d, k, d) * m->scale;
             s[h * n + j - lo] = v;
@@ -604,8 +626,9 @@ static void attend_part(const mf_model_t *m, int64_t li, int64_t g, int64_t grou
  * loaded, bfloat16 widened, FP4 decoded (per 16 bytes, both nibbles' values by 16-entry vpermps
  * lookups, interleaved into column order by two-source permutes, times each block's scale); FP8 through the
  * scalar decoder's buffer. The same values as kv_row. */
-D512 static inline __attribute__((always_inline)) void row512(const mf_model_t *m, int64_t li, int64_t g, int64_t j,
-                                                              int which, int64_t aged, int nv, __m512 *v, float *buf) {
+D512 static inline __attribute__((always_inline)) void row512_stored(const mf_model_t *m, int64_t li, int64_t g,
+                                                                     int64_t j, int which, int64_t aged, int nv, __m512 *v,
+                                                                     float *buf) {
     const mf_kv_t *kv = &m->kv;
     const int64_t d = m->head_dim, C = m->capacity, at = (li * m->n_kv + g) * C + j;
     if (kv->kind == KV_F32) {
@@ -638,6 +661,23 @@ D512 static inline __attribute__((always_inline)) void row512(const mf_model_t *
         const float s1 = kv->kind == KV_NVFP4 ? kv->e4m3[sc[c + 1]] * ts : s0;
         v[c] = _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), _mm512_set1_ps(s0));
         v[c + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), _mm512_set1_ps(s1));
+    }
+}
+
+/* row512_stored, and a key stored before the rotary embedding given its position's (rope()'s
+ * products and sums, in registers) */
+D512 static inline __attribute__((always_inline)) void row512(const mf_model_t *m, int64_t li, int64_t g, int64_t j,
+                                                              int which, int64_t aged, int nv, __m512 *v, float *buf) {
+    row512_stored(m, li, g, j, which, aged, nv, v, buf);
+    if (which || !m->kv.pre_rope) return;
+    const float *cs = m->cos + j * m->head_dim, *sn = m->sin + j * m->head_dim;
+    const int half = nv / 2;
+    __m512 t[8];
+    for (int c = 0; c < nv; c++) t[c] = v[c];
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000);
+    for (int c = 0; c < nv; c++) {
+        const __m512 other = c < half ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(t[c + half]), sign)) : t[c - half];
+        v[c] = _mm512_add_ps(_mm512_mul_ps(t[c], _mm512_loadu_ps(cs + 16 * c)), _mm512_mul_ps(other, _mm512_loadu_ps(sn + 16 * c)));
     }
 }
 
@@ -784,7 +824,13 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             for (int64_t hh = 0; hh < nkv; hh++) {
                 float *kh = k + r * kd + hh * d;
                 if (L->k_norm) rms_norm(kh, L->k_norm, m->eps, d, kh);
-                if (m->cos) rope(kh, cs, sn, d);
+                if (m->cos && !kv->pre_rope) rope(kh, cs, sn, d);
+            }
+            if (kv->rot) { /* rows stored rotated; queries rotated to meet them */
+                for (int64_t hh = 0; hh < nh; hh++) times_matrix(q + r * qd + hh * d, kv->rot, d);
+                for (int64_t hh = 0; hh < nkv; hh++) times_matrix(k + r * kd + hh * d, kv->rot, d);
+                if (kv->rot_v)
+                    for (int64_t hh = 0; hh < nkv; hh++) times_matrix(v + r * kd + hh * d, kv->rot, d);
             }
         }
         lap(m, &t0, T_OTHER);
@@ -817,6 +863,8 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
                 attend_merge(group, d, (p - lo) / PART + 1, parts + (r * nkv + gg) * np_max * part_floats,
                              att + r * qd + gg * group * d);
             }
+        if (kv->rot_v) /* outputs of rotated V rows rotated back */
+            for (int64_t i = 0; i < M * nh; i++) times_matrix(att + i * d, kv->rot_t, d);
         lap(m, &t0, T_ATTENTION);
         if (linear(m, &L->o, att, M, h)) {
             rc = -1;

@@ -4,7 +4,8 @@ weights — float32 Linears read as they are, weight-only packed ones by the dec
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
 owns: float32, bfloat16, or FP8 / NVFP4 / MXFP4 rows packed as `KVCache` packs them (each call's
 rows one chunk; with a bfloat16 window of sinks and recent tokens, each call's aged tokens one
-chunk), read in place by the attention.
+chunk), read in place by the attention, with `KVCache`'s Hadamard rotation of K (and V) rows or
+pre-RoPE keys (the rotation met by rotating the queries; RoPE given to each key as it is read).
 
 Why C and not the eager model: on SmolLM2-135M (30 layers) an eager step runs ~600 torch
 operations through transformers' Python, each paying the interpreter and the dispatcher; at
@@ -42,6 +43,7 @@ from minifloat.formats.codec import value_table
 from minifloat.formats.registry import get_format
 from minifloat.infer.generation.hf_cache import sliding_windows
 from minifloat.infer.generation.kvspec import KVSpec
+from minifloat.infer.generation.kvtransforms import hadamard
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.rotation import HadamardRotation
 from minifloat.kernels import cpu, gemv
@@ -82,7 +84,8 @@ class KV(ctypes.Structure):
     _fields_ = [
         ("kind", _I), ("window", _I), ("sinks", _L), ("recent", _L), ("aged", _P), ("k", _P), ("v", _P), ("kc", _P),
         ("vc", _P), ("ks", _P), ("vs", _P), ("kts", _P), ("vts", _P), ("ksink", _P), ("vsink", _P), ("kring", _P),
-        ("vring", _P), ("e4m3", _P), ("e8m0", _P), ("e2m1", _P),
+        ("vring", _P), ("e4m3", _P), ("e8m0", _P), ("e2m1", _P), ("rot", _P), ("rot_t", _P), ("rot_v", _I),
+        ("pre_rope", _I),
     ]  # fmt: skip
 
 
@@ -171,8 +174,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     head_dim = _head_dim(text)
     if head_dim > MAX_HEAD_DIM or head_dim % 2:
         return f"head_dim {head_dim}"
-    if kv is not None and kv.format in PACKED_BLOCK and head_dim % PACKED_BLOCK[kv.format]:
-        return f"head_dim {head_dim} is not whole {kv.format} blocks of {PACKED_BLOCK[kv.format]}"
+    if kv is not None and (why := _kv_problem(kv, kv_scales, head_dim)) is not None:
+        return why
     heads, kv_heads = int(text.num_attention_heads), int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     if heads % kv_heads or heads // kv_heads > 64:
         return f"{heads} query heads over {kv_heads} KV heads"
@@ -210,8 +213,10 @@ def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
     d = c.n_embd // c.n_head
     if d > MAX_HEAD_DIM:
         return f"head_dim {d} (the fused step takes ≤ {MAX_HEAD_DIM})"
-    if kv is not None and kv.format in PACKED_BLOCK and d % PACKED_BLOCK[kv.format]:
-        return f"head_dim {d} is not whole {kv.format} blocks of {PACKED_BLOCK[kv.format]}"
+    if kv is not None and (why := _kv_problem(kv, None, d)) is not None:
+        return why
+    if kv is not None and kv.pre_rope:
+        return "pre-RoPE keys need a rotary embedding; the built-in GPT learns positions"
     norms = [gpt.ln_f] + [n for b in gpt.blocks for n in (b.ln1, b.ln2)]
     if any(type(n) is not torch.nn.LayerNorm or n.weight is None or n.bias is None or not _is_float32_cpu(n.weight)
            or float(n.eps) != float(gpt.ln_f.eps) for n in norms):  # fmt: skip
@@ -225,14 +230,22 @@ def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
     return None
 
 
-def _kv_problem(kv: KVSpec, kv_scales) -> str | None:
+def _kv_problem(kv: KVSpec, kv_scales, head_dim: int | None = None) -> str | None:
     """Why the fused step cannot keep a cache of `kv` (None: it can): a format of `KV_KINDS`,
-    with a bfloat16 recent window or none, and no other option."""
-    plain = KVSpec(format=kv.format, sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens,
-                   recent_format=kv.recent_format)  # fmt: skip
-    if kv.format not in KV_KINDS or kv != plain or kv_scales is not None:
+    with a bfloat16 recent window or none, keys (and values) Hadamard-rotated or keys stored
+    before RoPE (one of the two), and no budget, channel scales or calibrated scales."""
+    handled = KVSpec(format=kv.format, sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens,
+                     recent_format=kv.recent_format, rotate=kv.rotate, pre_rope=kv.pre_rope)  # fmt: skip
+    if kv.format not in KV_KINDS or kv != handled or kv_scales is not None:
         return (f"the KV cache {kv.format!r} with these options runs eagerly (the fused step keeps "
-                f"{', '.join(KV_KINDS)}, with a bf16 recent window or none)")  # fmt: skip
+                f"{', '.join(KV_KINDS)}, with a bf16 recent window or none, @hadamard, @hadamard-kv or @pre-rope; "
+                "not budgets, @channel or calibrated scales)")  # fmt: skip
+    if kv.rotate and kv.pre_rope:
+        return "keys both rotated and stored before RoPE run eagerly (the fused step takes @hadamard or @pre-rope)"
+    if kv.rotate and head_dim is not None and head_dim & (head_dim - 1):
+        return f"a Hadamard rotation of the head dimension needs a power of two; head_dim is {head_dim}"
+    if kv.format in PACKED_BLOCK and head_dim is not None and head_dim % PACKED_BLOCK[kv.format]:
+        return f"head_dim {head_dim} is not whole {kv.format} blocks of {PACKED_BLOCK[kv.format]}"
     if kv.recent_format not in (None, "bf16") or (kv.recent_format is not None and kv.format not in PACKED_BLOCK):
         return f"a {kv.recent_format} recent window before {kv.format} runs eagerly (the fused step keeps a bf16 one before a packed format)"
     return None
@@ -355,9 +368,9 @@ class FusedDecoder:
         """An empty cache of `capacity` positions: a `KV_KINDS` format, or a `KVSpec` (a bf16
         recent window before a packed format, as `KVCache` keeps it)."""
         spec = kv if isinstance(kv, KVSpec) else KVSpec(format=kv)
-        why = _kv_problem(spec, None)
-        if why is None and spec.format in PACKED_BLOCK and self.head_dim % PACKED_BLOCK[spec.format]:
-            why = f"head_dim {self.head_dim} is not whole {spec.format} blocks of {PACKED_BLOCK[spec.format]}"
+        why = _kv_problem(spec, None, self.head_dim)
+        if why is None and spec.pre_rope and isinstance(self.model, GPT):
+            why = "pre-RoPE keys need a rotary embedding; the built-in GPT learns positions"
         if why is not None:
             raise MinifloatError(f"the fused decode step cannot keep this cache: {why}")
         return FusedCache(self, spec, capacity)
@@ -424,6 +437,11 @@ class FusedCache:
             kv.aged = self.aged.data_ptr()
             self.tables = [value_table(get_format(f), torch.float32).contiguous() for f in ("e4m3", "e8m0", "e2m1")]
             kv.e4m3, kv.e8m0, kv.e2m1 = (t.data_ptr() for t in self.tables)
+        if spec.rotate:  # KVCache's rotation (the same matrix); like the tables, not the cache's bytes
+            self.rotation = hadamard(d).contiguous(), hadamard(d).T.contiguous()
+            kv.rot, kv.rot_t = (t.data_ptr() for t in self.rotation)
+            kv.rot_v = int(spec.rotate == "kv")
+        kv.pre_rope = int(spec.pre_rope)
         self.tables_rope = decoder.rope_tables(self.capacity)  # None: no rotary embedding (the GPT)
         self.struct.capacity = self.capacity
         self.struct.nthreads = torch.get_num_threads()
