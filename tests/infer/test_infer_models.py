@@ -168,6 +168,21 @@ def test_generate_command_streams_and_reports(trained, capsys):
     assert "exceeds the model's context of 64 tokens" in capsys.readouterr().err
 
 
+def test_generate_with_a_gptq_draft_keeps_the_model_s_greedy_text(trained, tmp_path, capsys):
+    text = tmp_path / "calib.txt"
+    text.write_text("def add(a, b):\n    return a + b\n\n" * 400)
+    assert main(["generate", str(trained), "--prompt", "def f(", "--max-new-tokens", "12", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["generate", str(trained), "--prompt", "def f(", "--max-new-tokens", "12", "--json", "--draft", "nvfp4-gptq",
+                 "--draft-data", str(text), "--draft-calib-batches", "1", "--draft-tokens", "3"]) == 0  # fmt: skip
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["text"] == plain["text"] and spec["draft_tokens"] == 3 and spec["mean_accepted"] > 0
+    assert main(["generate", str(trained), "--prompt", "x", "--draft", "nvfp4", "--draft-data", str(text)]) == 2
+    assert "calibrate a GPTQ draft: add --draft nvfp4-gptq" in capsys.readouterr().err
+    assert main(["generate", str(trained), "--prompt", "x", "--draft", "nvfp4-gptq", "--draft-data", str(tmp_path / "no")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
 def test_bench_decode_reports_kv_formats_and_drafts(trained, capsys):
     assert main(["bench", "decode", str(trained), "--kv-formats", "fp32,fp8,nvfp4", "--contexts", "40", "--windows", "2",
                  "--draft-tokens", "2", "--drafts", "nvfp4", "--new-tokens", "8", "--weights", "fp32,nvfp4-weight-only",

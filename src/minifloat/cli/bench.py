@@ -239,7 +239,7 @@ def _decode(args: argparse.Namespace) -> int:
     for w in weights:  # a bad name fails before the model runs
         if w != "fp32":
             get_quant_config(w)
-    from minifloat.infer.generation.decoding import DECODE_STEPS
+    from minifloat.infer.generation.decoding import DECODE_STEPS, check_draft
 
     steps = [s.strip() for s in args.decode_steps.split(",") if s.strip()]
     for s in steps:
@@ -275,7 +275,7 @@ def _decode(args: argparse.Namespace) -> int:
     ks = [int(k) for k in args.draft_tokens.split(",") if k.strip()]
     drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
     for d in drafts:  # a bad name fails before the model runs
-        decode.check_draft(d)
+        check_draft(d)
     corpus = stdlib_corpus() if args.data is None else load_corpus(args.data)
     text = token_ids(bytes(corpus.val.numpy()), tokenizer_for(args.model))
     echo = (lambda s: None) if args.json else print

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from minifloat.io import jsonio
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from minifloat.infer.generation.decoding import DRAFTS
+    from minifloat.infer.generation.decoding import DRAFT_NAMES
     from minifloat.infer.generation.kvcache import KV_FORMATS, KVSpec
 
     p = sub.add_parser("generate", help="generate text with a KV cache (FP8 / FP4 caches, FP4 self-speculative drafts)")
@@ -31,7 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-pressure-format", default=KVSpec().pressure_format, choices=list(KV_FORMATS), help="the format under memory pressure")
     p.add_argument("--kv-drop", action="store_true",
                    help="with --kv-budget: drop the oldest tokens (after the sinks) when even the pressure format cannot fit")
-    p.add_argument("--draft", default=None, choices=list(DRAFTS), help="speculative decoding with this FP4 copy as draft")
+    p.add_argument("--draft", default=None, choices=list(DRAFT_NAMES),
+                   help="speculative decoding with this FP4 copy of the model as draft (-gptq: quantized by GPTQ on "
+                        "--draft-calib-batches of --draft-data's training split; greedy output stays the model's own)")  # fmt: skip
+    p.add_argument("--draft-data", default=None, help="a -gptq draft's calibration text: UTF-8 file or folder (default: the Python stdlib sources)")
+    p.add_argument("--draft-calib-batches", type=int, default=8, help="a -gptq draft's calibration batches (4 × 128 tokens)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per verification")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -69,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise MinifloatError("--prompt is empty; give some text to continue")
+    gptq_draft = bool(args.draft and args.draft.endswith("-gptq"))
+    if (args.draft_data is not None or args.draft_calib_batches != 8) and not gptq_draft:
+        raise MinifloatError("--draft-data and --draft-calib-batches calibrate a GPTQ draft: add --draft nvfp4-gptq (or mxfp4-gptq)")
+    if args.draft_data is not None and not Path(args.draft_data).exists():
+        raise MinifloatError(f"--draft-data {args.draft_data}: no such file or folder")
+    if args.draft_calib_batches < 1:
+        raise MinifloatError(f"--draft-calib-batches must be ≥ 1, got {args.draft_calib_batches}")
     parse_kv_spec(args.kv_cache)  # a typo in --kv-cache: an error before the model loads
     if args.scheme:
         from minifloat.infer import get_quant_config
@@ -80,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tokenizer_for(args.model)
     if args.scheme:
         quantize_in_memory(model, args.scheme, tokenizer, quantize_head=args.quantize_head)
+    draft = args.draft
+    if gptq_draft:
+        from minifloat.data.text import TextSource, batches_for
+        from minifloat.infer.generation.decoding import draft_model
+
+        source = TextSource(data=args.draft_data, batch_size=4, calib_batches=args.draft_calib_batches)
+        draft = draft_model(model, args.draft, batches_for(model, source, "train", tokenizer))
     stop: list[int] = []
     if args.chat:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -113,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json and not args.chat:
         sys.stdout.write(args.prompt)
     g = generate(model, ids, args.max_new_tokens, kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, draft=args.draft, draft_tokens=args.draft_tokens,
+                 top_p=args.top_p, seed=args.seed, draft=draft, draft_tokens=args.draft_tokens,
                  kv_budget_bytes=args.kv_budget, kv_pressure_format=args.kv_pressure_format, kv_recent_format=args.kv_recent, kv_drop=args.kv_drop,
                  stream=None if args.json else stream, stop_tokens=stop)  # fmt: skip
     stats = g.to_dict()

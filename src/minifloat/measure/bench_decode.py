@@ -26,7 +26,6 @@ forward costs `cost_ratio` of the target's (the standard formula: α the per-tok
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +34,7 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.infer import generate, load_model, quantize_model
 from minifloat.infer.evaluation.metrics import Quality
-from minifloat.infer.generation.decoding import DRAFTS, device_of, draft_model
+from minifloat.infer.generation.decoding import device_of, draft_model
 from minifloat.infer.generation.kvcache import parse_kv_spec
 
 WEIGHT_CONFIGS = ("fp32", "fp8-weight-only", "mxfp4-weight-only", "nvfp4-weight-only")
@@ -104,26 +103,6 @@ def implied_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     return tokens / (k * cost_ratio + 1)
 
 
-def check_draft(name: str) -> None:
-    """A draft `speculative` builds: an FP4 copy of the model (`DRAFTS`), ``-gptq`` for one quantized by GPTQ."""
-    if name.removesuffix("-gptq") not in DRAFTS:
-        raise MinifloatError(f"unknown draft {name!r}; use one of {', '.join(DRAFTS)}, each optionally with -gptq (e.g. nvfp4-gptq)")
-
-
-def build_draft(model: torch.nn.Module, name: str, calibration: Sequence[torch.Tensor] | None = None) -> torch.nn.Module:
-    """The draft `name` (`check_draft`): `draft_model`'s round-to-nearest copy, or with ``-gptq`` the
-    same copy quantized by GPTQ (the config's recommended pipeline) on the `calibration` batches,
-    which raises acceptance where round to nearest costs the model much (a real LLM in FP4)."""
-    check_draft(name)
-    if not name.endswith("-gptq"):
-        return draft_model(model, name)
-    if not calibration:
-        raise MinifloatError(f"draft {name!r} is quantized by GPTQ: it needs calibration batches")
-    d = copy.deepcopy(model)
-    quantize_model(d, DRAFTS[name.removesuffix("-gptq")], ignore=(), method="gptq", calibration=list(calibration))
-    return d.eval()
-
-
 def speculative(model, prompts: Sequence[torch.Tensor], drafts: Sequence[str] = ("nvfp4", "mxfp4"),
                 ks: Sequence[int] = (2, 4, 8), new_tokens: int = 64, kv_cache: str = "bf16",
                 cost_ratio: float = FP4_COST_RATIO, calibration: Sequence[torch.Tensor] | None = None,
@@ -134,7 +113,7 @@ def speculative(model, prompts: Sequence[torch.Tensor], drafts: Sequence[str] = 
     plain_s = plain_n = 0.0
     rows = []
     for name in drafts:
-        d = build_draft(model, name, calibration)
+        d = draft_model(model, name, calibration)
         generate(model, prompts[0], 4, kv_cache=kv_cache, draft=d, draft_tokens=ks[0])  # warm: plans, tables
         for k in ks:
             secs = n = forwards = 0.0

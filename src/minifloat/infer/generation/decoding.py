@@ -33,7 +33,8 @@ from minifloat.infer.generation.kvcache import KVCache, KVSpec, parse_kv_spec
 from minifloat.infer.quantize import quantize_model
 from minifloat.models.adapter import adapter_for
 
-DRAFTS = {"nvfp4": "nvfp4-weight-only", "mxfp4": "mxfp4-weight-only"}
+DRAFTS = {"nvfp4": "nvfp4-weight-only", "mxfp4": "mxfp4-weight-only"}  # FP4 drafts: the PTQ config of each
+DRAFT_NAMES = (*DRAFTS, *(f"{n}-gptq" for n in DRAFTS))  # each by round to nearest, or by GPTQ
 DECODE_STEPS = ("auto", "fused", "eager")
 
 
@@ -166,16 +167,32 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, draft_to
         raise MinifloatError(f"draft_tokens must be ≥ 1, got {draft_tokens}")
 
 
-def draft_model(model: torch.nn.Module, draft: str | torch.nn.Module) -> torch.nn.Module:
-    """The draft: `model`'s copy with FP4 weights (``"nvfp4"``, ``"mxfp4"``), or a model given."""
+def check_draft(name: str) -> None:
+    """`name` is one of `DRAFT_NAMES`, or an error listing them (before any work)."""
+    if name not in DRAFT_NAMES:
+        raise MinifloatError(f"unknown draft {name!r}; use one of {', '.join(DRAFT_NAMES)} or a model")
+
+
+def draft_model(model: torch.nn.Module, draft: str | torch.nn.Module, calibration=None) -> torch.nn.Module:
+    """The draft: `model`'s copy with FP4 weights (``"nvfp4"``, ``"mxfp4"``: round to nearest;
+    ``"nvfp4-gptq"``, ``"mxfp4-gptq"``: the config's recommended GPTQ pipeline on the
+    `calibration` batches, which raises acceptance where round to nearest costs a real LLM
+    much), or a model given."""
     if isinstance(draft, torch.nn.Module):
         if getattr(getattr(draft, "config", None), "vocab_size", None) != model.config.vocab_size:
             raise MinifloatError("the draft model must share the target's vocabulary")
         return draft
-    if draft not in DRAFTS:
-        raise MinifloatError(f"unknown draft {draft!r}; use one of {', '.join(DRAFTS)} or a model")
+    check_draft(draft)
+    gptq = draft.endswith("-gptq")
+    if gptq and not calibration:
+        raise MinifloatError(f"draft {draft!r} is quantized by GPTQ: it needs calibration batches "
+                             f"(draft_model(model, {draft!r}, calibration) → pass the model as draft=)")  # fmt: skip
     d = copy.deepcopy(model)
-    quantize_model(d, DRAFTS[draft], ignore=())
+    config = DRAFTS[draft.removesuffix("-gptq")]
+    if gptq:
+        quantize_model(d, config, ignore=(), method="gptq", calibration=list(calibration))
+    else:
+        quantize_model(d, config, ignore=())
     return d.eval()
 
 
