@@ -143,8 +143,8 @@ def test_what_it_does_not_run_is_said_and_runs_eagerly(monkeypatch):
     with pytest.raises(MinifloatError, match="with these options runs eagerly"):  # StreamingLLM's dropping
         generate(gpt, ids, 2, kv_cache="fp8", kv_budget_bytes=10**6, kv_drop=True, decode_step="fused")
     model = tiny("llama")
-    with pytest.raises(MinifloatError, match="'nvfp4' with these options runs eagerly"):
-        generate(model, ids, 2, kv_cache="nvfp4+bf16@channel", decode_step="fused")
+    with pytest.raises(MinifloatError, match="more than one of @hadamard, @pre-rope and @channel"):
+        generate(model, ids, 2, kv_cache="nvfp4+bf16@channel@pre-rope", decode_step="fused")
     assert generate(model, ids, 2, kv_cache="fp8_e5m2").decode_step == "eager"
     assert generate(model, ids, 2, kv_cache="nvfp4", kv_budget_bytes=10**6).decode_step == "eager"
     with pytest.raises(MinifloatError, match="head_dim 16 is not whole mxfp4 blocks of 32"):
@@ -310,10 +310,11 @@ def test_packed_caches_decode_as_the_eager_quantized_cache(kv, monkeypatch):
     assert fused.kv_bytes < fp32.kv_bytes / (3 if kv.startswith("fp8") and "+" not in kv else 2)
 
 
-@pytest.mark.parametrize("kv", ["fp32", "nvfp4+bf16"])
+@pytest.mark.parametrize("kv", ["fp32", "nvfp4+bf16", "nvfp4+bf16@channel"])
 def test_long_rows_split_into_parts_still_equal_transformers(kv):
     """Past 512 positions a row's attention runs in parts merged by rescaling: 1,100 tokens; an
-    NVFP4 cache with its window decodes them (head_dim 32: AVX-512's attention in registers)."""
+    NVFP4 cache with its window decodes them (head_dim 32: AVX-512's attention in registers;
+    channel keys' blocks of 16 positions straddle the parts' bounds)."""
     model = tiny("llama", seed=9, heads=2, kv_heads=1)
     model.config.max_position_embeddings = 2048
     ids = torch.randint(0, VOCAB, (1, 1100))
@@ -390,7 +391,8 @@ def test_rotated_and_pre_rope_caches_keep_transformers_logits(kv):
         assert torch.allclose(held, keys * cos - rotate_half(keys) * sin, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv", ["nvfp4+bf16@hadamard", "mxfp4@hadamard-kv", "fp8@pre-rope", "nvfp4+bf16@pre-rope"])
+@pytest.mark.parametrize("kv", ["nvfp4+bf16@hadamard", "mxfp4@hadamard-kv", "fp8@pre-rope", "nvfp4+bf16@pre-rope",
+                                "nvfp4+bf16@channel", "mxfp4+bf16@channel", "fp8+bf16@channel"])
 def test_packed_caches_with_kv_options_decode_as_the_eager_cache(kv, monkeypatch):
     """Each ISA path: greedy tokens and every token's format equal the eager KVCache's with the
     same options."""
@@ -406,9 +408,48 @@ def test_packed_caches_with_kv_options_decode_as_the_eager_cache(kv, monkeypatch
 
 def test_kv_options_the_fused_step_leaves_to_the_eager_path():
     model = tiny("llama", seed=8, heads=2, kv_heads=1)
-    assert "@hadamard or @pre-rope" in unsupported(model, KVSpec.parse("nvfp4+bf16@hadamard@pre-rope"))
-    assert "@channel" in unsupported(model, KVSpec.parse("nvfp4+bf16@channel"))
+    assert "more than one of @hadamard, @pre-rope and @channel" in unsupported(model, KVSpec.parse("nvfp4+bf16@hadamard@pre-rope"))
+    assert "not budgets" in unsupported(model, KVSpec.parse("nvfp4", budget_bytes=10**6))
     odd = tiny("llama", seed=8, heads=4, kv_heads=2, hidden=96)  # head_dim 24
     assert "needs a power of two; head_dim is 24" in unsupported(odd, KVSpec.parse("fp8@hadamard"))
     gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB))
     assert "learns positions" in unsupported(gpt, KVSpec.parse("fp8@pre-rope"))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
+def test_channel_keys_hold_kivi_s_quantization(fmt):
+    """@channel (KIVI): keys age a whole block of tokens at a time, each chunk quantized per
+    channel as KVCache's ChannelPacked does — a channel's values of the chunk one row of
+    minifloat.quant.quantize in the format's scheme (FP8 a scale per channel and chunk, FP4 per
+    block of tokens, NVFP4 a tensor scale per chunk): codes and scales bit for bit."""
+    from minifloat.infer.generation.kvspec import kv_format
+    from minifloat.quant import quantize
+
+    model = tiny("qwen2", seed=12, heads=2, kv_heads=1)  # head_dim 32
+    dec = FusedDecoder(model)
+    spec = KVSpec.parse(f"{fmt}+bf16@channel", sink_tokens=2, recent_tokens=4)
+    G = spec.group
+    ids = torch.randint(0, VOCAB, (1, 2 + 3 * G + 4 + 3))
+    n = ids.shape[1]
+    rows = _layer0_rows(dec, ids, steps=G + 3).to(torch.bfloat16).float()  # (n, head_dim): one KV head
+    c = dec.new_cache(spec, n)
+    prompt = 2 + 2 * G + 4 + 1  # ages 2 blocks, keeps 5 in the window (one short of a third block's turn)
+    dec.forward(ids[:, :prompt], c)
+    assert c.precisions() == ["bf16"] * 2 + [fmt] * (2 * G) + ["bf16"] * 5
+    for t in range(prompt, n):
+        dec.forward(ids[:, t : t + 1], c)
+    assert c.precisions() == ["bf16"] * 2 + [fmt] * (3 * G) + ["bf16"] * (n - 2 - 3 * G)
+    for b0, b1 in ((0, 2), (2, 3)):  # the prompt's chunk of two blocks, then a step's one block
+        chunk = rows[2 + b0 * G : 2 + b1 * G]  # (t, head_dim) → channels (head_dim, t)
+        q = quantize(chunk.T.contiguous(), kv_format(fmt))
+        codes = c.held["kc"][0, 0, b0:b1]  # (blocks, head_dim, block bytes)
+        assert torch.equal(codes.permute(1, 0, 2).reshape(q.data.shape), q.data)
+        scales = c.held["ks"][0, 0, b0:b1]
+        if fmt == "fp8":
+            assert torch.equal(scales, q.scale.reshape(1, -1).expand(b1 - b0, -1))
+        else:
+            assert torch.equal(scales.T, q.scale.reshape(scales.T.shape))
+        if fmt == "nvfp4":
+            assert torch.equal(c.held["kts"][0, 2 + b0 * G : 2 + b1 * G], q.tensor_scale.expand((b1 - b0) * G))
+    with pytest.raises(MinifloatError, match="keep recent_tokens above the draft tokens"):
+        c.truncate(2 + 3 * G - 1)

@@ -90,6 +90,13 @@ typedef struct {
      * rotary embedding and get it as attention reads them (never with rot). */
     const float *rot, *rot_t;
     int32_t rot_v, pre_rope;
+    /* channel (KIVI, packed kinds with a window): keys of packed positions quantized per channel
+     * over blocks of `group` tokens (16 NVFP4, 32 MXFP4 and FP8), which age a whole block at a
+     * time (positions sinks + b·group …, block b); kc then holds n_layer × n_kv × blocks × head_dim
+     * × (a channel's block: group codes), ks n_layer × n_kv × blocks × head_dim scales (FP8: its
+     * chunk's float32 scale for each block of it); the ring holds recent + group positions. */
+    int32_t channel, pad;
+    int64_t group, blocks;
 } mf_kv_t;
 
 typedef struct {
@@ -428,60 +435,110 @@ static int64_t kv_scales_per_row(const mf_model_t *m) {
     return m->kv.kind == KV_FP8 ? 1 : m->kv.kind == KV_NVFP4 ? m->head_dim / 16 : m->head_dim / 32;
 }
 
+/* NVFP4's tensor scale of a chunk of n values: S_enc = 448·6 / amax (1 for amax 0); *ts = 1 / S_enc. */
+static float kv_tensor_scale(const float *x, int64_t n, float *ts) {
+    const float g = finite_amax(x, n, 1);
+    float s_enc = g == 0.0f ? 1.0f : 2688.0f / g;
+    if (s_enc > FLT_MAX) s_enc = FLT_MAX;
+    if (s_enc == 0.0f) s_enc = 1.0f;
+    *ts = 1.0f / s_enc;
+    return s_enc;
+}
+
+/* One row x of `len` values into codes c and scales sc, as minifloat.kernels.reference.quantize
+ * encodes a row in the KV format's scheme (rules.py's formulas, float32 operations in its order):
+ * FP8 one float32 scale for the row (len codes); NVFP4 (E4M3 per 16, with the chunk's s_enc and
+ * ts) and MXFP4 (E8M0 per 32) len / 2 bytes of two codes. */
+static void kv_encode_row(const mf_kv_t *kv, const float *x, int64_t len, float s_enc, float ts, uint8_t *c, void *scales) {
+    if (kv->kind == KV_FP8) { /* encode 448 / amax (1 for amax 0), decode scale its inverse */
+        const float a = finite_amax(x, len, 0);
+        float enc = a == 0.0f ? 1.0f : 448.0f / a;
+        if (enc == INFINITY) enc = FLT_MAX;
+        *(float *)scales = 1.0f / enc;
+        for (int64_t k = 0; k < len; k++) c[k] = enc_e4m3(x[k] * enc);
+        return;
+    }
+    uint8_t *sc = scales;
+    const int64_t bw = kv->kind == KV_NVFP4 ? 16 : 32;
+    memset(c, 0, (size_t)(len / 2));
+    for (int64_t b = 0; b < len / bw; b++) {
+        const float a = finite_amax(x + b * bw, bw, 0);
+        float enc;
+        if (kv->kind == KV_NVFP4) { /* E4M3 block scale of (amax / 6) · S_enc; encode 1 / (scale · ts) */
+            float s = (a / 6.0f) * s_enc;
+            if (s > FLT_MAX) s = FLT_MAX;
+            sc[b] = enc_e4m3(s);
+            const float dec = kv->e4m3[sc[b]] * ts;
+            enc = dec == 0.0f ? 0.0f : 1.0f / dec;
+        } else { /* MXFP4: E8M0 exponent of amax / 6 rounded up to a power of two */
+            int e = 0;
+            const float mant = frexpf(a * (float)(1.0 / 6.0), &e);
+            int ex = a == 0.0f ? 0 : (e - 1) + (mant != 0.5f);
+            ex = ex < -127 ? -127 : ex > 127 ? 127 : ex;
+            sc[b] = a != a ? 255 : (uint8_t)(ex + 127);
+            enc = a != a ? NAN : ldexpf(1.0f, -ex);
+        }
+        for (int64_t k = b * bw; k < (b + 1) * bw; k++) c[k / 2] |= (uint8_t)(enc_e2m1(x[k] * enc) << (4 * (k & 1)));
+    }
+}
+
 /* Quantize a chunk of n rows (head_dim values each; row i is token t0 + i / n_kv, KV head i % n_kv)
- * of layer li's K (which 0) or V (1) into the packed store, as minifloat.kernels.reference.quantize
- * does for the KV format's scheme (rules.py's formulas, float32 operations in its order). */
+ * of layer li's K (which 0) or V (1) into the packed store, each row as kv_encode_row encodes it
+ * (NVFP4: one tensor scale for the chunk). */
 static void kv_quantize(const mf_model_t *m, int64_t li, int which, const float *rows, int64_t n, int64_t t0) {
     const mf_kv_t *kv = &m->kv;
     const int64_t d = m->head_dim, C = m->capacity, rb = kv_row_bytes(m), ns = kv_scales_per_row(m);
     uint8_t *codes = which ? kv->vc : kv->kc;
     void *scales = which ? kv->vs : kv->ks;
     float ts = 1.0f, s_enc = 1.0f;
-    if (kv->kind == KV_NVFP4) { /* the chunk's tensor scale: S_enc = 448·6 / amax, 1 for amax 0 */
-        const float g = finite_amax(rows, n * d, 1);
-        s_enc = g == 0.0f ? 1.0f : 2688.0f / g;
-        if (s_enc > FLT_MAX) s_enc = FLT_MAX;
-        if (s_enc == 0.0f) s_enc = 1.0f;
-        ts = 1.0f / s_enc;
+    if (kv->kind == KV_NVFP4) {
+        s_enc = kv_tensor_scale(rows, n * d, &ts);
         float *tss = (which ? kv->vts : kv->kts) + li * C;
         for (int64_t t = t0; t < t0 + n / m->n_kv; t++) tss[t] = ts;
     }
     for (int64_t i = 0; i < n; i++) {
-        const float *x = rows + i * d;
         const int64_t t = t0 + i / m->n_kv, g = i % m->n_kv, at = (li * m->n_kv + g) * C + t;
-        uint8_t *c = codes + at * rb;
-        if (kv->kind == KV_FP8) { /* encode 448 / amax (1 for amax 0), decode scale its inverse */
-            const float a = finite_amax(x, d, 0);
-            float enc = a == 0.0f ? 1.0f : 448.0f / a;
-            if (enc == INFINITY) enc = FLT_MAX;
-            ((float *)scales)[at] = 1.0f / enc;
-            for (int64_t k = 0; k < d; k++) c[k] = enc_e4m3(x[k] * enc);
-            continue;
-        }
-        uint8_t *sc = (uint8_t *)scales + at * ns;
-        const int64_t bw = d / ns;
-        memset(c, 0, (size_t)rb);
-        for (int64_t b = 0; b < ns; b++) {
-            const float a = finite_amax(x + b * bw, bw, 0);
-            float enc;
-            if (kv->kind == KV_NVFP4) { /* E4M3 block scale of (amax / 6) · S_enc; encode 1 / (scale · ts) */
-                float s = (a / 6.0f) * s_enc;
-                if (s > FLT_MAX) s = FLT_MAX;
-                sc[b] = enc_e4m3(s);
-                const float dec = kv->e4m3[sc[b]] * ts;
-                enc = dec == 0.0f ? 0.0f : 1.0f / dec;
-            } else { /* MXFP4: E8M0 exponent of amax / 6 rounded up to a power of two */
-                int e = 0;
-                const float mant = frexpf(a * (float)(1.0 / 6.0), &e);
-                int ex = a == 0.0f ? 0 : (e - 1) + (mant != 0.5f);
-                ex = ex < -127 ? -127 : ex > 127 ? 127 : ex;
-                sc[b] = a != a ? 255 : (uint8_t)(ex + 127);
-                enc = a != a ? NAN : ldexpf(1.0f, -ex);
-            }
-            for (int64_t k = b * bw; k < (b + 1) * bw; k++) c[k / 2] |= (uint8_t)(enc_e2m1(x[k] * enc) << (4 * (k & 1)));
-        }
+        void *sc = kv->kind == KV_FP8 ? (void *)((float *)scales + at) : (void *)((uint8_t *)scales + at * ns);
+        kv_encode_row(kv, rows + i * d, d, s_enc, ts, codes + at * rb, sc);
     }
 }
+
+/* Bytes of one channel's block of `group` positions (channel keys). */
+static int64_t kv_channel_bytes(const mf_kv_t *kv) { return kv->kind == KV_FP8 ? kv->group : kv->group / 2; }
+
+/* Channel keys (KIVI): the t aging tokens t0 … t0 + t − 1 (rows: t × n_kv × head_dim, token-major;
+ * t0 − sinks and t whole blocks) of layer li, as KVCache's ChannelPacked quantizes them: each
+ * channel's t values one row (so FP8 scales each channel over the chunk, FP4 per block of tokens),
+ * NVFP4 one tensor scale for the chunk. Returns 0, or -1 out of memory. */
+static int kv_quantize_channels(const mf_model_t *m, int64_t li, const float *rows, int64_t t, int64_t t0) {
+    const mf_kv_t *kv = &m->kv;
+    const int64_t d = m->head_dim, nkv = m->n_kv, G = kv->group, gb = kv_channel_bytes(kv), b0 = (t0 - kv->sinks) / G;
+    float ts = 1.0f, s_enc = 1.0f;
+    if (kv->kind == KV_NVFP4) {
+        s_enc = kv_tensor_scale(rows, t * nkv * d, &ts);
+        for (int64_t j = t0; j < t0 + t; j++) kv->kts[li * m->capacity + j] = ts;
+    }
+    float *ch = malloc((size_t)t * sizeof(float) + (size_t)t * 2 + 64);
+    if (!ch) return -1;
+    uint8_t *codes = (uint8_t *)(ch + t), *sc = codes + t + 4; /* t codes at most; FP4: t / 16 scales at most */
+    float fscale = 0.0f;
+    for (int64_t g = 0; g < nkv; g++)
+        for (int64_t c = 0; c < d; c++) {
+            for (int64_t j = 0; j < t; j++) ch[j] = rows[(j * nkv + g) * d + c];
+            kv_encode_row(kv, ch, t, s_enc, ts, codes, kv->kind == KV_FP8 ? (void *)&fscale : (void *)sc);
+            for (int64_t b = 0; b < t / G; b++) {
+                const int64_t at = ((li * nkv + g) * kv->blocks + b0 + b) * d + c;
+                memcpy(kv->kc + at * gb, codes + b * gb, (size_t)gb);
+                if (kv->kind == KV_FP8) ((float *)kv->ks)[at] = fscale;
+                else ((uint8_t *)kv->ks)[at] = sc[b];
+            }
+        }
+    free(ch);
+    return 0;
+}
+
+/* Positions the bfloat16 ring holds: the window, and with channel keys up to a block not yet aged. */
+static int64_t kv_ring(const mf_kv_t *kv) { return kv->recent + (kv->channel ? kv->group : 0); }
 
 /* The bfloat16 row j of KV head g (K: which 0, V: 1) — a bf16 cache's, or a window's sink or ring
  * slot — or NULL where the row is float32 or packed. */
@@ -490,7 +547,7 @@ static const uint16_t *bf16_row(const mf_model_t *m, int64_t li, int64_t g, int6
     const int64_t d = m->head_dim, lg = li * m->n_kv + g;
     if (kv->kind == KV_BF16) return (const uint16_t *)(which ? kv->v : kv->k) + (lg * m->capacity + j) * d;
     if (kv->window && j < kv->sinks) return (which ? kv->vsink : kv->ksink) + (lg * kv->sinks + j) * d;
-    if (kv->window && j >= aged) return (which ? kv->vring : kv->kring) + (lg * kv->recent + j % kv->recent) * d;
+    if (kv->window && j >= aged) return (which ? kv->vring : kv->kring) + (lg * kv_ring(kv) + j % kv_ring(kv)) * d;
     return NULL;
 }
 
@@ -502,6 +559,21 @@ static const float *kv_row(const mf_model_t *m, int64_t li, int64_t g, int64_t j
     if (kv->kind == KV_F32) return (const float *)(which ? kv->v : kv->k) + at * d;
     const uint16_t *b16 = bf16_row(m, li, g, j, which, aged);
     if (b16) return from_bf16(b16, buf, d), buf;
+    if (kv->channel && !which) { /* a channel-scaled key: its position's code in each channel's block */
+        const int64_t G = kv->group, gb = kv_channel_bytes(kv), b = (j - kv->sinks) / G, jj = (j - kv->sinks) % G;
+        const int64_t base = ((li * m->n_kv + g) * kv->blocks + b) * d;
+        const float ts = kv->kind == KV_NVFP4 ? kv->kts[li * C + j] : 1.0f;
+        for (int64_t k = 0; k < d; k++) {
+            const uint8_t *cb = kv->kc + (base + k) * gb;
+            if (kv->kind == KV_FP8) buf[k] = kv->e4m3[cb[jj]] * ((const float *)kv->ks)[base + k];
+            else {
+                const uint8_t sc = ((const uint8_t *)kv->ks)[base + k];
+                const float s = kv->kind == KV_NVFP4 ? kv->e4m3[sc] * ts : kv->e8m0[sc];
+                buf[k] = kv->e2m1[(cb[jj / 2] >> (4 * (jj & 1))) & 15] * s;
+            }
+        }
+        return buf;
+    }
     const uint8_t *c = (which ? kv->vc : kv->kc) + at * kv_row_bytes(m);
     if (kv->kind == KV_FP8) {
         const float s = ((const float *)(which ? kv->vs : kv->ks))[at];
@@ -555,22 +627,25 @@ static int kv_store(const mf_model_t *m, int64_t li, int64_t pos, int64_t M, con
             for (int64_t t = aged0; t < aged; t++)
                 for (int64_t g = 0; g < nkv; g++) {
                     float *o = rows + ((t - aged0) * nkv + g) * d;
-                    if (t < pos) from_bf16(ring + ((li * nkv + g) * kv->recent + t % kv->recent) * d, o, d);
+                    if (t < pos) from_bf16(ring + ((li * nkv + g) * kv_ring(kv) + t % kv_ring(kv)) * d, o, d);
                     else
                         for (int64_t i = 0; i < d; i++) {
                             const uint32_t u = (uint32_t)to_bf16(src[((t - pos) * nkv + g) * d + i]) << 16;
                             memcpy(o + i, &u, 4);
                         }
                 }
-            kv_quantize(m, li, which, rows, (aged - aged0) * nkv, aged0);
+            int bad = 0;
+            if (kv->channel && !which) bad = kv_quantize_channels(m, li, rows, aged - aged0, aged0);
+            else kv_quantize(m, li, which, rows, (aged - aged0) * nkv, aged0);
             free(rows);
+            if (bad) return -1;
         }
         for (int64_t r = 0; r < M; r++) { /* the others enter the window (the first `sinks` for good) */
             const int64_t p = pos + r;
             if (p >= kv->sinks && p < aged) continue;
             for (int64_t g = 0; g < nkv; g++) {
                 uint16_t *o = p < kv->sinks ? sink + ((li * nkv + g) * kv->sinks + p) * d
-                                            : ring + ((li * nkv + g) * kv->recent + p % kv->recent) * d;
+                                            : ring + ((li * nkv + g) * kv_ring(kv) + p % kv_ring(kv)) * d;
                 const float *x = src + (r * nkv + g) * d;
                 for (int64_t i = 0; i < d; i++) o[i] = to_bf16(x[i]);
             }
@@ -642,7 +717,7 @@ D512 static inline __attribute__((always_inline)) void row512_stored(const mf_mo
             v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b16 + 16 * c))), 16));
         return;
     }
-    if (kv->kind == KV_FP8) {
+    if (kv->kind == KV_FP8 || (kv->channel && !which)) { /* through the scalar decoder */
         const float *r = kv_row(m, li, g, j, which, aged, buf);
         for (int c = 0; c < nv; c++) v[c] = _mm512_loadu_ps(r + 16 * c);
         return;
@@ -681,6 +756,48 @@ D512 static inline __attribute__((always_inline)) void row512(const mf_model_t *
     }
 }
 
+/* Channel keys: the scores (before the scale) of KV head g's `group` query heads (q) against the
+ * `group` positions of block b, out[h · G + i] = Σ_c q[h][c] · k_i[c], the channels in order: each
+ * channel's G codes decoded at once (FP4 by vpermps lookups, FP8 by a table gather) and scaled as
+ * kv_row scales them. group · G / 16 ≤ 24 (fast512's bound). */
+D512 static void channel_scores512(const mf_model_t *m, int64_t li, int64_t g, int64_t group, const float *q,
+                                   int64_t b, float *out) {
+    const mf_kv_t *kv = &m->kv;
+    const int64_t d = m->head_dim, G = kv->group, gb = kv_channel_bytes(kv);
+    const int64_t base = ((li * m->n_kv + g) * kv->blocks + b) * d;
+    const int nvec = (int)(G / 16);
+    const float ts = kv->kind == KV_NVFP4 ? kv->kts[li * m->capacity + kv->sinks + b * G] : 1.0f;
+    const __m512 t4 = _mm512_loadu_ps(kv->e2m1);
+    const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    __m512 acc[24];
+    for (int64_t i = 0; i < group * nvec; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c++) {
+        const uint8_t *cb = kv->kc + (base + c) * gb;
+        __m512 v[2];
+        float sc;
+        if (kv->kind == KV_FP8) {
+            for (int u = 0; u < nvec; u++)
+                v[u] = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cb + 16 * u))), kv->e4m3, 4);
+            sc = ((const float *)kv->ks)[base + c];
+        } else { /* position i's code: byte i / 2, nibble i & 1 */
+            const __m128i raw = nvec == 1 ? _mm_loadl_epi64((const __m128i *)cb) : _mm_loadu_si128((const __m128i *)cb);
+            v[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(raw, raw)), shift), t4);
+            if (nvec == 2)
+                v[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(raw, raw)), shift), t4);
+            const uint8_t code = ((const uint8_t *)kv->ks)[base + c];
+            sc = kv->kind == KV_NVFP4 ? kv->e4m3[code] * ts : kv->e8m0[code];
+        }
+        const __m512 sv = _mm512_set1_ps(sc);
+        for (int u = 0; u < nvec; u++) v[u] = _mm512_mul_ps(v[u], sv);
+        for (int64_t h = 0; h < group; h++) {
+            const __m512 qc = _mm512_set1_ps(q[h * d + c]);
+            for (int u = 0; u < nvec; u++) acc[h * nvec + u] = _mm512_fmadd_ps(qc, v[u], acc[h * nvec + u]);
+        }
+    }
+    for (int64_t h = 0; h < group; h++)
+        for (int u = 0; u < nvec; u++) _mm512_storeu_ps(out + h * G + 16 * u, acc[h * nvec + u]);
+}
+
 /* attend_part with each row's vectors in registers and the group's outputs accumulated in
  * registers (group · head_dim / 16 ≤ 24 vectors; head_dim 32, 64 or 128). */
 D512 static inline __attribute__((always_inline)) void attend_part512_nv(const mf_model_t *m, int64_t li, int64_t g,
@@ -693,6 +810,20 @@ D512 static inline __attribute__((always_inline)) void attend_part512_nv(const m
         for (int c = 0; c < nv; c++) qv[h * nv + c] = _mm512_loadu_ps(q + h * d + 16 * c), acc[h * nv + c] = _mm512_setzero_ps();
     }
     for (int64_t j = lo; j <= hi; j++) {
+        if (m->kv.channel && j >= m->kv.sinks && j < aged) { /* a block of channel keys at once */
+            const int64_t G = m->kv.group, b = (j - m->kv.sinks) / G, bs = m->kv.sinks + b * G;
+            const int64_t be = bs + G - 1 < hi ? bs + G - 1 : hi; /* aged ends a block: be < aged */
+            float cs[24 * 16];
+            channel_scores512(m, li, g, group, q, b, cs);
+            for (; j <= be; j++)
+                for (int64_t h = 0; h < group; h++) {
+                    const float sc = cs[h * G + j - bs] * m->scale;
+                    s[h * n + j - lo] = sc;
+                    mx[h] = sc > mx[h] ? sc : mx[h];
+                }
+            j--; /* the loop's increment: the block's end + 1 */
+            continue;
+        }
         row512(m, li, g, j, 0, aged, nv, v, buf);
         for (int64_t h = 0; h < group; h++) {
             __m512 a = _mm512_mul_ps(qv[h * nv], v[0]);
@@ -780,6 +911,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
     if (packed && kv->window) {
         aged = pos + M - kv->recent > kv->sinks ? pos + M - kv->recent : kv->sinks;
         aged = aged > aged0 ? aged : aged0;
+        if (kv->channel) aged = aged0 + (aged - aged0) / kv->group * kv->group; /* whole blocks only */
     }
     const int nt = threads_for(m, span * nh * d * 8);
     /* AVX-512 attention with rows and outputs in registers: head_dim 32, 64 or 128, ≤ 24 output vectors */

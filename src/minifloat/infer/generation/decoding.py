@@ -234,7 +234,7 @@ def generate(
     which the result keeps. `decode_step`: ``"fused"`` runs each step as one C call
     (`minifloat.infer.generation.fused`: Llama-, Mistral-, Qwen2/3-shaped transformers models and
     the built-in GPT; fp32 / bf16 / fp8 / nvfp4 / mxfp4 caches with a bf16 window and the
-    hadamard or pre-rope options; an error says why not for others), ``"eager"`` the model's own forward, ``"auto"``
+    hadamard, pre-rope or channel options; an error says why not for others), ``"eager"`` the model's own forward, ``"auto"``
     (default) the fused step where it runs (``MINIFLOAT_DECODE=eager`` turns it off)."""
     # the names first: a typo in kv_cache is reported as such, not as whatever else is wrong
     kv_name, kv_options = parse_kv_spec(kv_cache)  # an unknown format or option: a clear error before any work

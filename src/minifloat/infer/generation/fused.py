@@ -4,8 +4,10 @@ weights — float32 Linears read as they are, weight-only packed ones by the dec
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
 owns: float32, bfloat16, or FP8 / NVFP4 / MXFP4 rows packed as `KVCache` packs them (each call's
 rows one chunk; with a bfloat16 window of sinks and recent tokens, each call's aged tokens one
-chunk), read in place by the attention, with `KVCache`'s Hadamard rotation of K (and V) rows or
-pre-RoPE keys (the rotation met by rotating the queries; RoPE given to each key as it is read).
+chunk), read in place by the attention, with one of `KVCache`'s key options: a Hadamard rotation
+of K (and V) rows (met by rotating the queries), pre-RoPE keys (RoPE given to each key as it is
+read), or KIVI's per-channel key scales (keys aged a block of tokens at a time, scored a block at
+a time).
 
 Why C and not the eager model: on SmolLM2-135M (30 layers) an eager step runs ~600 torch
 operations through transformers' Python, each paying the interpreter and the dispatcher; at
@@ -85,7 +87,7 @@ class KV(ctypes.Structure):
         ("kind", _I), ("window", _I), ("sinks", _L), ("recent", _L), ("aged", _P), ("k", _P), ("v", _P), ("kc", _P),
         ("vc", _P), ("ks", _P), ("vs", _P), ("kts", _P), ("vts", _P), ("ksink", _P), ("vsink", _P), ("kring", _P),
         ("vring", _P), ("e4m3", _P), ("e8m0", _P), ("e2m1", _P), ("rot", _P), ("rot_t", _P), ("rot_v", _I),
-        ("pre_rope", _I),
+        ("pre_rope", _I), ("channel", _I), ("pad", _I), ("group", _L), ("blocks", _L),
     ]  # fmt: skip
 
 
@@ -232,16 +234,17 @@ def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
 
 def _kv_problem(kv: KVSpec, kv_scales, head_dim: int | None = None) -> str | None:
     """Why the fused step cannot keep a cache of `kv` (None: it can): a format of `KV_KINDS`,
-    with a bfloat16 recent window or none, keys (and values) Hadamard-rotated or keys stored
-    before RoPE (one of the two), and no budget, channel scales or calibrated scales."""
+    with a bfloat16 recent window or none, and one of: keys (and values) Hadamard-rotated, keys
+    stored before RoPE, keys scaled per channel; no budget or calibrated scales."""
     handled = KVSpec(format=kv.format, sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens,
-                     recent_format=kv.recent_format, rotate=kv.rotate, pre_rope=kv.pre_rope)  # fmt: skip
+                     recent_format=kv.recent_format, rotate=kv.rotate, pre_rope=kv.pre_rope,
+                     key_scales=kv.key_scales)  # fmt: skip
     if kv.format not in KV_KINDS or kv != handled or kv_scales is not None:
         return (f"the KV cache {kv.format!r} with these options runs eagerly (the fused step keeps "
-                f"{', '.join(KV_KINDS)}, with a bf16 recent window or none, @hadamard, @hadamard-kv or @pre-rope; "
-                "not budgets, @channel or calibrated scales)")  # fmt: skip
-    if kv.rotate and kv.pre_rope:
-        return "keys both rotated and stored before RoPE run eagerly (the fused step takes @hadamard or @pre-rope)"
+                f"{', '.join(KV_KINDS)}, with a bf16 recent window or none, @hadamard, @hadamard-kv, @pre-rope or "
+                "@channel; not budgets or calibrated scales)")  # fmt: skip
+    if sum((bool(kv.rotate), kv.pre_rope, kv.key_scales == "channel")) > 1:
+        return "keys with more than one of @hadamard, @pre-rope and @channel run eagerly (the fused step takes one)"
     if kv.rotate and head_dim is not None and head_dim & (head_dim - 1):
         return f"a Hadamard rotation of the head dimension needs a power of two; head_dim is {head_dim}"
     if kv.format in PACKED_BLOCK and head_dim is not None and head_dim % PACKED_BLOCK[kv.format]:
@@ -404,6 +407,7 @@ class FusedCache:
 
     def __init__(self, decoder: FusedDecoder, spec: KVSpec, capacity: int) -> None:
         self.spec, self.format, self.capacity, self.filled = spec, spec.format, int(capacity), 0
+        self.channel = False
         L, G, C, d = decoder.n_layer, decoder.n_kv, self.capacity, decoder.head_dim
         self.struct = Model.from_buffer_copy(decoder.template)
         kv = self.struct.kv
@@ -419,12 +423,18 @@ class FusedCache:
             kv.k, kv.v = hold("k", (L, G, C, d), dtype), hold("v", (L, G, C, d), dtype)
         else:
             rb = d if self.format == "fp8" else d // 2
-            kv.kc, kv.vc = hold("kc", (L, G, C, rb), torch.uint8), hold("vc", (L, G, C, rb), torch.uint8)
-            if self.format == "fp8":
-                kv.ks, kv.vs = hold("ks", (L, G, C), torch.float32), hold("vs", (L, G, C), torch.float32)
+            scale = torch.float32 if self.format == "fp8" else torch.uint8
+            ns = () if self.format == "fp8" else (d // PACKED_BLOCK[self.format],)
+            self.channel = spec.key_scales == "channel"
+            if self.channel:  # keys by blocks of `group` positions after the sinks, a channel's block its codes
+                group = spec.group
+                kv.channel, kv.group = 1, group
+                kv.blocks = -(-(C - spec.sink_tokens) // group) if C > spec.sink_tokens else 0
+                cb = group if self.format == "fp8" else group // 2
+                kv.kc, kv.ks = hold("kc", (L, G, kv.blocks, d, cb), torch.uint8), hold("ks", (L, G, kv.blocks, d), scale)
             else:
-                ns = d // PACKED_BLOCK[self.format]
-                kv.ks, kv.vs = hold("ks", (L, G, C, ns), torch.uint8), hold("vs", (L, G, C, ns), torch.uint8)
+                kv.kc, kv.ks = hold("kc", (L, G, C, rb), torch.uint8), hold("ks", (L, G, C, *ns), scale)
+            kv.vc, kv.vs = hold("vc", (L, G, C, rb), torch.uint8), hold("vs", (L, G, C, *ns), scale)
             if self.format == "nvfp4":
                 kv.kts, kv.vts = hold("kts", (L, C), torch.float32), hold("vts", (L, C), torch.float32)
             self.window = spec.recent_format is not None
@@ -432,7 +442,8 @@ class FusedCache:
             kv.window, kv.sinks, kv.recent = int(self.window), self.sinks, spec.recent_tokens if self.window else 0
             if self.window:
                 kv.ksink, kv.vsink = (hold(n, (L, G, self.sinks, d), torch.bfloat16) for n in ("ksink", "vsink"))
-                kv.kring, kv.vring = (hold(n, (L, G, kv.recent, d), torch.bfloat16) for n in ("kring", "vring"))
+                ring = kv.recent + (spec.group if self.channel else 0)  # channel keys: and a block not yet aged
+                kv.kring, kv.vring = (hold(n, (L, G, ring, d), torch.bfloat16) for n in ("kring", "vring"))
             self.aged = torch.tensor([self.sinks], dtype=torch.int64)  # not the cache's bytes: mf_decode's counter
             kv.aged = self.aged.data_ptr()
             self.tables = [value_table(get_format(f), torch.float32).contiguous() for f in ("e4m3", "e8m0", "e2m1")]
@@ -467,6 +478,9 @@ class FusedCache:
     def truncate(self, n: int) -> None:
         """Forget every position from `n` on (a speculative decoder's rejected drafts). Tokens
         that left the window stay packed, as `KVCache` keeps them."""
+        if self.format in PACKED_BLOCK and self.channel and int(n) < int(self.aged[0]):
+            raise MinifloatError(f"the fused cache cannot roll back to {n} tokens: keys up to {int(self.aged[0])} are "
+                                 "scaled per channel in whole blocks; keep recent_tokens above the draft tokens")  # fmt: skip
         self.filled = min(self.filled, int(n))
         if self.format in PACKED_BLOCK:
             self.aged[0] = max(self.sinks, min(int(self.aged[0]), self.filled)) if self.window else self.filled
