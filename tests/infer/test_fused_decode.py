@@ -143,8 +143,8 @@ def test_what_it_does_not_run_is_said_and_runs_eagerly(monkeypatch):
     with pytest.raises(MinifloatError, match="with these options runs eagerly"):  # StreamingLLM's dropping
         generate(gpt, ids, 2, kv_cache="fp8", kv_budget_bytes=10**6, kv_drop=True, decode_step="fused")
     model = tiny("llama")
-    with pytest.raises(MinifloatError, match="more than one of @hadamard, @pre-rope and @channel"):
-        generate(model, ids, 2, kv_cache="nvfp4+bf16@channel@pre-rope", decode_step="fused")
+    with pytest.raises(MinifloatError, match="rotated keys that are also pre-RoPE or channel-scaled run eagerly"):
+        generate(model, ids, 2, kv_cache="nvfp4+bf16@channel@hadamard", decode_step="fused")
     assert generate(model, ids, 2, kv_cache="fp8_e5m2").decode_step == "eager"
     assert generate(model, ids, 2, kv_cache="nvfp4", kv_budget_bytes=10**6).decode_step == "eager"
     with pytest.raises(MinifloatError, match="head_dim 16 is not whole mxfp4 blocks of 32"):
@@ -310,7 +310,7 @@ def test_packed_caches_decode_as_the_eager_quantized_cache(kv, monkeypatch):
     assert fused.kv_bytes < fp32.kv_bytes / (3 if kv.startswith("fp8") and "+" not in kv else 2)
 
 
-@pytest.mark.parametrize("kv", ["fp32", "nvfp4+bf16", "nvfp4+bf16@channel"])
+@pytest.mark.parametrize("kv", ["fp32", "nvfp4+bf16", "nvfp4+bf16@channel", "mxfp4+bf16@channel@pre-rope"])
 def test_long_rows_split_into_parts_still_equal_transformers(kv):
     """Past 512 positions a row's attention runs in parts merged by rescaling: 1,100 tokens; an
     NVFP4 cache with its window decodes them (head_dim 32: AVX-512's attention in registers;
@@ -392,7 +392,8 @@ def test_rotated_and_pre_rope_caches_keep_transformers_logits(kv):
 
 
 @pytest.mark.parametrize("kv", ["nvfp4+bf16@hadamard", "mxfp4@hadamard-kv", "fp8@pre-rope", "nvfp4+bf16@pre-rope",
-                                "nvfp4+bf16@channel", "mxfp4+bf16@channel", "fp8+bf16@channel"])
+                                "nvfp4+bf16@channel", "mxfp4+bf16@channel", "fp8+bf16@channel",
+                                "nvfp4+bf16@channel@pre-rope", "fp8+bf16@channel@pre-rope"])
 def test_packed_caches_with_kv_options_decode_as_the_eager_cache(kv, monkeypatch):
     """Each ISA path: greedy tokens and every token's format equal the eager KVCache's with the
     same options."""
@@ -408,7 +409,7 @@ def test_packed_caches_with_kv_options_decode_as_the_eager_cache(kv, monkeypatch
 
 def test_kv_options_the_fused_step_leaves_to_the_eager_path():
     model = tiny("llama", seed=8, heads=2, kv_heads=1)
-    assert "more than one of @hadamard, @pre-rope and @channel" in unsupported(model, KVSpec.parse("nvfp4+bf16@hadamard@pre-rope"))
+    assert "rotated keys that are also pre-RoPE" in unsupported(model, KVSpec.parse("nvfp4+bf16@hadamard@pre-rope"))
     assert "not budgets" in unsupported(model, KVSpec.parse("nvfp4", budget_bytes=10**6))
     odd = tiny("llama", seed=8, heads=4, kv_heads=2, hidden=96)  # head_dim 24
     assert "needs a power of two; head_dim is 24" in unsupported(odd, KVSpec.parse("fp8@hadamard"))

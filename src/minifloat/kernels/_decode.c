@@ -97,6 +97,7 @@ typedef struct {
      * chunk's float32 scale for each block of it); the ring holds recent + group positions. */
     int32_t channel, pad;
     int64_t group, blocks;
+    const float *cos_t, *sin_t; /* channel and pre_rope: the rotary tables transposed, head_dim × capacity */
 } mf_kv_t;
 
 typedef struct {
@@ -759,7 +760,10 @@ D512 static inline __attribute__((always_inline)) void row512(const mf_model_t *
 /* Channel keys: the scores (before the scale) of KV head g's `group` query heads (q) against the
  * `group` positions of block b, out[h · G + i] = Σ_c q[h][c] · k_i[c], the channels in order: each
  * channel's G codes decoded at once (FP4 by vpermps lookups, FP8 by a table gather) and scaled as
- * kv_row scales them. group · G / 16 ≤ 24 (fast512's bound). */
+ * kv_row scales them. group · G / 16 ≤ 24 (fast512's bound). Pre-RoPE keys: q · rope_i(k_i) =
+ * Σ_c k_i[c] · (q[c] cos_i[c] + q[c + h] sin_i[c + h]) for c < h (half the head), and
+ * (q[c] cos_i[c] − q[c − h] sin_i[c − h]) for c ≥ h: each channel's multiplier per position, from
+ * the transposed tables. */
 D512 static void channel_scores512(const mf_model_t *m, int64_t li, int64_t g, int64_t group, const float *q,
                                    int64_t b, float *out) {
     const mf_kv_t *kv = &m->kv;
@@ -789,6 +793,19 @@ D512 static void channel_scores512(const mf_model_t *m, int64_t li, int64_t g, i
         }
         const __m512 sv = _mm512_set1_ps(sc);
         for (int u = 0; u < nvec; u++) v[u] = _mm512_mul_ps(v[u], sv);
+        if (kv->pre_rope) {
+            const int64_t half = d / 2, o = c < half ? c + half : c - half, p0 = kv->sinks + b * G;
+            const float sign = c < half ? 1.0f : -1.0f;
+            for (int u = 0; u < nvec; u++) {
+                const __m512 cv = _mm512_loadu_ps(kv->cos_t + c * m->capacity + p0 + 16 * u);
+                const __m512 sn = _mm512_loadu_ps(kv->sin_t + o * m->capacity + p0 + 16 * u);
+                for (int64_t h = 0; h < group; h++) {
+                    const __m512 mult = _mm512_fmadd_ps(_mm512_set1_ps(sign * q[h * d + o]), sn, _mm512_mul_ps(_mm512_set1_ps(q[h * d + c]), cv));
+                    acc[h * nvec + u] = _mm512_fmadd_ps(mult, v[u], acc[h * nvec + u]);
+                }
+            }
+            continue;
+        }
         for (int64_t h = 0; h < group; h++) {
             const __m512 qc = _mm512_set1_ps(q[h * d + c]);
             for (int u = 0; u < nvec; u++) acc[h * nvec + u] = _mm512_fmadd_ps(qc, v[u], acc[h * nvec + u]);

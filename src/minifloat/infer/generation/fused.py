@@ -87,7 +87,7 @@ class KV(ctypes.Structure):
         ("kind", _I), ("window", _I), ("sinks", _L), ("recent", _L), ("aged", _P), ("k", _P), ("v", _P), ("kc", _P),
         ("vc", _P), ("ks", _P), ("vs", _P), ("kts", _P), ("vts", _P), ("ksink", _P), ("vsink", _P), ("kring", _P),
         ("vring", _P), ("e4m3", _P), ("e8m0", _P), ("e2m1", _P), ("rot", _P), ("rot_t", _P), ("rot_v", _I),
-        ("pre_rope", _I), ("channel", _I), ("pad", _I), ("group", _L), ("blocks", _L),
+        ("pre_rope", _I), ("channel", _I), ("pad", _I), ("group", _L), ("blocks", _L), ("cos_t", _P), ("sin_t", _P),
     ]  # fmt: skip
 
 
@@ -243,8 +243,8 @@ def _kv_problem(kv: KVSpec, kv_scales, head_dim: int | None = None) -> str | Non
         return (f"the KV cache {kv.format!r} with these options runs eagerly (the fused step keeps "
                 f"{', '.join(KV_KINDS)}, with a bf16 recent window or none, @hadamard, @hadamard-kv, @pre-rope or "
                 "@channel; not budgets or calibrated scales)")  # fmt: skip
-    if sum((bool(kv.rotate), kv.pre_rope, kv.key_scales == "channel")) > 1:
-        return "keys with more than one of @hadamard, @pre-rope and @channel run eagerly (the fused step takes one)"
+    if kv.rotate and (kv.pre_rope or kv.key_scales == "channel"):
+        return "rotated keys that are also pre-RoPE or channel-scaled run eagerly (the fused step takes @hadamard alone)"
     if kv.rotate and head_dim is not None and head_dim & (head_dim - 1):
         return f"a Hadamard rotation of the head dimension needs a power of two; head_dim is {head_dim}"
     if kv.format in PACKED_BLOCK and head_dim is not None and head_dim % PACKED_BLOCK[kv.format]:
@@ -458,6 +458,9 @@ class FusedCache:
         self.struct.nthreads = torch.get_num_threads()
         if self.tables_rope is not None:
             self.struct.cos, self.struct.sin = (t.data_ptr() for t in self.tables_rope)
+            if self.channel and spec.pre_rope:  # blocks of positions per channel: the tables by channel
+                self.tables_by_channel = tuple(t.T.contiguous() for t in self.tables_rope)
+                kv.cos_t, kv.sin_t = (t.data_ptr() for t in self.tables_by_channel)
         self.decoder = decoder  # the tensors the struct points at live as long as the cache
         self.n_layer = L
         self.events: list[dict] = []
