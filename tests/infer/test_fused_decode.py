@@ -293,10 +293,13 @@ def test_a_bf16_window_before_nvfp4_ages_tokens_as_kvcache_does():
     assert c.precisions() == ["bf16"] * 2 + ["nvfp4"] * 8 + ["bf16"]
 
 
-@pytest.mark.parametrize("kv", ["fp8", "nvfp4", "mxfp4", "nvfp4+bf16", "fp8+bf16"])
+@pytest.mark.parametrize("kv", ["fp8", "nvfp4", "mxfp4", "nvfp4+bf16", "fp8+bf16", "nvfp4+bf16@hadamard", "mxfp4@hadamard-kv",
+                                "fp8@pre-rope", "nvfp4+bf16@pre-rope", "nvfp4+bf16@channel", "mxfp4+bf16@channel",
+                                "fp8+bf16@channel", "nvfp4+bf16@channel@pre-rope", "fp8+bf16@channel@pre-rope"])
 def test_packed_caches_decode_as_the_eager_quantized_cache(kv, monkeypatch):
-    """Greedy tokens equal the eager path's over the same quantized cache (each ISA path's
-    decoding of the packed rows)."""
+    """Greedy tokens and every token's format equal the eager path's over the same quantized
+    cache, with its key options (each ISA path's decoding of the packed rows; head_dim 32: a
+    power of two, whole MXFP4 blocks, AVX-512's attention in registers)."""
     model = tiny("llama", seed=8, heads=2, kv_heads=1)
     ids = torch.randint(0, VOCAB, (1, 40))
     eager = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="eager")
@@ -304,10 +307,10 @@ def test_packed_caches_decode_as_the_eager_quantized_cache(kv, monkeypatch):
         monkeypatch.setenv("MINIFLOAT_GEMV_ISA", isa)
         fused = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="fused")
         assert fused.decode_step == "fused" and torch.equal(fused.tokens, eager.tokens), isa
-    assert fused.kv_precisions[:4] == eager.kv_precisions[:4] and len(fused.kv_precisions) == len(eager.kv_precisions)
     assert fused.kv_precisions == eager.kv_precisions
     fp32 = generate(model, ids, 20, kv_cache="fp32")
-    assert fused.kv_bytes < fp32.kv_bytes / (3 if kv.startswith("fp8") and "+" not in kv else 2)
+    # a channel cache's bfloat16 ring also holds a block not yet aged (here 24–40 of 60 positions)
+    assert fused.kv_bytes < fp32.kv_bytes / (1 if "@channel" in kv else 3 if kv.startswith("fp8") and "+" not in kv else 2)
 
 
 @pytest.mark.parametrize("kv", ["fp32", "nvfp4+bf16", "nvfp4+bf16@channel", "mxfp4+bf16@channel@pre-rope"])
@@ -389,22 +392,6 @@ def test_rotated_and_pre_rope_caches_keep_transformers_logits(kv):
     else:  # RoPE undone by the inverse rotation gives the stored (pre-RoPE) keys
         cos, sin = dec.rope_tables(24)
         assert torch.allclose(held, keys * cos - rotate_half(keys) * sin, atol=1e-5)
-
-
-@pytest.mark.parametrize("kv", ["nvfp4+bf16@hadamard", "mxfp4@hadamard-kv", "fp8@pre-rope", "nvfp4+bf16@pre-rope",
-                                "nvfp4+bf16@channel", "mxfp4+bf16@channel", "fp8+bf16@channel",
-                                "nvfp4+bf16@channel@pre-rope", "fp8+bf16@channel@pre-rope"])
-def test_packed_caches_with_kv_options_decode_as_the_eager_cache(kv, monkeypatch):
-    """Each ISA path: greedy tokens and every token's format equal the eager KVCache's with the
-    same options."""
-    model = tiny("llama", seed=8, heads=2, kv_heads=1)  # head_dim 32: a power of two, whole MXFP4 blocks
-    ids = torch.randint(0, VOCAB, (1, 40))
-    eager = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="eager")
-    for isa in gemv.isas():
-        monkeypatch.setenv("MINIFLOAT_GEMV_ISA", isa)
-        fused = generate(model, ids, 20, kv_cache=kv, kv_sink_tokens=4, kv_recent_tokens=8, decode_step="fused")
-        assert fused.decode_step == "fused" and torch.equal(fused.tokens, eager.tokens), isa
-    assert fused.kv_precisions == eager.kv_precisions
 
 
 def test_kv_options_the_fused_step_leaves_to_the_eager_path():
