@@ -441,3 +441,7 @@ def test_channel_keys_hold_kivi_s_quantization(fmt):
             assert torch.equal(c.held["kts"][0, 2 + b0 * G : 2 + b1 * G], q.tensor_scale.expand((b1 - b0) * G))
     with pytest.raises(MinifloatError, match="keep recent_tokens above the draft tokens"):
         c.truncate(2 + 3 * G - 1)
+    ids = torch.randint(0, VOCAB, (1, 8))  # a draft's rollback could reach the blocks: the eager cache, or the reason
+    assert generate(model, ids, 6, kv_cache=f"{fmt}+bf16@channel", kv_recent_tokens=3, draft="nvfp4").decode_step == "eager"
+    with pytest.raises(MinifloatError, match="rollback of up to 5 tokens would reach keys scaled per channel"):
+        generate(model, ids, 6, kv_cache=f"{fmt}+bf16@channel", kv_recent_tokens=3, draft="nvfp4", decode_step="fused")

@@ -135,6 +135,9 @@ def decode_cache(model, spec: KVSpec, capacity: int, *, decode_step: str = "auto
     if decode_step not in DECODE_STEPS:
         raise MinifloatError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {decode_step!r}")
     why = "asked" if decode_step == "eager" else unsupported(model, spec, scales)
+    if why is None and spec.key_scales == "channel" and slack > spec.recent_tokens:
+        why = (f"a speculative rollback of up to {slack} tokens would reach keys scaled per channel in whole blocks "
+               f"(recent_tokens {spec.recent_tokens})")  # fmt: skip
     if why is None:
         return FusedDecoder(model).new_cache(spec, capacity)
     if decode_step == "fused":
