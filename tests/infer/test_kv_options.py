@@ -152,6 +152,11 @@ def test_generate_takes_a_spec_with_options():
     plain = minifloat.infer.generate(model, IDS[:, :8], 40, kv_cache="fp32")
     g = minifloat.infer.generate(model, IDS[:, :8], 40, kv_cache="nvfp4+bf16@channel@pre-rope", kv_recent_tokens=8)
     assert g.new_tokens == 40 and g.kv_cache == "nvfp4+bf16@channel@pre-rope"
-    assert g.kv_bytes < plain.kv_bytes / 3  # most of the 47 held tokens in groups of 16 NVFP4 values
+    eager = minifloat.infer.generate(model, IDS[:, :8], 40, kv_cache="nvfp4+bf16@channel@pre-rope", kv_recent_tokens=8,
+                                     decode_step="eager")  # fmt: skip
+    assert torch.equal(eager.tokens, g.tokens)
+    assert eager.kv_bytes < plain.kv_bytes / 3  # most of the 47 held tokens in groups of 16 NVFP4 values
+    # the fused cache holds its capacity from the start, its bf16 ring the window and a block not yet aged (24 of 48)
+    assert g.decode_step == "fused" and g.kv_bytes < plain.kv_bytes / 2
     with pytest.raises(minifloat.MinifloatError, match="unknown KV-cache option"):
         minifloat.infer.generate(model, IDS[:, :8], 4, kv_cache="nvfp4@rotate")
