@@ -356,7 +356,9 @@ def test_the_built_in_gpt_runs_fused(config):
     with torch.no_grad():
         ref = gpt(ids)[0]
     assert (got - ref).abs().max() <= bound(ref)
-    for kv in ("bf16", "nvfp4+bf16"):
+    rotated = dec.new_cache(KVSpec.parse("fp32@hadamard-kv"), 30)  # no RoPE: the rotation alone
+    assert (dec.forward(ids, rotated, last=30) - ref).abs().max() <= 2 * bound(ref)
+    for kv in ("bf16", "nvfp4+bf16", "nvfp4+bf16@channel", "mxfp4+bf16@hadamard"):
         fused = generate(gpt, ids[:, :5], 40, kv_cache=kv)
         assert fused.decode_step == "fused"
         assert torch.equal(fused.tokens, generate(gpt, ids[:, :5], 40, kv_cache=kv, decode_step="eager").tokens)
