@@ -447,3 +447,27 @@ def test_channel_keys_hold_kivi_s_quantization(fmt):
     assert generate(model, ids, 6, kv_cache=f"{fmt}+bf16@channel", kv_recent_tokens=3, draft="nvfp4").decode_step == "eager"
     with pytest.raises(MinifloatError, match="rollback of up to 5 tokens would reach keys scaled per channel"):
         generate(model, ids, 6, kv_cache=f"{fmt}+bf16@channel", kv_recent_tokens=3, draft="nvfp4", decode_step="fused")
+
+
+def test_phi3_runs_fused_with_its_qkv_and_gate_up_products():
+    """Phi-3: one qkv product and one gate-up product ([gate | up]) per layer: transformers' logits, eager's tokens."""
+    torch.manual_seed(13)
+    cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    assert unsupported(model) is None
+    ids = torch.randint(0, VOCAB, (1, 30))
+    dec = FusedDecoder(model)
+    cache = dec.new_cache("fp32", 30)
+    got = torch.cat([dec.forward(ids[:, :25], cache, last=25)] + [dec.forward(ids[:, t : t + 1], cache) for t in range(25, 30)])
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    assert (got - ref).abs().max() <= bound(ref)
+    quantize_model(model, "nvfp4-weight-only", quantize_head=False)
+    for kv in ("bf16", "nvfp4+bf16"):
+        fused = generate(model, ids[:, :5], 30, kv_cache=kv)
+        assert fused.decode_step == "fused"
+        assert torch.equal(fused.tokens, generate(model, ids[:, :5], 30, kv_cache=kv, decode_step="eager").tokens)
+    cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": 0.5}
+    assert "partial rotary embedding" in unsupported(model)

@@ -104,6 +104,7 @@ typedef struct {
     int64_t n_layer, hidden, n_head, n_kv, head_dim, inter, vocab, capacity;
     float eps, scale; /* RMSNorm's epsilon; the attention scores' scale */
     int32_t nthreads, isa, serial_below, norm; /* norm: NORM_RMS (Llama's) or NORM_LAYER (the built-in GPT's) */
+    int32_t gate_up, pad; /* gate_up: `up` is one product of gate and up (Phi-3's gate_up_proj: [gate | up]), `gate` absent */
     const float *cos, *sin; /* capacity × head_dim: the rotary tables (rotate-half form); NULL: no rotary embedding */
     const mf_layer_t *layers;
     const float *final_norm, *final_norm_b;
@@ -902,7 +903,8 @@ static void attend_merge(int64_t group, int64_t d, int64_t np, const float *part
 /* Floats of a row of the MLP's hidden layer, the model's width, or a fused qkv product, the widest. */
 static int64_t wide_floats(const mf_model_t *m) {
     const int64_t qkv = (m->n_head + 2 * m->n_kv) * m->head_dim;
-    const int64_t w = m->inter > m->hidden ? m->inter : m->hidden;
+    const int64_t inter = m->gate_up ? 2 * m->inter : m->inter;
+    const int64_t w = inter > m->hidden ? inter : m->hidden;
     return w > qkv ? w : qkv;
 }
 
@@ -1030,7 +1032,13 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         }
         lap(m, &t0, T_GEMV);
         const int64_t I = m->inter;
-        if (gated)
+        if (m->gate_up) /* one product [gate | up] per row: silu(gate) · up, into g */
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t i = 0; i < I; i++) {
+                    const float gt = u[r * 2 * I + i];
+                    g[r * I + i] = gt / (1.0f + expf(-gt)) * u[r * 2 * I + I + i];
+                }
+        else if (gated)
             for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
         else
             for (int64_t i = 0; i < M * I; i++) g[i] = 0.5f * u[i] * (1.0f + erff(u[i] * 0.70710678118654752f)); /* gelu(fc) */

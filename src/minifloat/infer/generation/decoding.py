@@ -235,7 +235,7 @@ def generate(
     decoding: positions keep counting the dropped tokens). `stream` is called with each new token
     id as it is decided. Generation ends after the first of `stop_tokens` (an end of turn, EOS),
     which the result keeps. `decode_step`: ``"fused"`` runs each step as one C call
-    (`minifloat.infer.generation.fused`: Llama-, Mistral-, Qwen2/3-shaped transformers models and
+    (`minifloat.infer.generation.fused`: Llama-, Mistral-, Qwen2/3-, Phi-3-shaped transformers models and
     the built-in GPT; fp32 / bf16 / fp8 / nvfp4 / mxfp4 caches with a bf16 window and the
     hadamard, pre-rope or channel options; an error says why not for others), ``"eager"`` the model's own forward, ``"auto"``
     (default) the fused step where it runs (``MINIFLOAT_DECODE=eager`` turns it off)."""

@@ -1,5 +1,5 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
-Qwen2, Qwen3) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
+Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
 owns: float32, bfloat16, or FP8 / NVFP4 / MXFP4 rows packed as `KVCache` packs them (each call's
@@ -52,7 +52,8 @@ from minifloat.kernels import cpu, gemv
 from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model types whose decoder layer mf_decode computes
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # model types whose decoder layer mf_decode computes
+FUSED_PROJECTIONS = {"phi3": ("qkv_proj", "gate_up_proj")}  # one product for q, k, v ([q | k | v]) and for gate, up
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
 PACKED_BLOCK = {"fp8": 1, "nvfp4": 16, "mxfp4": 32}  # head_dim must be a multiple (whole blocks, whole bytes)
 MAX_HEAD_DIM = 512  # the rotary embedding's scratch in _decode.c
@@ -96,7 +97,7 @@ class Model(ctypes.Structure):
 
     _fields_ = [
         *((n, _L) for n in ("n_layer", "hidden", "n_head", "n_kv", "head_dim", "inter", "vocab", "capacity")),
-        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm")),
+        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm", "gate_up", "pad")),
         ("cos", _P), ("sin", _P), ("layers", _P), ("final_norm", _P), ("final_norm_b", _P), ("head", Linear), ("kv", KV),
         ("timers", _P),
     ]  # fmt: skip
@@ -182,15 +183,19 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     if heads % kv_heads or heads // kv_heads > 64:
         return f"{heads} query heads over {kv_heads} KV heads"
     eps = None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if float(rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        return "a partial rotary embedding (the fused step rotates the whole head)"
+    if rope.get("rope_type", rope.get("type")) == "longrope":
+        return "LongRoPE (its tables depend on the sequence's length)"
     for i, layer in enumerate(layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = [(f"layers.{i}.self_attn.{p}_proj", getattr(attn, f"{p}_proj", None)) for p in ("q", "k", "v", "o")]
-        names += [(f"layers.{i}.mlp.{p}_proj", getattr(mlp, f"{p}_proj", None)) for p in ("gate", "up", "down")]
-        for name, lin in names:
+        for name, lin in _projections(kind, attn, mlp, f"layers.{i}.").values():
             if (why := _linear_problem(name, lin)) is not None:
                 return why
-        if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
-            return f"layers.{i}.mlp.act_fn is not SiLU"
+        act = getattr(mlp, "activation_fn" if kind in FUSED_PROJECTIONS else "act_fn", None)
+        if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+            return f"layers.{i}.mlp's activation is not SiLU"
         if float(getattr(attn, "scaling", head_dim**-0.5)) != head_dim**-0.5:
             return f"layers.{i} scales attention scores by {attn.scaling}"
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + [
@@ -254,6 +259,18 @@ def _kv_problem(kv: KVSpec, kv_scales, head_dim: int | None = None) -> str | Non
     return None
 
 
+def _projections(kind: str, attn, mlp, prefix: str = "") -> dict[str, tuple[str, object]]:
+    """A layer's Linears by `_LINEARS` slot: (name, module). Phi-3's one qkv product and one gate-up
+    product sit in q's and up's slots, k, v and gate absent (as the built-in GPT's qkv)."""
+    if kind in FUSED_PROJECTIONS:
+        qkv, gate_up = FUSED_PROJECTIONS[kind]
+        parts = {"q": (attn, qkv), "o": (attn, "o_proj"), "up": (mlp, gate_up), "down": (mlp, "down_proj")}
+    else:
+        parts = {p: (attn, f"{p}_proj") for p in ("q", "k", "v", "o")} | {p: (mlp, f"{p}_proj") for p in ("gate", "up", "down")}
+    where = {id(attn): "self_attn", id(mlp): "mlp"}
+    return {slot: (f"{prefix}{where[id(owner)]}.{name}", getattr(owner, name, None)) for slot, (owner, name) in parts.items()}
+
+
 def _head_dim(text) -> int:
     return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
@@ -277,13 +294,14 @@ class FusedDecoder:
             return
         text = _text_config(model)
         inner = model.model
+        kind = model.config.model_type
         layers = (Layer * len(inner.layers))()
         windows = sliding_windows(model.config)
         for i, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
-            mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            for name, lin in zip(_LINEARS, mods, strict=True):
-                setattr(layers[i], name, self._linear(lin))
+            mods = _projections(kind, a, m)
+            for slot in _LINEARS:
+                setattr(layers[i], slot, self._linear(mods[slot][1]) if slot in mods else Linear(kind=_ABSENT))
             qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
             layers[i].attn_norm = self._hold(layer.input_layernorm.weight)
             layers[i].mlp_norm = self._hold(layer.post_attention_layernorm.weight)
@@ -297,7 +315,7 @@ class FusedDecoder:
         self.vocab = int(model.lm_head.out_features)
         self.template = Model(
             n_layer=self.n_layer, hidden=int(text.hidden_size), n_head=int(text.num_attention_heads), n_kv=self.n_kv,
-            head_dim=self.head_dim, inter=int(inner.layers[0].mlp.gate_proj.out_features), vocab=self.vocab,
+            head_dim=self.head_dim, inter=int(inner.layers[0].mlp.down_proj.in_features), gate_up=int(kind in FUSED_PROJECTIONS), vocab=self.vocab,
             eps=float(inner.norm.variance_epsilon), scale=self.head_dim**-0.5, serial_below=cpu.SERIAL_BELOW,
             isa=gemv.ISAS.index(gemv.best_isa()), layers=ctypes.cast(layers, _P), final_norm=self._hold(inner.norm.weight),
             head=self._linear(model.lm_head),
