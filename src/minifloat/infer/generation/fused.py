@@ -264,11 +264,11 @@ def _projections(kind: str, attn, mlp, prefix: str = "") -> dict[str, tuple[str,
     product sit in q's and up's slots, k, v and gate absent (as the built-in GPT's qkv)."""
     if kind in FUSED_PROJECTIONS:
         qkv, gate_up = FUSED_PROJECTIONS[kind]
-        parts = {"q": (attn, qkv), "o": (attn, "o_proj"), "up": (mlp, gate_up), "down": (mlp, "down_proj")}
+        parts = {"q": ("self_attn", qkv), "o": ("self_attn", "o_proj"), "up": ("mlp", gate_up), "down": ("mlp", "down_proj")}
     else:
-        parts = {p: (attn, f"{p}_proj") for p in ("q", "k", "v", "o")} | {p: (mlp, f"{p}_proj") for p in ("gate", "up", "down")}
-    where = {id(attn): "self_attn", id(mlp): "mlp"}
-    return {slot: (f"{prefix}{where[id(owner)]}.{name}", getattr(owner, name, None)) for slot, (owner, name) in parts.items()}
+        parts = {p: ("self_attn", f"{p}_proj") for p in ("q", "k", "v", "o")} | {p: ("mlp", f"{p}_proj") for p in ("gate", "up", "down")}
+    owners = {"self_attn": attn, "mlp": mlp}
+    return {slot: (f"{prefix}{part}.{name}", getattr(owners[part], name, None)) for slot, (part, name) in parts.items()}
 
 
 def _head_dim(text) -> int:
