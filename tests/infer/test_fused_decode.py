@@ -44,6 +44,13 @@ def bound(ref: torch.Tensor) -> float:
     return 1e-5 * float(ref.abs().max()) + 1e-6
 
 
+def prefill_then_steps(dec, ids, cache, prompt: int) -> torch.Tensor:
+    """The logits of every row of `ids`: its first `prompt` tokens in one call, then one step per token."""
+    rows = [dec.forward(ids[:, :prompt], cache, last=prompt)]
+    rows += [dec.forward(ids[:, t : t + 1], cache) for t in range(prompt, ids.shape[1])]
+    return torch.cat(rows)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_fused_logits_equal_transformers_forward(family):
     """Prefill in chunks (40 tokens: more than the 16 rows of one call), then single steps: every
@@ -324,7 +331,7 @@ def test_long_rows_split_into_parts_still_equal_transformers(kv):
     dec = FusedDecoder(model)
     spec = KVSpec.parse(kv)
     cache = dec.new_cache(spec, 1100)
-    got = torch.cat([dec.forward(ids[:, :1090], cache, last=1090)] + [dec.forward(ids[:, t : t + 1], cache) for t in range(1090, 1100)])
+    got = prefill_then_steps(dec, ids, cache, 1090)
     with torch.no_grad():
         ref = model(ids).logits[0]
     if kv == "fp32":
@@ -352,7 +359,7 @@ def test_the_built_in_gpt_runs_fused(config):
     ids = torch.randint(0, VOCAB, (1, 30))
     dec = FusedDecoder(gpt)
     cache = dec.new_cache("fp32", 30)
-    got = torch.cat([dec.forward(ids[:, :25], cache, last=25)] + [dec.forward(ids[:, t : t + 1], cache) for t in range(25, 30)])
+    got = prefill_then_steps(dec, ids, cache, 25)
     with torch.no_grad():
         ref = gpt(ids)[0]
     assert (got - ref).abs().max() <= bound(ref)
@@ -377,7 +384,7 @@ def test_rotated_and_pre_rope_caches_keep_transformers_logits(kv):
     ids = torch.randint(0, VOCAB, (1, 24))
     spec = KVSpec.parse(kv)
     cache = dec.new_cache(spec, 32)
-    got = torch.cat([dec.forward(ids[:, :20], cache, last=20)] + [dec.forward(ids[:, t : t + 1], cache) for t in range(20, 24)])
+    got = prefill_then_steps(dec, ids, cache, 20)
     with torch.no_grad():
         ref = model(ids).logits[0]
     tol = 2 * bound(ref) if spec.format == "fp32" else 0.05 * float(ref.abs().max())
@@ -460,7 +467,7 @@ def test_phi3_runs_fused_with_its_qkv_and_gate_up_products():
     ids = torch.randint(0, VOCAB, (1, 30))
     dec = FusedDecoder(model)
     cache = dec.new_cache("fp32", 30)
-    got = torch.cat([dec.forward(ids[:, :25], cache, last=25)] + [dec.forward(ids[:, t : t + 1], cache) for t in range(25, 30)])
+    got = prefill_then_steps(dec, ids, cache, 25)
     with torch.no_grad():
         ref = model(ids).logits[0]
     assert (got - ref).abs().max() <= bound(ref)

@@ -663,6 +663,15 @@ static int kv_store(const mf_model_t *m, int64_t li, int64_t pos, int64_t M, con
  * rows are one part: softmax(q·K · scale) · V as written. */
 #define PART 512
 
+/* Each head's scores (group rows of n in s) turned into exp(score − mx[h]) in place, their sum in sum[h]. */
+static void exp_scores(int64_t group, int64_t n, float *s, const float *mx, float *sum) {
+    for (int64_t h = 0; h < group; h++) {
+        float t = 0.0f;
+        for (int64_t j = 0; j < n; j++) t += (s[h * n + j] = expf(s[h * n + j] - mx[h]));
+        sum[h] = t;
+    }
+}
+
 /* Query row q's heads of KV group g (`group` heads, contiguous in q) against positions lo … hi
  * (≤ PART of them): per head h, mx[h] the largest score, sum[h] Σ exp(score − mx[h]) and out
  * (group × head_dim) Σ exp(score − mx[h]) · V. Each K and V row is read (decoded) once for the
@@ -686,11 +695,7 @@ static void attend_part(const mf_model_t *m, int64_t li, int64_t g, int64_t grou
             mx[h] = v > mx[h] ? v : mx[h];
         }
     }
-    for (int64_t h = 0; h < group; h++) {
-        float t = 0.0f;
-        for (int64_t j = 0; j < n; j++) t += (s[h * n + j] = expf(s[h * n + j] - mx[h]));
-        sum[h] = t;
-    }
+    exp_scores(group, n, s, mx, sum);
     memset(out, 0, (size_t)(group * d) * sizeof(float));
     for (int64_t j = lo; j <= hi; j++) {
         const float *v = kv_row(m, li, g, j, 1, aged, buf);
@@ -851,11 +856,7 @@ D512 static inline __attribute__((always_inline)) void attend_part512_nv(const m
             mx[h] = sc > mx[h] ? sc : mx[h];
         }
     }
-    for (int64_t h = 0; h < group; h++) {
-        float t = 0.0f;
-        for (int64_t j = 0; j < n; j++) t += (s[h * n + j] = expf(s[h * n + j] - mx[h]));
-        sum[h] = t;
-    }
+    exp_scores(group, n, s, mx, sum);
     for (int64_t j = lo; j <= hi; j++) {
         row512(m, li, g, j, 1, aged, nv, v, buf);
         for (int64_t h = 0; h < group; h++) {
