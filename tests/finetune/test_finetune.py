@@ -4,6 +4,7 @@ pretraining windows that follow the tokenizer, SFT's loss on the responses of pa
 against each record run alone, bit-exact resume, and LoRA on a packed base whose adapters the
 real peft loads with the same logits."""
 
+import dataclasses
 import json
 
 import pytest
@@ -183,20 +184,30 @@ def test_a_fine_tune_resumes_bit_identically(kind, llama, text, tmp_path):
         assert wa and all(".lora_A." in k or ".lora_B." in k for k in wa)
 
 
-def test_the_packed_base_passes_the_input_gradient_of_its_dequantized_weight():
+@pytest.mark.parametrize("rotation", [None, 16])
+def test_the_packed_base_passes_the_input_gradient_of_its_dequantized_weight(rotation):
+    """The input gradient of a packed layer (behind a Hadamard rotation T or not) is float64
+    autograd's through ``x ↦ (x T) Q_Tᵀ``; the merged weight is ``Q_T Tᵀ``."""
+    from minifloat.finetune.lora import effective_weight
     from minifloat.infer.modules.linear import QuantizedLinear
+    from minifloat.infer.ptq.rotation import HadamardRotation
 
     torch.manual_seed(0)
-    layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 48), "nvfp4-weight-only")
+    rot = HadamardRotation(rotation, seed=3) if rotation else None
+    transform = (lambda w, stats: (rot.fold(w), rot)) if rot else None
+    layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 48), "nvfp4-weight-only", transform=transform)
     x = torch.randn(5, 64, requires_grad=True)
     g = torch.randn(5, 48)
     y = PackedMatmul.apply(x, layer)
     (gx,) = torch.autograd.grad(y, x, g)
     w = layer.weight.dequantize(torch.float64)  # the weight the forward multiplies by, in float64
+    # T as the forward applies it (the rotation of the identity's rows); the backward builds Tᵀ its own way
+    t = rot(torch.eye(64)).double() if rot else torch.eye(64, dtype=torch.float64)
     ref = x.detach().double().requires_grad_()
-    (gref,) = torch.autograd.grad(torch.nn.functional.linear(ref, w), ref, g.double())
+    (gref,) = torch.autograd.grad(torch.nn.functional.linear(ref @ t, w), ref, g.double())
     assert torch.allclose(gx.double(), gref, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(y.double(), x.detach().double() @ w.T + layer.bias.double(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(y.double(), x.detach().double() @ t @ w.T + layer.bias.double(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(effective_weight(layer).double(), w @ t.T, atol=1e-6)
 
 
 def test_lora_adapters_load_in_peft_with_the_same_logits_and_merge(llama, text, tmp_path):
@@ -299,12 +310,14 @@ def test_an_sft_model_answers_in_the_templates_format(llama, tmp_path, capsys):
 @pytest.mark.parametrize("options", [["--precision", "fp8"], ["--precision", "bf16", "--master", "bf16+remainder"],
                                      ["--lora", "8", "--base", "nvfp4", "--quantize-head"], ["--lora", "4", "--base", "fp8"]])  # fmt: skip
 def test_memory_plans_a_fine_tune_within_ten_percent_of_the_measured_state(options, llama, text, capsys):
-    """The plan from the shapes alone (meta device) against one real training step's state, its
-    tensors counted: every category within 10 %."""
+    """The plan from the shapes alone (meta device; the activations on a fake model) against one
+    real training step's state and one real forward's saved tensors, counted by their storages:
+    every category within 10 %, the activations among them."""
     assert main(["memory", str(llama), *options, "--measure", "--batch", "2", "--seq", "32", "--data", text, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     from minifloat.planner.finetune import MEASURED
 
+    assert result["planned"]["activations"] > 0.2 * result["planned"]["total"]  # counted, and not small here
     for category, planned in result["planned"].items():
         measured = sum(result["measured"][k] for k in MEASURED[category])
         assert measured == pytest.approx(planned, rel=0.10, abs=256), category
@@ -359,3 +372,50 @@ def test_compare_runs_the_peft_peer_on_the_same_windows(llama, text, tmp_path):
     assert peer["state_bytes"] > 0 and "peft-bf16" in (tmp_path / "cmp" / "report.md").read_text()
     with pytest.raises(minifloat.MinifloatError, match="--peers runs PEFT's LoRA beside minifloat's: it needs MODEL, --lora RANK"):
         compare(["bf16"], _cfg(llama, data=text), tmp_path / "x", plots=False, peers=["peft-bf16"], peer_python=sys.executable)
+
+
+def test_residual_factors_reach_the_eckart_young_optimum_in_the_inputs_metric():
+    """The calibrated initialisation's rank-r update leaves exactly the tail of the singular values
+    of E·H½ (H½ the symmetric root, from an eigendecomposition in numpy: not the Cholesky route the
+    code takes), and beats any other rank-r update tried."""
+    import numpy as np
+
+    from minifloat.finetune.residual_init import residual_factors
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 48)) * np.exp(rng.standard_normal(48))  # anisotropic inputs, as an LLM's
+    gram = x.T @ x / len(x)
+    error = rng.standard_normal((32, 48)) * 0.1
+    b, a, captured = residual_factors(torch.from_numpy(error), torch.from_numpy(gram), rank=5, damp=0.0)
+    w, v = np.linalg.eigh(gram)
+    root = (v * np.sqrt(w)) @ v.T
+    s = np.linalg.svd(error @ root, compute_uv=False)
+    delta = error - (b @ a).numpy()
+    achieved = np.trace(delta @ gram @ delta.T)
+    assert achieved == pytest.approx((s[5:] ** 2).sum(), rel=1e-9)
+    assert captured == pytest.approx((s[:5] ** 2).sum() / (s**2).sum(), rel=1e-9)
+    plain = np.linalg.svd(error)  # the unweighted best rank 5 (LoftQ's, weight space) does worse
+    loftq = error - (plain[0][:, :5] * plain[1][:5]) @ plain[2][:5]
+    assert achieved < np.trace(loftq @ gram @ loftq.T)
+
+
+def test_a_residual_initialisation_starts_the_packed_base_closer_to_the_unquantized_model(llama, text, tmp_path):
+    """Adapters initialised from the packed base's error (nvfp4, round to nearest) bring the
+    model's logits closer to the unquantized model's than PEFT's zero start, and the run trains."""
+    c = _cfg(llama, data=text, precision="nvfp4", lora_rank=8, lora_alpha=8)
+    ids = torch.randint(6, 200, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()(input_ids=ids).logits.float()
+    gaps = {}
+    for init in ("zero", "residual"):
+        task = PretrainedTask()
+        task.prepare(c)
+        model = task.build_model(dataclasses.replace(c, lora_init=init)).eval()
+        with torch.no_grad():
+            gaps[init] = float(((model(input_ids=ids).logits.float() - ref) ** 2).mean())
+    assert gaps["residual"] < 0.85 * gaps["zero"], gaps  # 0.76 here: rank 8 of 64-wide layers with white-noise weights
+    assert all(0 < v <= 1 for v in task.residual_captured.values()) and len(task.residual_captured) == 7 * 2
+    _run(dataclasses.replace(c, lora_init="residual"), tmp_path / "run")
+    assert read_log(tmp_path / "run" / "log.jsonl")[-1]["val_loss"] < json.loads((tmp_path / "run" / "footprint.json").read_text())["base_val_loss"]
+    with pytest.raises(minifloat.MinifloatError, match="not packed"):
+        dataclasses.replace(c, precision="bf16", lora_init="residual")

@@ -19,7 +19,7 @@ from tests.conftest import requires_cuda, sqnr_db
 # SQNR floors per recipe (output, grad_input, grad_weight) against a float64 nn.Linear.
 FLOORS = {"fp8": 20, "fp8-current": 20, "fp8-block": 20, "mxfp8": 20, "mxfp6": 14, "mxfp6-e2m3": 14, "mxfp6-e3m2": 14, "mxfp6-hybrid": 14, "mxfp4": 8, "nvfp4": 8, "nvfp4-4over6": 8,
           "mxfp4-rtn": 8, "mxfp4-rht": 8, "mxfp4-sr": 8, "mxfp4-tseng": 8, "mxfp4-tseng-rht32": 8, "mxfp4-tseng-fwd": 8, "mxfp4-tseng-least-error": 8,
-          "mxfp8-rceil": 20, "mxfp4-rceil": 8, "fp8-fnuz": 20, "fp8-current-fnuz": 20}
+          "mxfp8-rceil": 20, "mxfp4-rceil": 8, "fp8-fnuz": 20, "fp8-current-fnuz": 20, "nvfp4-1d-4over6": 8, "mxfp4-fwd": 8}
 CEILING = 60  # above this a layer is not quantizing
 
 

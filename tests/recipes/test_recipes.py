@@ -45,7 +45,7 @@ def test_what_linear_and_convert_read_off_each_recipe():
     expect = {"fp8": (False, True), "fp8-current": (False, False), "fp8-block": (True, False),
               "mxfp8": (False, False), "mxfp6": (False, False), "mxfp6-e2m3": (False, False),
               "mxfp6-e3m2": (False, False), "mxfp6-hybrid": (False, False), "mxfp4": (False, False), "nvfp4": (True, False), "nvfp4-4over6": (True, False),
-              "mxfp4-rtn": (False, False), "mxfp4-tseng": (False, False), "mxfp4-rht": (False, False), "mxfp4-sr": (False, False), "mxfp4-tseng-rht32": (False, False), "mxfp4-tseng-fwd": (False, False), "mxfp4-tseng-least-error": (False, False), "mxfp8-rceil": (False, False), "mxfp4-rceil": (False, False), "fp8-fnuz": (False, True), "fp8-current-fnuz": (False, False)}  # fmt: skip
+              "mxfp4-rtn": (False, False), "mxfp4-tseng": (False, False), "mxfp4-rht": (False, False), "mxfp4-sr": (False, False), "mxfp4-tseng-rht32": (False, False), "mxfp4-tseng-fwd": (False, False), "mxfp4-tseng-least-error": (False, False), "mxfp8-rceil": (False, False), "mxfp4-rceil": (False, False), "fp8-fnuz": (False, True), "fp8-current-fnuz": (False, False), "nvfp4-1d-4over6": (False, False), "mxfp4-fwd": (False, False)}  # fmt: skip
     assert set(expect) == set(RECIPES)
     for name, want in expect.items():
         r = get_recipe(name)

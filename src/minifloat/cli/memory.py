@@ -115,7 +115,8 @@ def _finetune(args: argparse.Namespace) -> int:
 
     full = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}[args.precision]
     planned = plan_finetune(args.pretrained, precision=full, lora_rank=args.lora, base=args.base, quantize_head=args.quantize_head,
-                            adapter_dtype=args.adapter_dtype, master=args.master, optimizer_states=args.optimizer_states)  # fmt: skip
+                            adapter_dtype=args.adapter_dtype, master=args.master, optimizer_states=args.optimizer_states,
+                            batch=args.batch, seq=args.seq)  # fmt: skip
     what = f"LoRA rank {args.lora} on a {args.base} base" if args.lora else f"full fine-tune, {full}"
     result: dict = {"model": args.pretrained, "plan": what, "planned": planned}
     if args.measure:
@@ -123,7 +124,7 @@ def _finetune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.pretrained}: {what}; the training state (activations not counted)")
+    print(f"{args.pretrained}: {what}; the training state and the activations of one {args.batch} × {args.seq} micro-batch")
     rows = []
     for k, v in planned.items():
         row = [k, f"{v:,}", f"{v / 2**20:,.1f}"]
@@ -142,13 +143,15 @@ def _measure(args: argparse.Namespace, precision: str) -> dict:
     from pathlib import Path
 
     from minifloat.finetune import PretrainedTask
+    from minifloat.planner.finetune import measured_activations
     from minifloat.train.config import TrainConfig
     from minifloat.train.loop import train
 
     c = TrainConfig(pretrained=args.pretrained, precision=args.base if args.lora else precision, lora_rank=args.lora,
                     quantize_head=args.quantize_head, adapter_dtype=args.adapter_dtype, master=args.master,
-                    optimizer_states=args.optimizer_states, steps=1, batch_size=args.batch, seq_len=min(args.seq, 128),
+                    optimizer_states=args.optimizer_states, steps=1, batch_size=args.batch, seq_len=args.seq,
                     eval_every=0, data=args.data, checkpoint_minutes=0, telemetry_every=0)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         train(c, Path(tmp) / "run", progress=False, task=PretrainedTask())
-        return json.loads((Path(tmp) / "run" / "footprint.json").read_text())["state_bytes"]
+        state = json.loads((Path(tmp) / "run" / "footprint.json").read_text())["state_bytes"]
+    return {**state, "activations": measured_activations(c)}

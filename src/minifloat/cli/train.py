@@ -12,7 +12,14 @@ from minifloat.errors import MinifloatError
 from minifloat.io import jsonio
 from minifloat.models.gpt import GPT_SIZES
 from minifloat.optim.states import MASTERS, STATE_FORMATS
-from minifloat.train.config import ADAPTER_DTYPES, BASE_FORMATS, BASE_METHODS, PRECISIONS, TrainConfig
+from minifloat.train.config import (
+    ADAPTER_DTYPES,
+    BASE_FORMATS,
+    BASE_METHODS,
+    LORA_INITS,
+    PRECISIONS,
+    TrainConfig,
+)
 
 DEFAULTS = keyword_defaults(TrainConfig)  # the flags' defaults are TrainConfig's
 
@@ -75,6 +82,9 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
                     help="how a packed LoRA base is quantized: round to nearest, or GPTQ on the training text")
     ft.add_argument("--adapter-dtype", default=DEFAULTS["adapter_dtype"], choices=ADAPTER_DTYPES,
                     help="the adapters' parameters")
+    ft.add_argument("--lora-init", default=DEFAULTS["lora_init"], choices=LORA_INITS,
+                    help="how the adapters start: zero (PEFT's: from the frozen base) or residual (a packed base: the "
+                         "best rank-r correction of its quantization error on calibration windows of the text, CLoQ's)")  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -129,7 +139,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
         pretrained=args.pretrained, sft=args.sft, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=None if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
-        base_method=args.base_method, adapter_dtype=args.adapter_dtype,
+        base_method=args.base_method, adapter_dtype=args.adapter_dtype, lora_init=args.lora_init,
     )  # fmt: skip
     precision, base = getattr(args, "precision", None), getattr(args, "base", None)
     if base is not None and not args.lora_rank:

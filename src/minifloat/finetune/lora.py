@@ -12,7 +12,12 @@ so training starts from the base model's own logits). The base is frozen and hel
 
 A packed layer's forward is its own weight-only GEMM; its backward computes the input gradient
 ``g · W`` from the packed weight, dequantized for that product alone (`PackedMatmul`) — no
-dequantized copy is kept between the passes, and the base gets no gradient.
+dequantized copy is kept between the passes, and the base gets no gradient. A layer packed behind
+a Hadamard rotation T (GPTQ's recommended pipeline, ``x T`` online, ``Q_T ≈ W T`` stored) gives
+``(g · Q_T) Tᵀ``, and merges as ``Q_T Tᵀ``.
+
+The adapters start as PEFT's (B = 0), or, on a packed base, as the calibrated correction of its
+quantization error (`minifloat.finetune.residual_init`).
 
 `save_adapter` writes the adapters as a PEFT adapter folder (``adapter_config.json`` +
 ``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_A.weight``), which
@@ -33,8 +38,10 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.infer.modules.embedding import QuantizedEmbedding
 from minifloat.infer.modules.linear import QuantizedLinear
+from minifloat.infer.ptq.rotation import HadamardRotation
 from minifloat.io.atomic import atomic_path
 from minifloat.nn.convert import matches
+from minifloat.quant.hadamard import hadamard_matrix
 
 # the weight-only PTQ config that holds a packed base of each format (`TrainConfig.precision` names it)
 PACKED_BASES = {"fp8": "fp8-weight-only", "mxfp8": "mxfp8-weight-only", "nvfp4": "nvfp4-weight-only",
@@ -43,18 +50,23 @@ ADAPTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """The (out, in) FP32 weight a frozen layer multiplies by: a Linear's own, a packed layer's
-    dequantized."""
+    """The (out, in) FP32 weight a frozen layer multiplies its input by: a Linear's own, a packed
+    layer's dequantized (times Tᵀ where it rotates its input: ``(x T) Q_Tᵀ = x (Q_T Tᵀ)ᵀ``)."""
     if isinstance(layer, QuantizedLinear):
-        _plain_packed(layer)
-        return layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features]
+        return _unrotate(layer, layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features])
     return layer.weight.detach().float()
 
 
-def _plain_packed(layer: QuantizedLinear) -> None:
-    if layer.input_transform is not None:  # a base quantized after a rotation or smoothing (PTQ's own)
-        raise MinifloatError("a LoRA base is packed without a rotation or smoothing (what an exported checkpoint holds); "
-                             "this layer folds an input transform in")  # fmt: skip
+def _unrotate(layer: QuantizedLinear, v: torch.Tensor) -> torch.Tensor:
+    """``v Tᵀ`` for the rows of `v` where `layer` rotates its input by T (a Hadamard rotation,
+    `minifloat.infer.ptq.rotation`), else `v`: T is orthogonal, so this undoes it."""
+    t = layer.input_transform
+    if t is None:
+        return v
+    if not isinstance(t, HadamardRotation):  # online smoothing: a LoRA base holds weights, not activation scales
+        raise MinifloatError(f"a LoRA base takes a packed layer as is or behind a Hadamard rotation, not behind {type(t).__name__}")
+    m = hadamard_matrix(t.size, t.seed).to(v.dtype)
+    return (v.reshape(*v.shape[:-1], -1, t.size) @ m.T).reshape(v.shape)
 
 
 class PackedMatmul(torch.autograd.Function):
@@ -63,7 +75,6 @@ class PackedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
-        _plain_packed(layer)
         ctx.layer = layer
         with torch.no_grad():
             return layer(x)
@@ -72,7 +83,7 @@ class PackedMatmul(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         layer = ctx.layer
         w = layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features]
-        g = grad.float().reshape(-1, layer.out_features) @ w
+        g = _unrotate(layer, grad.float().reshape(-1, layer.out_features) @ w)  # (g Q_T) Tᵀ: the rotation's own gradient
         return g.to(grad.dtype).reshape(*grad.shape[:-1], layer.in_features), None
 
 

@@ -77,7 +77,7 @@ HALF_PRECISIONS = ("bf16", "fp16")
 
 # A precision's ``@key=value`` options → the TrainConfig fields they set (unnamed ones: the defaults).
 VARIANT_OPTIONS = {"states": "optimizer_states", "master": "master", "first": "high_precision_first",
-                   "last": "high_precision_last"}  # fmt: skip
+                   "last": "high_precision_last", "init": "lora_init"}  # fmt: skip
 _INT_FIELDS = ("high_precision_first", "high_precision_last")
 
 

@@ -14,8 +14,13 @@ Categories (bytes):
 - ``optimizer``: AdamW's two moments per trained parameter (FP32, BF16, or FP8 with a scale per
   128) and a BF16 master's remainder (``bf16+remainder``: 2 bytes a weight).
 
-Activations are not planned here (they follow batch × sequence; `minifloat memory --params`
-plans them for a transformer's shape).
+- ``activations``: what autograd keeps between the forward and the backward of one micro-batch
+  (batch × seq tokens) that is not a parameter — inputs, attention and MLP intermediates, the
+  loss' log-probabilities, BF16 casts (autocast, a BF16 master's casts on use), a recipe Linear's
+  packed input (and packed weight where the recipe reuses it). Counted on a fake model
+  (`torch._subclasses.FakeTensorMode`: the model's own forward on tensors with shapes and no data,
+  under the run's autocast), every saved tensor once; a recipe's Linears are counted by one
+  probe layer of each shape on zeros, as their packing does not depend on the values.
 """
 
 from __future__ import annotations
@@ -62,8 +67,20 @@ def _packed_bytes(shape: tuple[int, int], config: str, cache: dict) -> int:
 
 def plan_finetune(path: str | Path, *, precision: str = "bf16", lora_rank: int = 0, base: str = "bf16", quantize_head: bool = False,
                   lora_targets: tuple[str, ...] | None = None, adapter_dtype: str = "fp32", master: str = "fp32",
-                  optimizer_states: str = "fp32") -> dict[str, int]:  # fmt: skip
-    """The planned bytes of each category (module docstring) and their ``total``."""
+                  optimizer_states: str = "fp32", batch: int | None = None, seq: int | None = None) -> dict[str, int]:  # fmt: skip
+    """The planned bytes of each category (module docstring) and their ``total``; activations only
+    with `batch` and `seq`."""
+    plan = _state_plan(path, precision=precision, lora_rank=lora_rank, base=base, quantize_head=quantize_head,
+                       lora_targets=lora_targets, adapter_dtype=adapter_dtype, master=master, optimizer_states=optimizer_states)  # fmt: skip
+    if batch is not None and seq is not None:
+        plan["activations"] = plan_activations(path, precision=precision, lora_rank=lora_rank, base=base, quantize_head=quantize_head,
+                                               lora_targets=lora_targets, adapter_dtype=adapter_dtype, master=master,
+                                               batch=batch, seq=seq)  # fmt: skip
+    plan["total"] = sum(plan.values())
+    return plan
+
+
+def _state_plan(path, *, precision, lora_rank, base, quantize_head, lora_targets, adapter_dtype, master, optimizer_states) -> dict[str, int]:
     model = meta_model(path)
     prefix, _ = decoder_layers(model)
     params = {id(p): p for p in model.parameters()}  # a tied weight once
@@ -90,8 +107,96 @@ def plan_finetune(path: str | Path, *, precision: str = "bf16", lora_rank: int =
         width = 4 if adapter_dtype == "fp32" else 2
         plan = {"trained parameters": trained * width, "frozen base": frozen, "gradients": trained * width,
                 "optimizer": 2 * trained * 4}  # fmt: skip
-    plan["total"] = sum(plan.values())
     return plan
+
+
+def plan_activations(path: str | Path, *, precision: str = "bf16", lora_rank: int = 0, base: str = "bf16", quantize_head: bool = False,
+                     lora_targets: tuple[str, ...] | None = None, adapter_dtype: str = "fp32", master: str = "fp32",
+                     batch: int = 1, seq: int = 128) -> int:  # fmt: skip
+    """Bytes autograd keeps for the backward of one batch × seq micro-batch (module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from minifloat.finetune import lora
+    from minifloat.models.loading import logits_of
+    from minifloat.nn import rounded
+    from minifloat.optim import bf16_parameters
+    from minifloat.recipes import RECIPES
+    from minifloat.train.task import cross_entropy
+
+    config = meta_model(path).config
+    mode = FakeTensorMode()
+    with mode:
+        transformers = __import__("transformers")
+        # a LoRA run's frozen rest is BF16 (but for an FP32 base); built so, as a fake model cannot be cast in place
+        frozen = torch.bfloat16 if lora_rank and base != "fp32" else torch.float32
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=frozen)
+        model.config.use_cache = False
+        prefix, _ = decoder_layers(model)
+        head = model.get_output_embeddings()
+        converted: set[torch.nn.Module] = set()
+        if lora_rank:
+            names = lora.target_names(model, prefix, lora_targets)
+            # a packed layer saves nothing (`PackedMatmul`); as a frozen plain Linear it saves only its weight
+            lora.attach(model, names, lora_rank, 16.0, 0.0, lora.ADAPTER_DTYPES[adapter_dtype])
+            autocast = base  # the run's precision names its base
+        else:
+            def keep(fqn: str, m: torch.nn.Module) -> bool:  # the Linears a full fine-tune converts
+                return fqn.startswith(prefix + ".") or m is head and quantize_head
+
+            if precision in RECIPES:
+                converted = {m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and keep(n, m)}
+            else:
+                rounded.to_high_precision(model, precision, keep)
+            if master != "fp32":
+                bf16_parameters(model)
+            autocast = precision
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+    calls: list[tuple[int, int, int]] = []  # (in, out, rows) of each converted Linear's forward
+    inside: list[torch.nn.Module] = []
+
+    def pack(t):
+        root = t._base if t._base is not None else t
+        if not inside and id(root) not in params and not isinstance(root, torch.nn.Parameter):
+            saved[id(root)] = root.numel() * root.element_size()
+            keep.append(root)  # alive until counted: no id is reused
+        return t
+
+    def enter(m, args):
+        inside.append(m)
+        calls.append((m.in_features, m.out_features, args[0].numel() // m.in_features))
+
+    def leave(m, args, out) -> None:  # returns None: the output stays the module's
+        inside.pop()
+
+    keep: list[torch.Tensor] = []
+    handles = [m.register_forward_pre_hook(enter) for m in converted]
+    handles += [m.register_forward_hook(leave) for m in converted]
+    try:
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rounded.autocast(autocast):
+            cross_entropy(logits_of(model(input_ids=ids, use_cache=False)), ids)
+    finally:
+        for h in handles:
+            h.remove()
+    cache: dict[tuple[int, int, int], int] = {}
+    return sum(saved.values()) + sum(_recipe_saved(shape, precision, cache) for shape in calls)
+
+
+def _recipe_saved(shape: tuple[int, int, int], precision: str, cache: dict) -> int:
+    """Bytes a recipe Linear of (in, out) keeps for the backward of `rows` input rows: its packed
+    input (and packed weight), from one probe layer on zeros."""
+    from minifloat.nn.linear import Linear
+
+    if shape not in cache:
+        k, n, rows = shape
+        layer = Linear(k, n, bias=False, recipe=precision)
+        out = layer(torch.zeros(rows, k, requires_grad=True))
+        node = out.grad_fn
+        while node is not None and getattr(node, "xt", None) is None and node.next_functions:
+            node = node.next_functions[0][0]
+        cache[shape] = sum(t.nbytes for t in (getattr(node, "xt", None), getattr(node, "wq", None)) if t is not None)
+    return cache[shape]
 
 
 def _recipe_state(model: torch.nn.Module, prefix: str, precision: str, quantize_head: bool) -> int:
@@ -110,4 +215,38 @@ def _recipe_state(model: torch.nn.Module, prefix: str, precision: str, quantize_
 
 # the measured run's categories (`minifloat.train.loop.state_bytes`) that each planned one counts
 MEASURED = {"trained parameters": ("trained_parameters",), "frozen base": ("frozen_parameters", "buffers"),
-            "gradients": ("gradients",), "optimizer": ("optimizer",), "total": ("total",)}  # fmt: skip
+            "gradients": ("gradients",), "optimizer": ("optimizer",), "activations": ("activations",),
+            "total": ("total", "activations")}  # fmt: skip
+
+
+def measured_activations(c, *, seed: int = 0) -> int:
+    """What one real micro-batch of the fine-tune `c` (a `TrainConfig`) keeps for its backward:
+    every saved tensor's storage once (not the parameters'), and the packed inputs and weights
+    minifloat's Linears keep on their autograd nodes (found by walking the graph)."""
+    from minifloat.finetune import PretrainedTask
+    from minifloat.nn import rounded
+
+    task = PretrainedTask()
+    task.prepare(c)
+    model = task.build_model(c).train()
+    batch = task.batch(c, torch.Generator().manual_seed(seed))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = max(saved.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rounded.autocast(c.precision):
+        loss = task.loss(model, batch)
+    total, seen, stack = sum(saved.values()), set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        total += sum(getattr(node, k).nbytes for k in ("xt", "wq") if getattr(node, k, None) is not None)
+        stack.extend(f for f, _ in node.next_functions)
+    return total

@@ -20,6 +20,9 @@ PRECISIONS = HIGH_PRECISIONS + tuple(RECIPES)
 # plain weights, the others packed (weight-only, `minifloat.finetune.lora`)
 BASE_FORMATS = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4", "mxfp4")
 BASE_METHODS = ("rtn", "gptq")
+# How LoRA adapters start: PEFT's (B = 0: the run starts from the frozen base), or the calibrated
+# best rank-r correction of a packed base's quantization error (`minifloat.finetune.residual_init`)
+LORA_INITS = ("zero", "residual")
 ADAPTER_DTYPES = ("fp32", "bf16")
 DEFAULT_LRS = {"gpt": 1e-3, "full": 3e-5, "lora": 2e-4}  # the peak learning rate when --lr is not given
 
@@ -68,6 +71,7 @@ class TrainConfig:
     lora_targets: tuple[str, ...] | None = None  # module-name globs; None: every Linear of the decoder layers
     base_method: str = "rtn"  # how a packed base is quantized: rtn, gptq
     adapter_dtype: str = "fp32"  # the adapters' parameters: fp32, bf16
+    lora_init: str = "zero"  # LORA_INITS
     merge: bool = False  # a LoRA run also writes the merged model (out/merged)
 
     def __post_init__(self) -> None:
@@ -125,6 +129,11 @@ class TrainConfig:
             raise MinifloatError(f"--base-method {self.base_method!r}: use one of {', '.join(BASE_METHODS)}")
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise MinifloatError(f"--adapter-dtype {self.adapter_dtype!r}: use one of {', '.join(ADAPTER_DTYPES)}")
+        if self.lora_init not in LORA_INITS:
+            raise MinifloatError(f"--lora-init {self.lora_init!r}: use one of {', '.join(LORA_INITS)}")
+        if self.lora_init == "residual" and self.precision in ("fp32", "bf16"):
+            raise MinifloatError(f"--lora-init residual corrects a packed base's quantization error; --base {self.precision} "
+                                 f"is not packed (use --base fp8, mxfp8, nvfp4 or mxfp4, or --lora-init zero)")  # fmt: skip
         if self.optimizer_states != "fp32" or self.master != "fp32" or self.fsdp:
             raise MinifloatError("a LoRA run trains a few million adapter weights at most: it keeps FP32 optimizer states "
                                  "and masters and runs in one process (drop --optimizer-states, --master and --fsdp)")  # fmt: skip
