@@ -57,9 +57,12 @@ def test_a_precision_carries_training_options_and_the_rest_keep_their_defaults()
     label = "mxfp4-tseng@states=fp8-dre@master=bf16-sr@last=1"
     assert parse_precisions(f"fp8,{label}") == ["fp8", label]
     assert run_fields(label) == {"precision": "mxfp4-tseng", "optimizer_states": "fp8-dre", "master": "bf16-sr",
-                                 "high_precision_first": 0, "high_precision_last": 1}  # fmt: skip
+                                 "high_precision_first": 0, "high_precision_last": 1, "lora_init": "zero"}  # fmt: skip
     assert run_fields("fp8") == {"precision": "fp8", "optimizer_states": "fp32", "master": "fp32",
-                                 "high_precision_first": 0, "high_precision_last": 0}  # fmt: skip
+                                 "high_precision_first": 0, "high_precision_last": 0, "lora_init": "zero"}  # fmt: skip
+    # options the command line gave reach every precision that does not name its own
+    cli = TrainConfig(model="tiny", steps=1, high_precision_last=1, optimizer_states="bf16")
+    assert run_fields("fp8", cli)["high_precision_last"] == 1 and run_fields("fp8@states=fp8", cli)["optimizer_states"] == "fp8"
     with pytest.raises(minifloat.MinifloatError, match="options after @ are key=value with a key among states, master"):
         parse_precisions("fp8@state=fp8")
     with pytest.raises(minifloat.MinifloatError, match="last= takes a whole number of blocks, got 'x'"):

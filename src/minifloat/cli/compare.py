@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from minifloat.report.comparison import summary_table
 
     precisions = parse_precisions(args.precisions)
-    base = config_from_args(args, **run_fields(precisions[0]))
+    # the command line's options; each precision's own @options replace them for its runs
+    base = config_from_args(args, precision=run_fields(precisions[0])["precision"])
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite, seeds=args.seeds,
                       peers=peers, peer_python=args.peer_python)  # fmt: skip

@@ -23,8 +23,9 @@ a diverged run's loss written as the string ``"nan"`` / ``"inf"``, see `minifloa
   or ``failed`` (the process exited with an error, whose last lines are in ``error``).
 
 A precision may name training options after ``@``: ``fp8@states=fp8-dre@master=bf16-sr`` trains
-the fp8 recipe with FP8 (COAT) optimizer states and BF16 masters (`VARIANT_OPTIONS`); the
-options it does not name keep their defaults, so ``fp8`` beside it is the FP32-state run.
+the fp8 recipe with FP8 (COAT) optimizer states and BF16 masters (`VARIANT_OPTIONS`; ``init``
+is a LoRA run's ``lora_init``); the options it does not name are the command line's (its
+defaults), so ``fp8`` beside it is the FP32-state run.
 
 With ``seeds`` > 1 (``--seeds N``) each seed's runs are compared with the reference's run of
 the same seed (same initial weights, same data order), and a run's entry holds the mean of
@@ -81,15 +82,16 @@ VARIANT_OPTIONS = {"states": "optimizer_states", "master": "master", "first": "h
 _INT_FIELDS = ("high_precision_first", "high_precision_last")
 
 
-def run_fields(label: str) -> dict:
-    """The TrainConfig fields of a precision as `parse_precisions` takes it.
+def run_fields(label: str, base: TrainConfig | None = None) -> dict:
+    """The TrainConfig fields of a precision as `parse_precisions` takes it: those its ``@``
+    options name, the others as `base` (the command line's) has them, or TrainConfig's defaults.
 
     Example:
         >>> run_fields("fp8@states=fp8-dre@master=bf16-sr@last=1")
-        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr', 'high_precision_first': 0, 'high_precision_last': 1}
+        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr', 'high_precision_first': 0, 'high_precision_last': 1, 'lora_init': 'zero'}
     """
     name, *options = label.split("@")
-    fields = {"precision": name, **{f: getattr(TrainConfig, f) for f in VARIANT_OPTIONS.values()}}
+    fields = {"precision": name, **{f: getattr(base if base is not None else TrainConfig, f) for f in VARIANT_OPTIONS.values()}}
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or key not in VARIANT_OPTIONS or not value:
@@ -258,7 +260,7 @@ def compare(
     `overwrite`, which deletes that comparison first."""
     precisions = parse_precisions(precisions)
     for p in precisions:  # every run's options checked before minutes of training
-        dataclasses.replace(base, **run_fields(p))
+        dataclasses.replace(base, **run_fields(p, base))
     _check_peers(peers, peer_python, base)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise MinifloatError(f"--seeds must be a whole number ≥ 1, got {seeds!r}")
@@ -287,14 +289,14 @@ def compare(
     for k, seed in enumerate(seed_list):
         runs = []
         for i, precision in enumerate(precisions):
-            c = dataclasses.replace(base, **run_fields(precision), seed=seed)
+            c = dataclasses.replace(base, **run_fields(precision, base), seed=seed)
             run_dir = out / "runs" / precision / (f"seed{seed}" if seeds > 1 else "")
             of = f"[{k * len(precisions) + i + 1}/{seeds * len(precisions)}] {precision}"
             what = f"{c.model} model" if c.pretrained is None else c.pretrained + (f", LoRA rank {c.lora_rank}" if c.lora_rank else "")
             echo(f"{of}: {what}, {c.steps} steps" + (f", seed {seed}" if seeds > 1 else ""))
             runs.append(_run(c, run_dir, lambda line, p=precision: echo(f"  [{p}] {line}"), label=precision))
         for name in peers:
-            c = dataclasses.replace(base, **run_fields(precisions[0]), seed=seed)
+            c = dataclasses.replace(base, **run_fields(precisions[0], base), seed=seed)
             echo(f"peer {name}" + (f", seed {seed}" if seeds > 1 else ""))
             runs.append(_peer_run(c, name, peer_python, out / "runs" / name / (f"seed{seed}" if seeds > 1 else "")))
         _relative_to_first(runs)
