@@ -117,7 +117,7 @@ def plan_activations(path: str | Path, *, precision: str = "bf16", lora_rank: in
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from minifloat.finetune import lora
-    from minifloat.models.loading import logits_of
+    from minifloat.models.loading import logits_of, require_transformers
     from minifloat.nn import rounded
     from minifloat.optim import bf16_parameters
     from minifloat.recipes import RECIPES
@@ -125,8 +125,8 @@ def plan_activations(path: str | Path, *, precision: str = "bf16", lora_rank: in
 
     config = meta_model(path).config
     mode = FakeTensorMode()
+    transformers = require_transformers()
     with mode:
-        transformers = __import__("transformers")
         # a LoRA run's frozen rest is BF16 (but for an FP32 base); built so, as a fake model cannot be cast in place
         frozen = torch.bfloat16 if lora_rank and base != "fp32" else torch.float32
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=frozen)
@@ -160,7 +160,7 @@ def plan_activations(path: str | Path, *, precision: str = "bf16", lora_rank: in
         root = t._base if t._base is not None else t
         if not inside and id(root) not in params and not isinstance(root, torch.nn.Parameter):
             saved[id(root)] = root.numel() * root.element_size()
-            keep.append(root)  # alive until counted: no id is reused
+            alive.append(root)  # kept until counted: no id is reused
         return t
 
     def enter(m, args):
@@ -170,7 +170,7 @@ def plan_activations(path: str | Path, *, precision: str = "bf16", lora_rank: in
     def leave(m, args, out) -> None:  # returns None: the output stays the module's
         inside.pop()
 
-    keep: list[torch.Tensor] = []
+    alive: list[torch.Tensor] = []
     handles = [m.register_forward_pre_hook(enter) for m in converted]
     handles += [m.register_forward_hook(leave) for m in converted]
     try:
