@@ -204,3 +204,31 @@ def test_gptq_candidates_are_the_uniform_gptq_models_layers(tiny):
     with pytest.raises(minifloat.MinifloatError, match="method='awq'"):
         sensitivity(model, data, ["fp8-dynamic"], method="awq")
     assert get_quant_config("nvfp4-weight-only").activation is None
+
+
+def test_sensitivity_memory_does_not_grow_with_batches(tmp_path):
+    """Peak RSS of `sensitivity` on a 64k vocabulary: 8 batches against 1 (keeping every batch's
+    reference logits and each variant's, as it did, cost 1.2 GB more here)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("transformers")
+    script = textwrap.dedent("""
+        import resource, sys, torch, transformers
+        from minifloat.adapt import sensitivity
+        n = int(sys.argv[1])
+        cfg = transformers.LlamaConfig(vocab_size=65536, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+        batches = [torch.randint(0, 65536, (4, 65)) for _ in range(n)]
+        sensitivity(model, batches[:1], ["fp8-dynamic"], estimate_batches=1)  # warm: the allocator's first arenas
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        s = sensitivity(model, batches, ["fp8-dynamic"], estimate_batches=1)
+        assert len(s.measured) == 7, s.measured
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+    """)
+    grown = {n: int(subprocess.run([sys.executable, "-c", script, str(n)], capture_output=True, text=True, check=True,
+                                   cwd=tmp_path).stdout.split()[-1]) for n in (1, 8)}  # fmt: skip
+    assert grown[8] - grown[1] < 150 * 2**20, grown

@@ -58,9 +58,9 @@ class Sensitivity:
     spearman: float = float("nan")
     measured: list[str] = field(default_factory=list)  # layers whose KL was measured; the others' is the scaled estimate
     method: str = "rtn"  # how each candidate's layers were quantized: rtn, or gptq (the model quantized whole, sequentially)
-    # what `refine` measures more layers with: each layer's quantized copies, the reference logits and loss
+    # what `refine` measures more layers with: each layer's quantized copies; whether they were made
     built: dict = field(default_factory=dict, repr=False, compare=False)
-    reference: tuple | None = field(default=None, repr=False, compare=False)
+    reference: bool = field(default=False, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         keys = ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman", "measured", "method")
@@ -110,21 +110,23 @@ def swapped(model: torch.nn.Module, name: str, new: torch.nn.Module):
         setattr(parent, child, old)
 
 
-def _losses(model, batches) -> tuple[list[torch.Tensor], float]:
-    logits, q = [], Quality()
+def _score(model: torch.nn.Module, batches, variants: dict[tuple[str, str], torch.nn.Module],
+           done: Callable[[int], None] | None = None) -> tuple[float, dict]:  # fmt: skip
+    """The model's own mean NLL on `batches`, and per (layer name, candidate) of `variants` (the
+    module that replaces that layer) the model's NLL and KL against it — batch by batch: one
+    batch's reference logits are held at a time, so memory does not grow with the batches."""
+    ref_q = Quality()
+    scores = {key: Quality() for key in variants}
     with torch.no_grad():
-        for b in batches:
-            lg = logits_of(model(b[:, :-1])).float()
-            logits.append(lg)
-            q.add(lg, b[:, 1:])
-    return logits, q.result()["nll"]
-
-
-def _kl(ref: list[torch.Tensor], new: list[torch.Tensor]) -> float:
-    q = Quality()
-    for r, lg in zip(ref, new, strict=True):
-        q.add(lg, reference=r)
-    return q.result()["kl"]
+        for i, b in enumerate(batches):
+            ref = logits_of(model(b[:, :-1])).float()
+            ref_q.add(ref, b[:, 1:])
+            for (name, c), new in variants.items():
+                with swapped(model, name, new):
+                    scores[name, c].add(logits_of(model(b[:, :-1])).float(), b[:, 1:], reference=ref)
+            if done is not None:
+                done(i + 1)
+    return ref_q.result()["nll"], {k: q.result() for k, q in scores.items()}
 
 
 def sensitivity(
@@ -183,7 +185,7 @@ def sensitivity(
         res.estimate = _fisher_estimate(model, data[:estimate_batches], built)
         if progress:
             progress("estimate", len(layers), len(layers))
-        res.built, res.reference = built, _losses(model, data)
+        res.built, res.reference = built, True
         refine(res, model, data, chosen, progress=progress)
     finally:
         model.train(was)
@@ -208,22 +210,23 @@ def refine(s: Sensitivity, model: torch.nn.Module, data: Sequence[torch.Tensor],
            progress: Callable[[str, int, int], None] | None = None) -> Sensitivity:  # fmt: skip
     """Measure the KL of `layers` (every candidate) on the `data` `s` was made with, in place; the
     unmeasured layers' KL is then their estimate × the median measured / estimated ratio."""
-    if s.reference is None:
+    if not s.reference:
         raise MinifloatError("refine needs the Sensitivity that `sensitivity` returned (with its quantized layers)")
-    built, (ref_logits, ref_loss) = s.built, s.reference
     todo = [n for n in layers if n not in s.measured]
     was = model.training
     model.eval()
     try:
-        for i, name in enumerate(todo):
-            for c in s.candidates:
-                with swapped(model, name, built[name][c]):
-                    logits, loss = _losses(model, data)
-                s.kl.setdefault(name, {})[c] = _kl(ref_logits, logits)
-                s.dloss.setdefault(name, {})[c] = loss - ref_loss
-            s.measured.append(name)
+        def done(batches: int) -> None:  # the progress in layers, as each batch ends
             if progress:
-                progress("measure", i + 1, len(todo))
+                progress("measure", round(len(todo) * batches / len(data)), len(todo))
+
+        variants = {(name, c): s.built[name][c] for name in todo for c in s.candidates}
+        ref_loss, scores = _score(model, data, variants, done if todo else None)
+        for name in todo:
+            for c in s.candidates:
+                s.kl.setdefault(name, {})[c] = scores[name, c]["kl"]
+                s.dloss.setdefault(name, {})[c] = scores[name, c]["nll"] - ref_loss
+            s.measured.append(name)
     finally:
         model.train(was)
     pairs = [(s.estimate[n][c], s.kl[n][c]) for n in s.measured for c in s.candidates]
