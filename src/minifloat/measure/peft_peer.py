@@ -48,7 +48,7 @@ def main() -> None:
     import numpy as np
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(a.seed)
     w = np.load(a.windows)
@@ -56,6 +56,18 @@ def main() -> None:
     val = list(zip(torch.from_numpy(w["val_ids"]), torch.from_numpy(w["val_labels"]), strict=True))
     a.steps = train_ids.shape[0]
     path = Path(a.model)
+    plain = None
+    if a.base == "nf4" and path.suffix == ".gguf":  # transformers quantizes no GGUF on load: through a plain folder
+        import tempfile
+
+        plain = tempfile.TemporaryDirectory()
+        dense = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+        dense.hf_quantizer, dense.is_quantized = None, False  # dequantized on load; it only calls itself quantized
+        if hasattr(dense.config, "quantization_config"):
+            del dense.config.quantization_config
+        dense.save_pretrained(plain.name)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(plain.name)
+        path = Path(plain.name)
     kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     if a.base == "nf4":
         from transformers import BitsAndBytesConfig
@@ -63,6 +75,8 @@ def main() -> None:
         kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                        bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(path.parent if "gguf_file" in kw else path, dtype=torch.bfloat16, **kw)
+    if plain is not None:
+        plain.cleanup()  # the quantized model holds its own copies
     model.config.use_cache = False
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     torch.manual_seed(a.seed)
