@@ -58,9 +58,8 @@ class Sensitivity:
     spearman: float = float("nan")
     measured: list[str] = field(default_factory=list)  # layers whose KL was measured; the others' is the scaled estimate
     method: str = "rtn"  # how each candidate's layers were quantized: rtn, or gptq (the model quantized whole, sequentially)
-    # what `refine` measures more layers with: each layer's quantized copies; whether they were made
+    # what `refine` measures more layers with: each layer's quantized copies
     built: dict = field(default_factory=dict, repr=False, compare=False)
-    reference: bool = field(default=False, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         keys = ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman", "measured", "method")
@@ -185,7 +184,7 @@ def sensitivity(
         res.estimate = _fisher_estimate(model, data[:estimate_batches], built)
         if progress:
             progress("estimate", len(layers), len(layers))
-        res.built, res.reference = built, True
+        res.built = built
         refine(res, model, data, chosen, progress=progress)
     finally:
         model.train(was)
@@ -210,7 +209,7 @@ def refine(s: Sensitivity, model: torch.nn.Module, data: Sequence[torch.Tensor],
            progress: Callable[[str, int, int], None] | None = None) -> Sensitivity:  # fmt: skip
     """Measure the KL of `layers` (every candidate) on the `data` `s` was made with, in place; the
     unmeasured layers' KL is then their estimate × the median measured / estimated ratio."""
-    if not s.reference:
+    if not s.built:
         raise MinifloatError("refine needs the Sensitivity that `sensitivity` returned (with its quantized layers)")
     todo = [n for n in layers if n not in s.measured]
     was = model.training

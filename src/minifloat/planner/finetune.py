@@ -220,33 +220,20 @@ MEASURED = {"trained parameters": ("trained_parameters",), "frozen base": ("froz
 
 
 def measured_activations(c, *, seed: int = 0) -> int:
-    """What one real micro-batch of the fine-tune `c` (a `TrainConfig`) keeps for its backward:
-    every saved tensor's storage once (not the parameters'), and the packed inputs and weights
-    minifloat's Linears keep on their autograd nodes (found by walking the graph)."""
+    """What one real micro-batch of the fine-tune `c` (a `TrainConfig`) keeps for its backward
+    (`minifloat.planner.memory.saved_for_backward`: the packed weights a recipe reuses included)."""
     from minifloat.finetune import PretrainedTask
     from minifloat.nn import rounded
+    from minifloat.planner.memory import saved_for_backward
 
     task = PretrainedTask()
     task.prepare(c)
     model = task.build_model(c).train()
     batch = task.batch(c, torch.Generator().manual_seed(seed))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
 
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            saved[st.data_ptr()] = max(saved.get(st.data_ptr(), 0), st.nbytes())
-        return t
+    def forward():
+        with rounded.autocast(c.precision):
+            return task.loss(model, batch)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rounded.autocast(c.precision):
-        loss = task.loss(model, batch)
-    total, seen, stack = sum(saved.values()), set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        total += sum(getattr(node, k).nbytes for k in ("xt", "wq") if getattr(node, k, None) is not None)
-        stack.extend(f for f, _ in node.next_functions)
-    return total
+    _, activations, copies = saved_for_backward(model, forward)
+    return activations + copies

@@ -223,6 +223,39 @@ def plan(*, params: int, precision: str = "fp8", layout: str = "te", master: str
     return p
 
 
+def saved_for_backward(model, forward):
+    """(loss, activations, weight copies): `forward()`'s loss, and the bytes autograd keeps for its
+    backward that are not `model`'s parameters — every saved storage once, plus the packed input
+    (activations) and packed weight (copies) minifloat's Linear keeps on its autograd node, where
+    the saved-tensor hooks do not see them (found by walking the graph)."""
+    import torch
+
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            st = t.untyped_storage()
+            saved[st.data_ptr()] = max(saved.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward()
+    activations = sum(v for k, v in saved.items() if k not in params)
+    copies, seen, stack = 0, set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "xt", None) is not None:
+            activations += node.xt.nbytes
+        if getattr(node, "wq", None) is not None:
+            copies += node.wq.nbytes
+        stack.extend(f for f, _ in node.next_functions)
+    return loss, activations, copies
+
+
 def measured_state(size: str, precision: str, *, batch: int, seq: int, optimizer_states: str = "fp32",
                    master: str = "fp32") -> dict[str, int]:  # fmt: skip
     """Bytes of a real training state of the built-in GPT `size` under minifloat's training: the
@@ -243,32 +276,12 @@ def measured_state(size: str, precision: str, *, batch: int, seq: int, optimizer
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer_states == master == "fp32"
            else AdamW(model.parameters(), lr=1e-4, state_format=optimizer_states, master=master))  # fmt: skip
     ids = torch.randint(0, model.config.vocab_size, (batch, seq + 1))
-    saved: dict[int, int] = {}
 
-    def pack(t):
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-            st = t.untyped_storage()
-            saved[st.data_ptr()] = max(saved.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def forward():
         with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
-            loss = F.cross_entropy(model(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].reshape(-1))
-    activations = sum(v for k, v in saved.items() if k not in params)
-    # minifloat's Linear keeps its packed input (and, for some recipes, its packed weight) on the
-    # autograd node itself, where the saved-tensor hooks do not see them: walk the graph
-    copies, seen, stack = 0, set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if getattr(node, "xt", None) is not None:
-            activations += node.xt.nbytes
-        if getattr(node, "wq", None) is not None:
-            copies += node.wq.nbytes
-        stack.extend(f for f, _ in node.next_functions)
+            return F.cross_entropy(model(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].reshape(-1))
+
+    loss, activations, copies = saved_for_backward(model, forward)
     loss.backward()
     opt.step()
     return {"parameters": sum(p.nbytes for p in model.parameters()),
