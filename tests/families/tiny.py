@@ -37,6 +37,37 @@ def config(family: str, vocab: int):
     raise ValueError(family)
 
 
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2")  # what transformers' GGUF reader knows
+
+
+def gguf_config(family: str, vocab: int = 259):
+    """`config(family)` with what transformers' GGUF reader assumes where the file has no key for
+    it: Qwen3's and Gemma 3's head_dim (128 / 256, their real models'), Gemma 3's every sixth layer
+    global (six layers: five local, one global) and its query scale, GPT-2's 1024 positions; Gemma's
+    vocabulary one more, for the ``<mask>`` its tokenizer holds. (Mistral:
+    llama.cpp writes it as a Llama, without its sliding window.)"""
+    cfg = config(family, vocab + (family == "gemma3"))  # Gemma's tokenizer has a <mask> token
+    if family == "qwen3":
+        cfg.head_dim = 128
+    if family == "gemma3":
+        cfg = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": 6, "layer_types": None, "head_dim": 256,
+                           "query_pre_attn_scalar": 256})  # fmt: skip
+    if family == "gpt2":
+        cfg.n_positions = 1024
+    return cfg
+
+
+def random_weights(model: torch.nn.Module, family: str) -> torch.nn.Module:
+    """Weights of a trained model's size: N(0, 0.08) matrices, Gemma's (1 + w) norms w around 0."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif family == "gemma3" and p.dim() == 1:  # not the 1 a Llama norm holds
+                p.normal_(0, 0.1)
+    return model
+
+
 def tiny_family(folder: Path, family: str, seed: int = 0) -> Path:
     """A random `family` model and its tokenizer in `folder` (weights of a trained model's size)."""
     import transformers
@@ -45,13 +76,7 @@ def tiny_family(folder: Path, family: str, seed: int = 0) -> Path:
     if family.startswith("qwen"):  # Qwen's tokenizer class pads with <|endoftext|>: give it one
         tokenizer.add_special_tokens({"pad_token": "<|endoftext|>"})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config(family, len(tokenizer)))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            elif family == "gemma3" and p.dim() == 1:  # (1 + w) norms: w around 0, not the 1 a Llama norm holds
-                p.normal_(0, 0.1)
+    model = random_weights(transformers.AutoModelForCausalLM.from_config(config(family, len(tokenizer))), family)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

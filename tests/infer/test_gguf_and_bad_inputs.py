@@ -10,83 +10,24 @@ import torch
 import minifloat
 from minifloat.cli import main
 from minifloat.infer import load_model
+from tests.gguf_writer import VOCAB, write_gguf
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-H, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 259
-
-
-def _gpt2_bytes() -> list[str]:
-    """GPT-2's byte-to-unicode table (the published mapping): the 256 byte tokens of a byte-level BPE."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, map(chr, cs), strict=True))
-    return [table[b] for b in range(256)]
-
-
-def _rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's order of the Q / K rows (its converter permutes them; transformers undoes it)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+H, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 
 
 def write_tiny_gguf(path, arch: str = "llama", inter: int = INTER):
     """A random Llama (GQA, SwiGLU, RMSNorm, untied head) written as GGUF F32 tensors as llama.cpp's
-    converter lays them out; returns it. ``arch="qwen2"``: a Qwen2 (Q / K / V biases, rows in
-    transformers' order)."""
+    converter lays them out (tests/gguf_writer.py); returns it. ``arch="qwen2"``: a Qwen2 (Q / K / V
+    biases, rows in transformers' order)."""
     torch.manual_seed(0)
     family = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
     cfg = family(vocab_size=VOCAB, hidden_size=H, intermediate_size=inter, num_hidden_layers=LAYERS,
                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=128,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(128)
-    w.add_embedding_length(H)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(H // HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([*_gpt2_bytes(), "<s>", "<|endoftext|>", "ĠĠ"])  # llama.cpp wants a merge: "Ġ Ġ" makes "ĠĠ"
-    w.add_token_types([1] * 256 + [3, 3, 1])
-    w.add_token_scores([0.0] * VOCAB)
-    w.add_token_merges(["Ġ Ġ"])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(257)
-    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    names = {"input_layernorm": "attn_norm", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}  # fmt: skip
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        for hf, gg in names.items():
-            w.add_tensor(f"blk.{i}.{gg}.weight", sd[p + hf + ".weight"])
-        if arch == "qwen2":  # llama.cpp keeps Qwen2's rows as they are, and its Q / K / V biases
-            for proj, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
-                w.add_tensor(f"blk.{i}.{gg}.bias", sd[f"{p}self_attn.{proj}.bias"])
-            w.add_tensor(f"blk.{i}.attn_q.weight", sd[p + "self_attn.q_proj.weight"])
-            w.add_tensor(f"blk.{i}.attn_k.weight", sd[p + "self_attn.k_proj.weight"])
-            continue
-        w.add_tensor(f"blk.{i}.attn_q.weight", _rope_permute(torch.from_numpy(sd[p + "self_attn.q_proj.weight"]), HEADS).numpy())
-        w.add_tensor(f"blk.{i}.attn_k.weight", _rope_permute(torch.from_numpy(sd[p + "self_attn.k_proj.weight"]), KV_HEADS).numpy())
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return model
+    return write_gguf(transformers.AutoModelForCausalLM.from_config(cfg).eval(), path, arch)
 
 
 def test_a_gguf_file_loads_with_the_logits_of_the_model_written(tmp_path):

@@ -17,8 +17,9 @@ from minifloat.errors import MinifloatError
 from minifloat.infer import QuantizedLinear, load_model
 from minifloat.infer.checkpoints.export import export
 from minifloat.infer.checkpoints.load import load_quantized
+from tests.gguf_writer import VOCAB, rope_permute
 
-from .test_gguf_and_bad_inputs import HEADS, KV_HEADS, LAYERS, VOCAB, write_tiny_gguf
+from .test_gguf_and_bad_inputs import HEADS, KV_HEADS, LAYERS, write_tiny_gguf
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -26,11 +27,6 @@ gguf = pytest.importorskip("gguf")
 FP4 = ("mxfp4-weight-only", "nvfp4-weight-only", "nvfp4-4over6-weight-only")
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
-
-
-def _llama_order(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter's order of Q / K rows (the published reshape), for the oracle."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _quantized(src, config, **kw):
@@ -84,7 +80,7 @@ def test_ggufs_own_dequantization_of_every_fp4_tensor_equals_minifloats_weight(r
             q = minifloat.QuantizedTensor(q.data, q.scale, torch.tensor(1.0), q.shape, q.scheme)
         want = q.dequantize()
         if proj in ("q_proj", "k_proj") and family == "llama":  # Qwen2's rows stay in transformers' order
-            want = _llama_order(want, HEADS if proj == "q_proj" else KV_HEADS)
+            want = rope_permute(want, HEADS if proj == "q_proj" else KV_HEADS)
         if layer.bias is not None:
             assert np.array_equal(np.asarray(tensors[f"{g}.bias"].data), layer.bias.detach().numpy())
         assert not torch.isnan(got).any()
@@ -337,10 +333,10 @@ def test_nvfp4_is_refused_where_llama_cpp_drops_its_tensor_scale(tiny_qwen2, tmp
 def test_an_architecture_transformers_converts_on_reading_is_refused_by_name():
     from minifloat.infer.checkpoints import gguf_file
 
-    for arch in ("llama", "qwen2", "qwen3", "phi3"):
-        gguf_file.check_arch(arch)  # read as written (Llama: its Q / K order, which the writer puts back)
-    with pytest.raises(MinifloatError, match="'gemma3' is not supported: transformers converts its tensors"):
-        gguf_file.check_arch("gemma3")
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2"):
+        gguf_file.check_arch(arch)  # read as written, or converted in a way the writer inverts (tests/families)
+    with pytest.raises(MinifloatError, match="'qwen2moe' is not supported: transformers converts its tensors"):
+        gguf_file.check_arch("qwen2moe")  # fused 3-D experts
 
 
 def test_q8_0_inputs_round_as_ggufs_own_q8_0():

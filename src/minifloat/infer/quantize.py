@@ -243,7 +243,7 @@ def quantize_model(
             reason = why_not(m, c)
             if reason is None and export_format is not None:
                 why = unreadable(c.weight_scheme, m.out_features, m.in_features, export_format)
-                if isinstance(m, Conv1DLinear):
+                if isinstance(m, Conv1DLinear) and export_format != "gguf":  # GGUF holds them as (out, in) rows
                     why = "GPT-2's Conv1D: its readers quantize nn.Linear layers only"
                 reason = None if why is None else f"{export_format}: {why}"
         before = layer_bytes(m)

@@ -27,8 +27,9 @@ and tensor names as llama.cpp's converter wrote them, each of the model's tensor
 (FP4 blocks, else `REST_TYPES`: the 2-D rest — embedding, an unquantized head or layer — in the
 type the user picks, ``q8_0`` by default as llama.cpp's own 4-bit files keep it, made by
 ``gguf``'s quantizer; norms and biases F32), tensors the model does not hold (``rope_freqs``)
-copied as they were. Llama's Q and K rows are put back in llama.cpp's order (its converter
-permutes them; transformers' reader undoes it). ``minifloat.quantization`` records each FP4
+copied as they were. What llama.cpp's converter changes and transformers' reader undoes is
+put back: Llama's Q and K rows in RoPE's interleaved order, Gemma 2 / 3's norms stored as
+``1 + w``, GPT-2's Conv1D weights as (out, in) rows (where FP4 blocks lie anyway). ``minifloat.quantization`` records each FP4
 tensor's config, so a file read back keeps them (a config that disagrees with the block type is
 refused). Written beside the target and renamed into place.
 """
@@ -45,6 +46,7 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.infer.ptq.config import QUANT_CONFIGS, QuantConfig
+from minifloat.models.conv1d import linears_from_conv1d
 from minifloat.quant import QuantizedTensor
 from minifloat.scaling.layout import part_specs
 from minifloat.scaling.schemes import Scheme
@@ -55,6 +57,9 @@ BLOCK_BYTES = {"MXFP4": 17, "NVFP4": 36}
 READ_AS = {"MXFP4": "mxfp4-weight-only", "NVFP4": "nvfp4-weight-only"}  # a file without minifloat's record
 REST_TYPES = ("f32", "f16", "bf16", "q8_0")
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter reorders these archs' Q / K rows for its RoPE
+NORM_OFFSET_ARCHS = ("gemma2", "gemma3")  # norms computing (1 + w): the file holds 1 + w
+CONV1D_ARCHS = ("gpt2",)  # Conv1D (in, out) weights: the file holds them as (out, in)
+CONV1D_TENSORS = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
 # Architectures whose llama.cpp graph multiplies every Linear's output by NVFP4's ``.scale`` (checked in
 # llama-cpp-python 0.3.36's sources and by running it): qwen2's passes NULL scales to its FFN, so an NVFP4
 # file of it computes with weights off by the tensor scale (NaN logits, seen on Qwen2.5-Coder-0.5B).
@@ -253,15 +258,32 @@ def name_map(arch: str, layers: int):
 
 
 def check_arch(arch: str) -> None:
-    """Refuse an architecture whose tensors transformers converts on reading beyond Llama's Q / K
-    order (norm offsets, fused experts): writing them back needs each conversion inverted."""
+    """Refuse an architecture whose tensors transformers converts on reading in a way the writer
+    does not invert (fused MoE experts, …); Llama's Q / K order, Gemma's norm offset and GPT-2's
+    Conv1D are inverted."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor
 
     proc = TENSOR_PROCESSORS.get(arch)
-    if proc is not None and proc is not LlamaTensorProcessor:
+    if proc is not None and proc is not LlamaTensorProcessor and arch not in (*NORM_OFFSET_ARCHS, *CONV1D_ARCHS):
         raise MinifloatError(f"writing GGUF for architecture {arch!r} is not supported: transformers converts its "
                              f"tensors on reading ({proc.__name__}) and the writer does not invert that yet; "
-                             f"architectures read as written: llama, qwen2, qwen3, phi3 and the like")  # fmt: skip
+                             f"architectures it writes: llama, qwen2, qwen3, phi3, gemma2, gemma3, gpt2 and "
+                             f"the like")  # fmt: skip
+
+
+def transposed(arch: str, gguf_name: str) -> bool:
+    """Whether the file holds this tensor transposed from transformers' (GPT-2's Conv1D)."""
+    return arch in CONV1D_ARCHS and gguf_name.endswith(CONV1D_TENSORS)
+
+
+def file_values(arr: np.ndarray, arch: str, gguf_name: str, *, reading: bool = False) -> np.ndarray:
+    """A dense tensor's values as the file holds them (`reading`: back as transformers holds them):
+    Gemma's norms offset by one, GPT-2's Conv1D weights transposed, anything else as it is."""
+    if arch in NORM_OFFSET_ARCHS and gguf_name.endswith("norm.weight"):
+        return arr - 1 if reading else arr + 1
+    if transposed(arch, gguf_name):
+        return np.ascontiguousarray(arr.T)
+    return arr
 
 
 def file_rows(arr: np.ndarray, arch: str, config, gguf_name: str, *, reading: bool = False) -> np.ndarray:
@@ -369,7 +391,8 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
             continue
         seen.add(key)
         g = place(hf_name)
-        tensors[g] = rest_tensor(file_rows(t.detach().float().numpy(), arch, config, g), rest)
+        arr = file_values(file_rows(t.detach().float().numpy(), arch, config, g), arch, g)
+        tensors[g] = rest_tensor(arr, rest)
     for rt in reader.tensors:  # what transformers does not hold (rope_freqs), as it was
         if rt.name not in tensors:
             tensors[rt.name] = (np.asarray(rt.data), rt.tensor_type)
@@ -432,6 +455,7 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
             ) from None
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(config)
+    linears_from_conv1d(model)  # GPT-2's Conv1D as the Linear its FP4 blocks are rows of
     by_name = {t.name: t for t in reader.tensors}
     nmap = name_map(arch, config.num_hidden_layers)
     used: set[str] = set()
@@ -479,8 +503,10 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
             raise MinifloatError(f"{path}: {arch} tensor {hf_name!r} has no GGUF name in gguf's map")
         if g not in by_name and hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        rt = tensor(g, hf_name, tuple(p.shape))
-        arr = file_rows(gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(p.shape), arch, config, g, reading=True)
+        shape = tuple(reversed(p.shape)) if transposed(arch, g) else tuple(p.shape)
+        rt = tensor(g, hf_name, shape)
+        arr = file_rows(gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(shape), arch, config, g, reading=True)
+        arr = file_values(arr, arch, g, reading=True)
         dense[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(p.dtype)
     by_old = {id(model.get_submodule(n)): q for n, q in swaps.items()}
     swap_modules(model, list(swaps), lambda old: by_old[id(old)])
