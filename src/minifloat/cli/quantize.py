@@ -4,12 +4,14 @@ from the command line (the work is in `minifloat.infer` and `minifloat.measure.p
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from minifloat.cli.defaults import print_result
 from minifloat.errors import MinifloatError
+from minifloat.infer.checkpoints import gguf_file
 from minifloat.infer.checkpoints.export import EXPORT_FORMATS
 from minifloat.infer.checkpoints.gguf_file import REST_TYPES
-from minifloat.infer.ptq.config import QUANT_CONFIGS
+from minifloat.infer.ptq.config import QUANT_CONFIGS, get_quant_config
 from minifloat.io import jsonio
 
 
@@ -77,6 +79,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", default="", metavar="GLOB[,GLOB]",
                    help="layers kept in high precision besides the head, e.g. '*.down_proj' (a GGUF writes them as "
                         "--gguf-rest)")  # fmt: skip
+    p.add_argument("--budget-bits", type=float, default=None, metavar="BITS",
+                   help="--format gguf: keep layers out of FP4 (in --gguf-rest) until the file's tensors hold BITS per "
+                        "weight, those whose Fisher-estimated KL costs most per bit first (e.g. 6.1: below Q4_K_M's "
+                        "size)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the per-layer summary as JSON")
     _head_argument(p)
     _method_arguments(p)
@@ -118,20 +124,48 @@ def run_quantize(args: argparse.Namespace) -> int:
     from minifloat.infer.evaluation.pipeline import quantize_checkpoint
 
     keep = tuple(g.strip() for g in args.keep.split(",") if g.strip())
+    plan = _budget_plan(args, keep) if args.budget_bits is not None else None
+    if plan is not None:
+        keep += plan.keep
+        if not args.json:
+            print(plan)
     summary = quantize_checkpoint(args.model, args.scheme, args.out, format=args.format, source=_source(args),
                                   ignore=("lm_head", *keep),
                                   overwrite=args.overwrite, quantize_head=args.quantize_head,
                                   method=_method(args, args.method, args.scheme, export=True), gguf_rest=args.gguf_rest)  # fmt: skip
+    written = gguf_file.tensor_bits(args.out) if args.format == gguf_file.NAME else None
     if args.json:
-        print(jsonio.dumps(summary.to_dict(), indent=2))
+        out = summary.to_dict()
+        if plan is not None:
+            out["budget"] = {"budget_bits": plan.budget, "planned_bits": plan.bits, "keep": list(plan.keep),
+                             "tensor_bits_per_weight": written[0] / written[1], "estimate": plan.estimate}  # fmt: skip
+        print(jsonio.dumps(out, indent=2))
         return 0
     print(f"{summary}\ncheckpoint: {args.out}")
+    if written is not None:
+        size = Path(args.out).stat().st_size
+        print(f"{written[0] / written[1]:.3f} bits per weight in its tensors ({size * 8 / written[1]:.3f} with the "
+              f"metadata and tokenizer, as file bytes × 8 / parameters)")  # fmt: skip
     in_memory = _method(args, args.method, args.scheme)
     if in_memory.rotation is not None and _method(args, args.method, args.scheme, export=True).rotation is None:
         print(f"note: {args.method}'s recommended pipeline for {args.scheme} rotates each layer's input "
               f"({in_memory.rotation}); a checkpoint cannot hold that (no reader applies it), so it was left out: "
               f"`eval --method {args.method}` measures the rotated pipeline, this file the one without")  # fmt: skip
     return 0
+
+
+def _budget_plan(args: argparse.Namespace, keep: tuple[str, ...]):
+    """`--budget-bits`: the layers to keep, chosen after what can fail is checked."""
+    from minifloat.adapt.keep import gguf_keep
+
+    if args.format != gguf_file.NAME:
+        raise MinifloatError(f"--budget-bits plans a GGUF file's bits per weight: add --format gguf (--format "
+                             f"{args.format}: `minifloat adapt` chooses a precision per layer)")  # fmt: skip
+    gguf_file.check_request(args.model, get_quant_config(args.scheme), args.gguf_rest)
+    if Path(args.out).exists() and not args.overwrite:
+        raise MinifloatError(f"{args.out} exists; pass --overwrite to replace it, or choose another file")
+    return gguf_keep(args.model, args.scheme, _source(args), args.budget_bits, rest=args.gguf_rest,
+                     ignore=("lm_head", *keep))  # fmt: skip
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@ parameters), llama.cpp's perplexity on the same held-out windows minifloat evalu
 llama.cpp's F32 file), llama.cpp's greedy decode tokens/s (best of the repeats, the files
 interleaved round by round), and for minifloat's files minifloat's own perplexity of the file read
 back (Δ against minifloat's evaluation of the F32 model). A config may name layers kept in high
-precision (``nvfp4-weight-only:*.down_proj``: written in the rest type, as `quantize --keep` does).
+precision (``nvfp4-weight-only:*.down_proj``: written in the rest type, as `quantize --keep` does)
+and a budget of bits per weight (``nvfp4-weight-only@6.1``: the layers kept chosen as `quantize
+--budget-bits` chooses them, `minifloat.adapt.keep`).
 """
 
 from __future__ import annotations
@@ -170,6 +172,17 @@ def parameters(path: Path) -> int:
     return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
 
 
+def _spec(config: str) -> tuple[str, tuple[str, ...], float | None]:
+    """``CONFIG[:GLOB;GLOB][@BITS]``: the config, the layers it keeps, its budget of bits per weight."""
+    head, _, budget = config.partition("@")
+    name, _, globs = head.partition(":")
+    try:
+        bits = float(budget) if budget else None
+    except ValueError:
+        raise MinifloatError(f"--configs {config!r}: the budget after @ is bits per weight, e.g. {name}@6.1") from None
+    return name, tuple(g for g in globs.split(";") if g), bits
+
+
 def bench_llamacpp(
     model: str | os.PathLike[str],
     *,
@@ -179,7 +192,7 @@ def bench_llamacpp(
     configs: Sequence[str] = (
         "mxfp4-weight-only",
         "nvfp4-weight-only",
-    ),  # each CONFIG[:GLOB;GLOB] (layers kept)
+    ),  # each CONFIG[:GLOB;GLOB][@BITS] (layers kept, a budget)
     methods: Sequence[str] = ("rtn", "gptq"),
     llama_types: Sequence[str] = LLAMA_TYPES,
     rest: str = "q8_0",
@@ -189,6 +202,7 @@ def bench_llamacpp(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """The table `minifloat bench llamacpp` prints (see the module docstring), as a dict."""
+    from minifloat.adapt.keep import gguf_keep
     from minifloat.data.text import batches_for, tokenizer_for
     from minifloat.infer.checkpoints import gguf_file
     from minifloat.infer.checkpoints.loaders import load_model
@@ -201,8 +215,8 @@ def bench_llamacpp(
     for t in llama_types:
         if t not in (*LLAMA_FTYPES, "MXFP4"):
             raise MinifloatError(f"llama.cpp type {t!r}: use some of {', '.join((*LLAMA_FTYPES, 'MXFP4'))}")
-    specs = [(c.partition(":")[0], tuple(g for g in c.partition(":")[2].split(";") if g)) for c in configs]
-    for c, _ in specs:
+    specs = [_spec(c) for c in configs]
+    for c, _, _ in specs:
         gguf_file.check_request(model, get_quant_config(c), rest)
     for m in methods:
         if m not in ("rtn", "gptq"):
@@ -227,13 +241,20 @@ def bench_llamacpp(
             llamacpp_mxfp4(f32, path)
         files[f"llama.cpp {t}"] = {"path": path, "by": "llama.cpp"}
     params = parameters(f32)
-    for c, keep in specs:
+    for c, keep, budget in specs:
+        kept = keep
+        if budget is not None:
+            say(f"minifloat: {c}, the layers to keep within {budget:g} bits per weight")
+            plan = gguf_keep(model, c, source, budget, rest=rest, ignore=("lm_head", *keep))
+            say(str(plan))
+            kept = (*keep, *plan.keep)
         for m in methods:
-            label = f"{c} {m}" + (f" keep {';'.join(keep)}" if keep else "")
-            path = out / f"minifloat-{c}-{m}{'-keep' + str(len(keep)) if keep else ''}.gguf"
+            label = f"{c} {m}" + (f" keep {';'.join(keep)}" if keep else "") + (f" @{budget:g} bits" if budget else "")
+            path = out / (f"minifloat-{c}-{m}{'-keep' + str(len(keep)) if keep else ''}"
+                          f"{'-at' + format(budget, 'g') if budget else ''}.gguf")  # fmt: skip
             say(f"minifloat: {label}")
             quantize_checkpoint(model, c, path, format="gguf", source=source, overwrite=True, method=m, gguf_rest=rest,
-                                ignore=("lm_head", *keep))  # fmt: skip
+                                ignore=("lm_head", *kept))  # fmt: skip
             back = load_model(path)
             mine = evaluate(back, None, batches)
             with_q8_0_inputs(back, dense_too=rest == "q8_0")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 from pathlib import Path
 
@@ -235,6 +236,44 @@ def rest_tensor(t: np.ndarray, rest: str):
     if t.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         return t, None  # not whole Q8_0 blocks: kept exact
     return gguf.quants.quantize(t, qtype), qtype
+
+
+def rest_bits(shape: tuple[int, ...], rest: str) -> int:
+    """Bits `rest_tensor` writes a dense tensor of `shape` in (ggml's block sizes: Q8_0 is 32
+    values in 34 bytes)."""
+    n = math.prod(shape)
+    if len(shape) < 2 or rest == "f32":
+        return 32 * n
+    if rest in ("f16", "bf16"):
+        return 16 * n
+    return 34 * 8 * n // 32 if shape[-1] % 32 == 0 else 32 * n
+
+
+def fp4_bits(config: QuantConfig, n: int, k: int) -> int:
+    """Bits an (n, k) weight takes written in `config`'s ggml blocks (NVFP4: with its ``.scale``)."""
+    t = ggml_type(config.weight_scheme)
+    if t is None:
+        raise MinifloatError(f"{config.name} writes no ggml FP4 block type")
+    tensor_scale = 32 if config.weight_scheme.is_nvfp4 else 0
+    return 8 * BLOCK_BYTES[t] * n * k // BLOCK[t] + tensor_scale
+
+
+def dense_bits(source: str | os.PathLike[str], rest: str) -> tuple[int, int]:
+    """(bits, values) of the tensors a GGUF written from `source` would hold with no layer in FP4:
+    every 2-D tensor in the `rest` type, the others in F32 — what a file's bits per weight are
+    counted from, as llama.cpp prints a model's BPW (tensor data; the metadata and tokenizer add
+    to the file)."""
+    reader, _ = source_reader(source)
+    shapes = [tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors]
+    return sum(rest_bits(sh, rest) for sh in shapes), sum(math.prod(sh) for sh in shapes)
+
+
+def tensor_bits(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(bits, values) of the tensor data of the GGUF at `path` (what its bits per weight count)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    return sum(8 * int(t.n_bytes) for t in tensors), sum(int(t.n_elements) for t in tensors if not t.name.endswith(".scale"))
 
 
 # --- names -----------------------------------------------------------------------------------------
