@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +39,10 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         if off or not action.option_strings or "default" in text:
             return text
         return f"{text} (default: %(default)s)".lstrip()
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # a config name (mxfp4-weight-only) or an option (--budget-bits) is never cut at a hyphen
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:

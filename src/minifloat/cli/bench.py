@@ -103,8 +103,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--build-venv", action="store_true",
                    help="make ~/.cache/minifloat/llamacpp-venv first (pip compiles llama.cpp: about 15 min on 2 cores)")
     g.add_argument("--configs", default="mxfp4-weight-only,nvfp4-weight-only",
-                   help="minifloat's configs to write, each CONFIG[:GLOB;GLOB][@BITS] with the layers it keeps in the "
-                        "rest type and a budget of bits per weight (quantize --budget-bits)")
+                   help="minifloat's configs to write, each CONFIG[:GLOB;GLOB][@BITS]: the layers it keeps in the "
+                        "rest type, its bits per weight (see quantize --budget-bits)")
     g.add_argument("--methods", default="rtn,gptq", help="comma-separated: rtn, gptq")
     g.add_argument("--llama-types", default="F32,Q8_0,Q4_0,Q4_K_M,MXFP4",
                    help="llama.cpp's own files to make (F32 always: the reference)")
