@@ -373,3 +373,16 @@ def test_bench_decode_times_llama_cpp_beside_minifloat(tiny, tmp_path, capsys):
     assert (fp32["llamacpp_file"], fp4["llamacpp_file"]) == ("F32", "Q4_0")
     assert fp32["vs_llamacpp"] == fp32["tokens_per_s"] / out["llamacpp"][0]["tokens_per_s"]
     assert fp4["decode_step"] == "fused" and fp4["vs_llamacpp"] > 0
+
+
+@pytest.mark.parametrize("package", ["gguf", "transformers"])
+def test_writing_gguf_without_its_packages_says_which_extra(tiny, tmp_path, capsys, monkeypatch, package):
+    """A plain `pip install minifloat` has neither: one line naming the extra, before any work."""
+    monkeypatch.setitem(sys.modules, package, None)  # `import` raises ImportError, as where it is not installed
+    for extra in ([], ["--budget-bits", "6"]):
+        capsys.readouterr()
+        assert main(["quantize", str(tiny), "--scheme", "nvfp4-weight-only", "--format", "gguf", "--out",
+                     str(tmp_path / "m.gguf"), *extra]) == 2  # fmt: skip
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"({package} is missing): pip install 'minifloat[gguf]'" in err
+    assert not (tmp_path / "m.gguf").exists()

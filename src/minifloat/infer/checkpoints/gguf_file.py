@@ -131,7 +131,12 @@ def source_reader(path: str | os.PathLike[str]):
     """The GGUF a written file takes its metadata, tokenizer and names from: (its reader, its
     architecture), refused with the fix when it is not a readable .gguf of an architecture the
     writer places."""
-    import gguf
+    try:
+        import gguf
+        import transformers  # noqa: F401 - check_arch and the names need it
+    except ImportError as err:
+        raise MinifloatError(f"writing GGUF needs the gguf and transformers packages ({err.name} is missing): "
+                             f"pip install 'minifloat[gguf]'") from None  # fmt: skip
 
     src = Path(path)
     if not (src.is_file() and src.suffix.lower() == ".gguf"):
