@@ -117,3 +117,12 @@ def write_gguf(model: torch.nn.Module, path, arch: str) -> torch.nn.Module:
     w.write_tensors_to_file()
     w.close()
     return model
+
+
+def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's logits of every position of `ids` under the GGUF at `path` (2 threads), FP32."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, n_threads=2, verbose=False)
+    llm.eval(ids)
+    return torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)

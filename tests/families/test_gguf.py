@@ -14,7 +14,7 @@ from minifloat.cli import main
 from minifloat.infer import QuantizedLinear, load_model
 from minifloat.infer.checkpoints.export import export
 from tests.families.tiny import GGUF_FAMILIES, WINDOW, gguf_config, random_weights
-from tests.gguf_writer import VOCAB, write_gguf
+from tests.gguf_writer import VOCAB, llama_cpp_logits, write_gguf
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -84,13 +84,11 @@ def test_each_family_writes_an_mxfp4_gguf_its_readers_compute_with(family_gguf, 
 def test_llama_cpp_computes_each_family_with_the_weights_minifloat_wrote(family_gguf, tmp_path):
     """llama.cpp's logits of the MXFP4 file are minifloat's FP4 model's up to its 8-bit activations:
     far closer to them than the FP4 model is to the float model it came from."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     _, path, written = family_gguf
     model, _, out = _mxfp4_file(path, tmp_path)
     ids = _ids(36)[0].tolist()
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, n_threads=2, verbose=False)
-    llm.eval(ids)
-    theirs = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)
+    theirs = llama_cpp_logits(out, ids)
     with torch.no_grad():
         ours, full = model(torch.tensor([ids])).logits[0], written(torch.tensor([ids])).logits[0]
     assert (theirs - ours).abs().max() < 0.3 * (full - ours).abs().max()

@@ -165,13 +165,6 @@ def with_q8_0_inputs(model: torch.nn.Module, dense_too: bool) -> list:
             for m in model.modules() if isinstance(m, kinds) and m.in_features % 32 == 0]  # fmt: skip
 
 
-def parameters(path: Path) -> int:
-    """The elements of every tensor of a GGUF file (what llama.cpp counts as the model's parameters)."""
-    import gguf
-
-    return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
-
-
 def _spec(config: str) -> tuple[str, tuple[str, ...], float | None]:
     """``CONFIG[:GLOB;GLOB][@BITS]``: the config, the layers it keeps, its budget of bits per weight."""
     head, _, budget = config.partition("@")
@@ -240,7 +233,7 @@ def bench_llamacpp(
             say("llama.cpp: MXFP4 (gguf's quantizer)")
             llamacpp_mxfp4(f32, path)
         files[f"llama.cpp {t}"] = {"path": path, "by": "llama.cpp"}
-    params = parameters(f32)
+    params = gguf_file.tensor_bits(f32)[1]  # the F32 file's values: the parameters, as llama.cpp counts them
     for c, keep, budget in specs:
         kept = keep
         if budget is not None:
