@@ -386,6 +386,22 @@ def test_summary_table_formats_each_figure_and_marks_missing_ones():
     assert len({len(line) for line in table}) == 1  # columns aligned
 
 
+def test_a_lora_table_shows_the_frozen_base_against_the_first_runs():
+    """The ≤ 0.3× target of a packed base reads off the table: frozen parameters and buffers, and
+    their ratio to the first (BF16) run's."""
+    from minifloat.report.comparison import summary_table
+
+    bf16 = {"precision": "bf16", "status": "ok", "base_val_loss": 3.0, "frozen_bytes": 256 * 2**20,
+            "weight_bytes": 275 * 2**20}  # fmt: skip
+    nvfp4 = dict(bf16, precision="nvfp4", frozen_bytes=72 * 2**20, weight_bytes=91 * 2**20)
+    table = summary_table({"config": {"lora_rank": 16}, "runs": [bf16, nvfp4]}).splitlines()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    at = rows[0].index("frozen base MiB")
+    assert rows[0][at + 1] == "× frozen base" and rows[0][at - 1] == "weights MiB"
+    assert rows[2][at : at + 2] == ["256.00", "1.000"] and rows[3][at : at + 2] == ["72.00", "0.281"]
+    assert "frozen base MiB" not in summary_table({"runs": [bf16, nvfp4]})  # a full fine-tune: no frozen base
+
+
 def test_run_metrics_windows_are_the_last_tenth_and_all_but_the_first_tenth():
     times = [9.0, 9.0] + [1.0] * 9 + [2.0] * 9  # 20 steps: two warm-up steps, then 1 s and 2 s
     recs = [{"step": i + 1, "loss": float(i), "step_time_s": t} for i, t in enumerate(times)]

@@ -36,7 +36,8 @@ def _sizes_text(metrics: dict) -> str:
         return ("Weights: quantized Linear weights packed with their scales, the rest in BF16 (FP32 for fp32); every run "
                 f"also keeps a master copy ({_masters_text(metrics['runs'])}). Peak RSS: the whole training process.")  # fmt: skip
     return ("Base val: the validation loss before the first step (for a packed base, the quantized model's). Weights: the "
-            "parameters and buffers as training held them; state: those, the optimizer state and the gradients — both "
+            "parameters and buffers as training held them (with LoRA, the frozen base: its frozen parameters and "
+            "buffers, a packed layer's codes and scales); state: those, the optimizer state and the gradients — both "
             "counted from the tensors themselves. RSS training: the process's resident memory after the first step; "
             "peak RSS: the whole process, loading the model included.")  # fmt: skip
 
@@ -44,16 +45,21 @@ def _sizes_text(metrics: dict) -> str:
 def summary_table(metrics: dict) -> str:
     """The runs as a Markdown table (readable as plain text too)."""
     finetune = any(m.get("base_val_loss") is not None for m in metrics["runs"])  # a pretrained model's runs
+    lora = bool(metrics.get("config", {}).get("lora_rank"))  # the frozen base, and its size against the first run's
+    first = metrics["runs"][0].get("frozen_bytes")
     head = ("precision", "status", *(("base val",) if finetune else ()), "final train", "final val",
             "Δ val vs " + metrics["runs"][0]["precision"], "step s", "× step time", "tokens/s", "weights MiB",
+            *(("frozen base MiB", "× frozen base") if lora else ()),
             *(("state MiB", "RSS training MiB") if finetune else ()), "peak RSS MiB", "skipped", "non-finite")  # fmt: skip
     rows = []
     for i, m in enumerate(metrics["runs"]):
+        frozen = m.get("frozen_bytes")
         rows.append((
             m["precision"], m["status"], *((cell(m.get("base_val_loss"), ".4f"),) if finetune else ()),
             cell(m.get("final_train_loss"), ".4f"), cell(m.get("final_val_loss"), ".4f"),
             delta_cell(m, reference=i == 0), cell(m.get("step_time_s"), ".3f"),
             cell(m.get("step_time_ratio"), ".2f"), cell(m.get("tokens_per_s"), ",.0f"), mib(m.get("weight_bytes")),
+            *((mib(frozen), cell(frozen / first if frozen and first else None, ".3f")) if lora else ()),
             *((mib(m.get("state_bytes")), mib(m.get("rss_after_first_step_bytes"))) if finetune else ()),
             mib(m.get("peak_rss_bytes")), str(m.get("skipped_steps", "—")), str(m.get("nonfinite_steps", "—")),
         ))  # fmt: skip
