@@ -254,7 +254,11 @@ def test_the_command_line_writes_gguf_and_refuses_what_it_cannot_write(tiny, tmp
         )
         == 2
     )
-    assert "quantize a .gguf file" in capsys.readouterr().err
+    assert "no tokenizer.json; a GGUF carries the tokenizer" in capsys.readouterr().err  # a folder without one
+    (tmp_path / "plain.bin").write_bytes(b"0")
+    assert main(["quantize", str(tmp_path / "plain.bin"), "--scheme", "mxfp4-weight-only", "--format", "gguf",
+                 "--out", str(tmp_path / "x.gguf")]) == 2  # fmt: skip
+    assert "GGUF or the transformers folder the model comes from" in capsys.readouterr().err
     assert (
         main(["quantize", str(tiny), "--scheme", "mxfp4-weight-only", "--format", "gguf", "--out", str(out)])
         == 2

@@ -104,9 +104,9 @@ def export(
 ) -> Path:
     """Write the quantized transformers `model` (after `quantize_model`) to `out_dir` in `format`.
 
-    ``format="gguf"`` writes one file, `out_dir`, from the GGUF the model was loaded from
-    (`gguf_source`: llama.cpp's metadata, tokenizer and tensor names), the dense rest in
-    `gguf_rest` (`minifloat.infer.checkpoints.gguf_file`).
+    ``format="gguf"`` writes one file, `out_dir`, with llama.cpp's metadata, tokenizer and tensor
+    names taken from `gguf_source`, the GGUF or transformers folder the model was loaded from, the
+    dense rest in `gguf_rest` (`minifloat.infer.checkpoints.gguf_file`).
 
     Tokenizer files come from `tokenizer_dir`, else from the folder the model was loaded from.
     `kv_scales` (`minifloat.infer.generation.hf_cache.calibrate_kv`'s K and V amax per layer) add an FP8 KV
@@ -119,8 +119,8 @@ def export(
             raise MinifloatError("calibrated KV scales are written in the compressed-tensors format (kv_cache_scheme); "
                                  "llama.cpp sets its own KV cache type (--cache-type-k)")  # fmt: skip
         if gguf_source is None:
-            raise MinifloatError("format='gguf' takes llama.cpp's metadata and tokenizer from the GGUF the model was "
-                                 "loaded from: pass gguf_source=")  # fmt: skip
+            raise MinifloatError("format='gguf' takes llama.cpp's metadata and tokenizer from the GGUF or transformers "
+                                 "folder the model was loaded from: pass gguf_source=")  # fmt: skip
         return gguf_file.write(model, out_dir, source=gguf_source, rest=gguf_rest, overwrite=overwrite)
     if format not in FORMATS:
         raise MinifloatError(f"unknown export format {format!r}; use one of {', '.join(EXPORT_FORMATS)}")

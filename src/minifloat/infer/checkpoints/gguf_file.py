@@ -22,8 +22,9 @@ quantized by the config (llama.cpp quantizes activations its own way: export the
 ``-weight-only`` twin), and a layer with an input transform (no reader applies a rotation or
 online smoothing; folded smoothing is in the weights and is written).
 
-The file is the source GGUF's, rewritten: its metadata (architecture, tokenizer, chat template)
-and tensor names as llama.cpp's converter wrote them, each of the model's tensors in its place
+The file is the source GGUF's, rewritten — its metadata (architecture, tokenizer, chat template)
+and tensor names as llama.cpp's converter wrote them — or, from a transformers folder, the same
+keys made from its config and tokenizer (`gguf_folder`); either way each of the model's tensors in its place
 (FP4 blocks, else `REST_TYPES`: the 2-D rest — embedding, an unquantized head or layer — in the
 type the user picks, ``q8_0`` by default as llama.cpp's own 4-bit files keep it, made by
 ``gguf``'s quantizer; norms and biases F32), tensors the model does not hold (``rope_freqs``)
@@ -40,12 +41,14 @@ import importlib.metadata
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from minifloat.errors import MinifloatError
+from minifloat.infer.checkpoints import gguf_folder
 from minifloat.infer.ptq.config import QUANT_CONFIGS, QuantConfig
 from minifloat.models.conv1d import linears_from_conv1d
 from minifloat.quant import QuantizedTensor
@@ -123,14 +126,39 @@ def check_request(model_path: str | os.PathLike[str], config: QuantConfig, rest:
     if ggml_type(config.weight_scheme) is None:
         raise MinifloatError(f"--scheme {config.name}: its weights ({config.weight_scheme.name}) are no ggml type; GGUF "
                              f"holds mxfp4-weight-only and nvfp4-weight-only (and nvfp4-4over6-weight-only) exactly")  # fmt: skip
-    _, arch = source_reader(model_path)
-    check_nvfp4(arch, config.name, ggml_type(config.weight_scheme))
+    check_nvfp4(open_source(model_path).arch, config.name, ggml_type(config.weight_scheme))
 
 
-def source_reader(path: str | os.PathLike[str]):
-    """The GGUF a written file takes its metadata, tokenizer and names from: (its reader, its
-    architecture), refused with the fix when it is not a readable .gguf of an architecture the
-    writer places."""
+@dataclass(frozen=True)
+class Source:
+    """What a written file takes from where the model came from: a GGUF (`reader`: its metadata,
+    tokenizer and the tensors transformers does not hold, as llama.cpp's converter wrote them) or
+    a transformers folder (`reader` None: the same keys made by `gguf_folder`)."""
+
+    path: Path
+    arch: str
+    reader: object | None = None
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        if self.reader is None:
+            return gguf_folder.shapes(self.path)
+        return [tuple(int(x) for x in reversed(t.shape)) for t in self.reader.tensors]
+
+    def add_metadata(self, writer) -> None:
+        if self.reader is None:
+            gguf_folder.add_metadata(writer, self.path, self.arch)
+        else:
+            copy_metadata(self.reader, writer, skip=("general.quantization_version", RECORD_KEY))
+
+    def extra_tensors(self):
+        """(name, data, ggml type) of the source's tensors the model does not hold (``rope_freqs``)."""
+        return [] if self.reader is None else [(t.name, np.asarray(t.data), t.tensor_type) for t in self.reader.tensors]
+
+
+def open_source(path: str | os.PathLike[str]) -> Source:
+    """The source of a file written from the model at `path` (a .gguf or a transformers folder),
+    refused with the fix when the writer cannot take llama.cpp's metadata, tokenizer and names from
+    it."""
     try:
         import gguf
         import transformers  # noqa: F401 - check_arch and the names need it
@@ -139,16 +167,17 @@ def source_reader(path: str | os.PathLike[str]):
                              f"pip install 'minifloat[gguf]'") from None  # fmt: skip
 
     src = Path(path)
+    if gguf_folder.is_folder(src):
+        return Source(src, gguf_folder.arch(src))
     if not (src.is_file() and src.suffix.lower() == ".gguf"):
         raise MinifloatError(f"{src}: writing GGUF takes llama.cpp's metadata, tokenizer and tensor names from the GGUF "
-                             f"the model comes from; quantize a .gguf file (convert a transformers folder with "
-                             f"llama.cpp's convert_hf_to_gguf.py --outtype f32 first)")  # fmt: skip
+                             f"or the transformers folder the model comes from; this is neither")  # fmt: skip
     try:
         reader = gguf.GGUFReader(src)
     except (ValueError, OSError, IndexError, KeyError) as err:
         raise MinifloatError(f"{src}: not a readable GGUF file ({type(err).__name__}: {err})") from None
     check_arch(arch := _arch(reader))
-    return reader, arch
+    return Source(src, arch, reader)
 
 
 def check_nvfp4(arch: str, what: str, t: str | None) -> None:
@@ -268,8 +297,7 @@ def dense_bits(source: str | os.PathLike[str], rest: str) -> tuple[int, int]:
     every 2-D tensor in the `rest` type, the others in F32 — what a file's bits per weight are
     counted from, as llama.cpp prints a model's BPW (tensor data; the metadata and tokenizer add
     to the file)."""
-    reader, _ = source_reader(source)
-    shapes = [tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors]
+    shapes = open_source(source).shapes()
     return sum(rest_bits(sh, rest) for sh in shapes), sum(math.prod(sh) for sh in shapes)
 
 
@@ -382,8 +410,8 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
         raise MinifloatError(
             f"{out} exists; pass overwrite=True (--overwrite) to replace it, or choose another file"
         )
-    reader, arch = source_reader(source)
-    config = model.config
+    src = open_source(source)
+    arch, config = src.arch, model.config
     nmap = name_map(arch, config.num_hidden_layers)
 
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -437,13 +465,13 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
         g = place(hf_name)
         arr = file_values(file_rows(t.detach().float().numpy(), arch, config, g), arch, g)
         tensors[g] = rest_tensor(arr, rest)
-    for rt in reader.tensors:  # what transformers does not hold (rope_freqs), as it was
-        if rt.name not in tensors:
-            tensors[rt.name] = (np.asarray(rt.data), rt.tensor_type)
+    for name, data, qtype in src.extra_tensors():  # what transformers does not hold (rope_freqs), as it was
+        if name not in tensors:
+            tensors[name] = (data, qtype)
 
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), arch)
-        copy_metadata(reader, w, skip=("general.quantization_version", RECORD_KEY))
+        src.add_metadata(w)
         w.add_file_type(_FTYPE[types.pop()] if len(types) == 1 else gguf.LlamaFileType.GUESSED)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_string(RECORD_KEY, json.dumps({"version": importlib.metadata.version("minifloat"), "configs": record}, sort_keys=True))
