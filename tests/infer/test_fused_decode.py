@@ -1,7 +1,8 @@
 """The fused decode step (one C call per step, minifloat.infer.generation.fused) against the
 oracle it replaces: transformers' own forward of the same model (float32 weights), and the eager
 path over the same packed weights (weight-only configs). Tiny random models of each family it
-runs: Llama (with biases), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (a sliding window)."""
+runs: Llama (with biases), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (a sliding window),
+Phi-3, GPT-2 and the built-in GPT."""
 
 from __future__ import annotations
 
@@ -143,9 +144,12 @@ def test_nan_stays_nan():
 def test_what_it_does_not_run_is_said_and_runs_eagerly(monkeypatch):
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
     ids = torch.randint(0, VOCAB, (1, 4))
-    with pytest.raises(MinifloatError, match="cannot run this model: model type 'gpt2'"):
+    with pytest.raises(MinifloatError, match="cannot run this model: its layers are transformers' Conv1D"):
         generate(gpt2, ids, 2, decode_step="fused")
     assert generate(gpt2, ids, 2).decode_step == "eager"
+    relu = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2,
+                                                                activation_function="relu"))  # fmt: skip
+    assert "activation 'relu'" in unsupported(relu)
     gpt = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB))
     with pytest.raises(MinifloatError, match="with these options runs eagerly"):  # StreamingLLM's dropping
         generate(gpt, ids, 2, kv_cache="fp8", kv_budget_bytes=10**6, kv_drop=True, decode_step="fused")
@@ -369,6 +373,45 @@ def test_the_built_in_gpt_runs_fused(config):
         fused = generate(gpt, ids[:, :5], 40, kv_cache=kv)
         assert fused.decode_step == "fused"
         assert torch.equal(fused.tokens, generate(gpt, ids[:, :5], 40, kv_cache=kv, decode_step="eager").tokens)
+
+
+@pytest.mark.parametrize("act", ["gelu_new", "gelu"])
+@pytest.mark.parametrize("config", [None, "nvfp4-weight-only"])
+def test_gpt2_runs_fused_as_the_built_in_gpt_does(act, config):
+    """GPT-2 with its Conv1D layers as Linears (as `load_model` holds them): transformers' forward's
+    logits (GELU tanh-approximated or exact; biases everywhere), eager's greedy tokens."""
+    from minifloat.models.conv1d import linears_from_conv1d
+
+    torch.manual_seed(11)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=48, activation_function=act,
+                                  bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith("ln_1.weight"):
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    assert linears_from_conv1d(model) == 8
+    if config:
+        quantize_model(model, config, quantize_head=True)
+    assert unsupported(model) is None
+    ids = torch.randint(0, VOCAB, (1, 30))
+    dec = FusedDecoder(model)
+    got = prefill_then_steps(dec, ids, dec.new_cache("fp32", 30), 25)
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    assert (got - ref).abs().max() <= bound(ref)
+    with pytest.raises(MinifloatError, match="positions 40 … 49: the model learned 48"):
+        dec.forward(torch.randint(0, VOCAB, (1, 10)), _filled(dec, 40))
+    for kv in ("fp32", "nvfp4+bf16"):
+        fused = generate(model, ids[:, :5], 30, kv_cache=kv)
+        assert fused.decode_step == "fused"
+        assert torch.equal(fused.tokens, generate(model, ids[:, :5], 30, kv_cache=kv, decode_step="eager").tokens)
+
+
+def _filled(dec, n: int):
+    cache = dec.new_cache("fp32", 64)
+    dec.forward(torch.zeros(1, n, dtype=torch.long), cache)
+    return cache
 
 
 @pytest.mark.parametrize("kv", ["fp32@hadamard-kv", "fp32@pre-rope", "bf16@hadamard"])

@@ -46,6 +46,7 @@ static int omp_get_thread_num(void) { return 0; }
 
 enum { LIN_ABSENT = 0, LIN_DENSE = 1, LIN_PACKED = 2 }; /* mf_lin_t.kind; absent: the GPT's k and v (in q: its fused qkv) and gate */
 enum { NORM_RMS = 0, NORM_LAYER = 1 };
+enum { GELU_ERF = 0, GELU_TANH = 1 }; /* an ungated MLP's GELU: exact (erf), or the tanh approximation (GPT-2's gelu_new) */
 #define MAX_HEAD_DIM 512 /* fused.MAX_HEAD_DIM: the rotary embedding's and a KV row's scratch */
 
 /* Must match Linear in minifloat/infer/generation/fused.py field for field (as the structs below). */
@@ -104,7 +105,8 @@ typedef struct {
     int64_t n_layer, hidden, n_head, n_kv, head_dim, inter, vocab, capacity;
     float eps, scale; /* RMSNorm's epsilon; the attention scores' scale */
     int32_t nthreads, isa, serial_below, norm; /* norm: NORM_RMS (Llama's) or NORM_LAYER (the built-in GPT's) */
-    int32_t gate_up, pad; /* gate_up: `up` is one product of gate and up (Phi-3's gate_up_proj: [gate | up]), `gate` absent */
+    int32_t gate_up, gelu; /* gate_up: `up` is one product of gate and up (Phi-3's gate_up_proj: [gate | up]), `gate` absent;
+                            * gelu: GELU_ERF or GELU_TANH, an ungated MLP's activation */
     const float *cos, *sin; /* capacity × head_dim: the rotary tables (rotate-half form); NULL: no rotary embedding */
     const mf_layer_t *layers;
     const float *final_norm, *final_norm_b;
@@ -1041,6 +1043,9 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
                 }
         else if (gated)
             for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
+        else if (m->gelu == GELU_TANH) /* transformers' NewGELUActivation: 0.5 u (1 + tanh(√(2/π) (u + 0.044715 u³))) */
+            for (int64_t i = 0; i < M * I; i++)
+                g[i] = 0.5f * u[i] * (1.0f + tanhf(0.7978845608028654f * (u[i] + 0.044715f * u[i] * u[i] * u[i])));
         else
             for (int64_t i = 0; i < M * I; i++) g[i] = 0.5f * u[i] * (1.0f + erff(u[i] * 0.70710678118654752f)); /* gelu(fc) */
         lap(m, &t0, T_OTHER);

@@ -1,5 +1,6 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
-Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
+Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product), GPT-2 (its Conv1D layers held as
+Linears, as `minifloat.load_model` holds them) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
 owns: float32, bfloat16, or FP8 / NVFP4 / MXFP4 rows packed as `KVCache` packs them (each call's
@@ -49,6 +50,7 @@ from minifloat.infer.generation.kvtransforms import hadamard
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.rotation import HadamardRotation
 from minifloat.kernels import cpu, gemv
+from minifloat.models.conv1d import Conv1DLinear
 from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
@@ -61,6 +63,8 @@ PROFILE_KINDS = ("gemv", "attention", "norms_rope_activations")  # T_* of _decod
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _ABSENT, _DENSE, _PACKED = 0, 1, 2  # LIN_* of _decode.c
 _NORM_RMS, _NORM_LAYER = 0, 1  # NORM_* of _decode.c
+_GELU_ERF, _GELU_TANH = 0, 1  # GELU_* of _decode.c
+GPT2_GELUS = {"gelu": _GELU_ERF, "gelu_new": _GELU_TANH, "gelu_pytorch_tanh": _GELU_TANH}  # GPT-2's activation_function
 
 
 class Linear(ctypes.Structure):
@@ -97,7 +101,7 @@ class Model(ctypes.Structure):
 
     _fields_ = [
         *((n, _L) for n in ("n_layer", "hidden", "n_head", "n_kv", "head_dim", "inter", "vocab", "capacity")),
-        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm", "gate_up", "pad")),
+        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm", "gate_up", "gelu")),
         ("cos", _P), ("sin", _P), ("layers", _P), ("final_norm", _P), ("final_norm_b", _P), ("head", Linear), ("kv", KV),
         ("timers", _P),
     ]  # fmt: skip
@@ -130,7 +134,7 @@ def _is_float32_cpu(t) -> bool:
 
 
 def _linear_problem(name: str, lin) -> str | None:
-    if type(lin) is torch.nn.Linear:
+    if type(lin) in (torch.nn.Linear, Conv1DLinear):
         ok = _is_float32_cpu(lin.weight) and (lin.bias is None or _is_float32_cpu(lin.bias))
         return None if ok else f"{name} is not a float32 CPU Linear"
     if isinstance(lin, QuantizedLinear):
@@ -161,6 +165,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return _gpt_problem(model, kv)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
+    if kind == "gpt2":
+        return _gpt2_problem(model, kv)
     if kind not in FAMILIES:
         what = f"model type {kind!r}" if kind is not None else f"a {type(model).__name__}, not a transformers model"
         return f"{what} (the fused step runs transformers' {', '.join(FAMILIES)})"
@@ -224,17 +230,46 @@ def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
         return why
     if kv is not None and kv.pre_rope:
         return "pre-RoPE keys need a rotary embedding; the built-in GPT learns positions"
-    norms = [gpt.ln_f] + [n for b in gpt.blocks for n in (b.ln1, b.ln2)]
+    linears = {f"blocks.{i}.{n}": lin for i, b in enumerate(gpt.blocks)
+               for n, lin in (("attn.qkv", b.attn.qkv), ("attn.proj", b.attn.proj), ("mlp.fc", b.mlp.fc), ("mlp.proj", b.mlp.proj))}  # fmt: skip
+    return _layer_norm_problem([gpt.ln_f] + [n for b in gpt.blocks for n in (b.ln1, b.ln2)], {**linears, "lm_head": gpt.lm_head})
+
+
+def _layer_norm_problem(norms, linears: dict) -> str | None:
+    """Why a LayerNorm model's `norms` (the final one first) and `linears` (name → module) are
+    not what the fused step computes (None: they are)."""
     if any(type(n) is not torch.nn.LayerNorm or n.weight is None or n.bias is None or not _is_float32_cpu(n.weight)
-           or float(n.eps) != float(gpt.ln_f.eps) for n in norms):  # fmt: skip
+           or float(n.eps) != float(norms[0].eps) for n in norms):  # fmt: skip
         return "a norm is not a float32 LayerNorm with weight, bias and the model's epsilon"
-    for i, b in enumerate(gpt.blocks):
-        for name, lin in (("attn.qkv", b.attn.qkv), ("attn.proj", b.attn.proj), ("mlp.fc", b.mlp.fc), ("mlp.proj", b.mlp.proj)):
-            if (why := _linear_problem(f"blocks.{i}.{name}", lin)) is not None:
-                return why
-    if (why := _linear_problem("lm_head", gpt.lm_head)) is not None:
-        return why
+    for name, lin in linears.items():
+        if (why := _linear_problem(name, lin)) is not None:
+            return why
     return None
+
+
+def _gpt2_problem(model, kv: KVSpec | None) -> str | None:
+    """Why the fused step cannot run transformers' GPT-2 `model` (None: it can): the built-in GPT's
+    layout (LayerNorms with biases, one qkv product, a GELU MLP, learned positions) with its Conv1D
+    layers held as Linears (`minifloat.load_model` does that) and GELU exact or tanh-approximated."""
+    c = model.config
+    d = c.n_embd // c.n_head
+    if d > MAX_HEAD_DIM:
+        return f"head_dim {d} (the fused step takes ≤ {MAX_HEAD_DIM})"
+    if kv is not None and (why := _kv_problem(kv, None, d)) is not None:
+        return why
+    if kv is not None and kv.pre_rope:
+        return "pre-RoPE keys need a rotary embedding; GPT-2 learns positions"
+    if c.activation_function not in GPT2_GELUS:
+        return f"activation {c.activation_function!r} (the fused step computes {', '.join(GPT2_GELUS)})"
+    if not c.scale_attn_weights or c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn:
+        return "GPT-2's attention scaled other than by 1/√head_dim"
+    t = model.transformer
+    linears = {f"h.{i}.{n}": lin for i, b in enumerate(t.h)
+               for n, lin in (("attn.c_attn", b.attn.c_attn), ("attn.c_proj", b.attn.c_proj), ("mlp.c_fc", b.mlp.c_fc),
+                              ("mlp.c_proj", b.mlp.c_proj))}  # fmt: skip
+    if any(type(m).__name__ == "Conv1D" for m in linears.values()):
+        return "its layers are transformers' Conv1D (load the model with minifloat.load_model: Conv1D as Linear)"
+    return _layer_norm_problem([t.ln_f] + [n for b in t.h for n in (b.ln_1, b.ln_2)], {**linears, "lm_head": model.lm_head})
 
 
 def _kv_problem(kv: KVSpec, kv_scales, head_dim: int | None = None) -> str | None:
@@ -292,6 +327,9 @@ class FusedDecoder:
         if isinstance(model, GPT):
             self._gpt(model)
             return
+        if model.config.model_type == "gpt2":
+            self._gpt2(model)
+            return
         text = _text_config(model)
         inner = model.model
         kind = model.config.model_type
@@ -343,19 +381,49 @@ class FusedDecoder:
             final_norm_b=self._hold(gpt.ln_f.bias), head=self._linear(gpt.lm_head),
         )  # fmt: skip
 
+    def _gpt2(self, model) -> None:
+        """transformers' GPT-2 as the built-in GPT's layout (`_gpt`): c_attn the qkv product, c_fc
+        and c_proj the MLP, its GELU exact or tanh-approximated, positions added in `embed`."""
+        c, t = model.config, model.transformer
+        layers = (Layer * c.n_layer)()
+        for i, b in enumerate(t.h):
+            layers[i].q, layers[i].o = self._linear(b.attn.c_attn), self._linear(b.attn.c_proj)
+            layers[i].up, layers[i].down = self._linear(b.mlp.c_fc), self._linear(b.mlp.c_proj)
+            for name in ("k", "v", "gate"):
+                setattr(layers[i], name, Linear(kind=_ABSENT))
+            layers[i].attn_norm, layers[i].attn_norm_b = self._hold(b.ln_1.weight), self._hold(b.ln_1.bias)
+            layers[i].mlp_norm, layers[i].mlp_norm_b = self._hold(b.ln_2.weight), self._hold(b.ln_2.bias)
+        self.layers, self.n_layer, self.n_kv = layers, c.n_layer, c.n_head
+        self.head_dim, self.vocab = c.n_embd // c.n_head, int(model.lm_head.out_features)
+        self.template = Model(
+            n_layer=c.n_layer, hidden=c.n_embd, n_head=c.n_head, n_kv=c.n_head, head_dim=self.head_dim,
+            inter=int(t.h[0].mlp.c_fc.out_features), vocab=self.vocab, eps=float(t.ln_f.eps), scale=self.head_dim**-0.5,
+            serial_below=cpu.SERIAL_BELOW, isa=gemv.ISAS.index(gemv.best_isa()), norm=_NORM_LAYER,
+            gelu=GPT2_GELUS[c.activation_function], layers=ctypes.cast(layers, _P), final_norm=self._hold(t.ln_f.weight),
+            final_norm_b=self._hold(t.ln_f.bias), head=self._linear(model.lm_head),
+        )  # fmt: skip
+
+    def _positions(self) -> torch.nn.Embedding | None:
+        """The learned position embedding (the built-in GPT's, GPT-2's), or None (RoPE)."""
+        if isinstance(self.model, GPT):
+            return self.model.wpe
+        return self.model.transformer.wpe if self.model.config.model_type == "gpt2" else None
+
     def embed(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         """The input rows (T, hidden) float32 of `ids` (1, T) at positions pos …: the token
         embedding, plus the learned position's for the built-in GPT (as its forward adds them)."""
         T = ids.shape[-1]
-        if isinstance(self.model, GPT):
-            x = self.model.wte(ids.reshape(1, T)) + self.model.wpe(torch.arange(pos, pos + T, device=ids.device))
-        else:
-            x = self.model.get_input_embeddings()(ids.reshape(1, T))
+        wte = self.model.wte if isinstance(self.model, GPT) else self.model.get_input_embeddings()
+        x = wte(ids.reshape(1, T))
+        if (wpe := self._positions()) is not None:
+            if pos + T > wpe.num_embeddings:
+                raise MinifloatError(f"positions {pos} … {pos + T - 1}: the model learned {wpe.num_embeddings}")
+            x = x + wpe(torch.arange(pos, pos + T, device=ids.device))
         return x[0].float().contiguous()
 
     def rope_tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary embedding's (cos, sin) (capacity, head_dim), from the model's own module; None for the GPT."""
-        if isinstance(self.model, GPT):
+        if self._positions() is not None:
             return None
         cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(capacity)[None])
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
@@ -390,8 +458,8 @@ class FusedDecoder:
         recent window before a packed format, as `KVCache` keeps it)."""
         spec = kv if isinstance(kv, KVSpec) else KVSpec(format=kv)
         why = _kv_problem(spec, None, self.head_dim)
-        if why is None and spec.pre_rope and isinstance(self.model, GPT):
-            why = "pre-RoPE keys need a rotary embedding; the built-in GPT learns positions"
+        if why is None and spec.pre_rope and self._positions() is not None:
+            why = "pre-RoPE keys need a rotary embedding; this model learns positions"
         if why is not None:
             raise MinifloatError(f"the fused decode step cannot keep this cache: {why}")
         return FusedCache(self, spec, capacity)
