@@ -262,6 +262,32 @@ def test_lora_on_a_packed_base_holds_it_packed_and_trains(base, llama, text, tmp
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_base_keep_holds_the_named_layers_of_a_packed_base_in_fp8(llama, text, tmp_path):
+    """--base-keep: the named layers packed in E4M3 (the dequantized weight on fp8-weight-only's
+    grid, ml_dtypes' E4M3 the oracle), every other one in NVFP4, the head too."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    from minifloat.finetune.lora import effective_weight
+    from minifloat.infer.modules.linear import QuantizedLinear
+
+    c = _cfg(llama, data=text, precision="nvfp4", lora_rank=4, quantize_head=True, base_keep=("*.k_proj", "*.v_proj"))
+    task = PretrainedTask()
+    task.prepare(c)
+    model = task.build_model(c)
+    packed = {n.removesuffix(".base_layer.layer"): m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    kept = {n for n in packed if n.endswith(("k_proj", "v_proj"))}
+    assert len(kept) == 4 and len(packed) == 15  # 7 Linears in each of 2 layers, and the head
+    for name, layer in packed.items():
+        assert layer.config.name == ("fp8-weight-only" if name in kept else "nvfp4-weight-only"), name
+    w = effective_weight(packed["model.layers.0.self_attn.k_proj"]).numpy()
+    row_scale = np.abs(w).max(axis=1, keepdims=True) / 448
+    on_grid = (w / row_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * row_scale
+    np.testing.assert_allclose(on_grid, w, rtol=1e-6, atol=0)
+    with pytest.raises(minifloat.MinifloatError, match="--base-keep .* needs --lora RANK"):
+        _cfg(llama, data=text, precision="bf16", base_keep=("*.k_proj",))
+
+
 def test_the_command_line_fine_tunes_and_refuses_what_does_not_fit(llama, text, tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["train", str(llama), "--data", text, "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",

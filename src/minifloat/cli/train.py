@@ -80,6 +80,9 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
                     help="comma-separated module names or globs to adapt (default: every Linear of the decoder layers)")
     ft.add_argument("--base-method", default=DEFAULTS["base_method"], choices=BASE_METHODS,
                     help="how a packed LoRA base is quantized: round to nearest, or GPTQ on the training text")
+    ft.add_argument("--base-keep", default=None, metavar="GLOBS",
+                    help="comma-separated layer names or globs of a packed base held in FP8 (fp8-weight-only) instead, "
+                         "e.g. '*.k_proj,*.v_proj'")  # fmt: skip
     ft.add_argument("--adapter-dtype", default=DEFAULTS["adapter_dtype"], choices=ADAPTER_DTYPES,
                     help="the adapters' parameters")
     ft.add_argument("--lora-init", default=DEFAULTS["lora_init"], choices=LORA_INITS,
@@ -128,6 +131,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _globs(arg: str | None) -> tuple[str, ...] | None:
+    return None if arg is None else tuple(t.strip() for t in arg.split(",") if t.strip())
+
+
 def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
     """The TrainConfig the flags describe (`override` sets fields the command fixes itself)."""
     if getattr(args, "config", None) is not None:
@@ -138,7 +145,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
         pretrained=args.pretrained, sft=args.sft, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        lora_targets=None if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+        lora_targets=_globs(args.lora_targets), base_keep=_globs(args.base_keep),
         base_method=args.base_method, adapter_dtype=args.adapter_dtype, lora_init=args.lora_init,
     )  # fmt: skip
     precision, base = getattr(args, "precision", None), getattr(args, "base", None)

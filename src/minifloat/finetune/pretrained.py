@@ -238,9 +238,11 @@ class PretrainedTask(Task):
             # base is never exported; `lora.effective_weight` undoes the rotation for merging and the backward):
             # SmolLM2's NVFP4 base with the head 3.476 → 3.458 before training, MXFP4 ≈3.60 → 3.532 (fp32: 3.369)
             method = recommended(lora.PACKED_BASES[c.precision]) if c.base_method == "gptq" else "rtn"
+            config = lora.PACKED_BASES[c.precision]
+            if c.base_keep:  # first match wins: the kept globs in FP8, every other layer in the base's format
+                config = {**dict.fromkeys(c.base_keep, lora.PACKED_BASES["fp8"]), "*": config}
             with torch.no_grad():
-                quantize_model(model, lora.PACKED_BASES[c.precision], method=method, calibration=calibration,
-                               quantize_head=c.quantize_head)  # fmt: skip
+                quantize_model(model, config, method=method, calibration=calibration, quantize_head=c.quantize_head)
         if c.precision != "fp32":
             model.to(torch.bfloat16)  # the frozen rest: BF16 (a packed layer keeps its codes and FP32 scales)
         adapters = lora.attach(model, names, c.lora_rank, c.lora_alpha, c.lora_dropout, lora.ADAPTER_DTYPES[c.adapter_dtype])

@@ -70,14 +70,16 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] | None = None  # module-name globs; None: every Linear of the decoder layers
     base_method: str = "rtn"  # how a packed base is quantized: rtn, gptq
+    base_keep: tuple[str, ...] | None = None  # layer globs of a packed FP4 / MXFP8 base held in FP8 (fp8-weight-only) instead
     adapter_dtype: str = "fp32"  # the adapters' parameters: fp32, bf16
     lora_init: str = "zero"  # LORA_INITS
     merge: bool = False  # a LoRA run also writes the merged model (out/merged)
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_targets, list | str):  # JSON gives a list back; one glob may come as a string
-            targets = [self.lora_targets] if isinstance(self.lora_targets, str) else self.lora_targets
-            object.__setattr__(self, "lora_targets", tuple(targets))
+        for name in ("lora_targets", "base_keep"):  # JSON gives a list back; one glob may come as a string
+            globs = getattr(self, name)
+            if isinstance(globs, list | str):
+                object.__setattr__(self, name, tuple([globs] if isinstance(globs, str) else globs))
         self._check_finetune()
         if self.lr is None:
             object.__setattr__(self, "lr", DEFAULT_LRS["lora" if self.lora_rank else "full" if self.pretrained else "gpt"])
@@ -116,6 +118,8 @@ class TrainConfig:
         if self.lora_rank < 0:
             raise MinifloatError(f"--lora must be a rank ≥ 1 (0: a full fine-tune), got {self.lora_rank}")
         if not self.lora_rank:
+            if self.base_keep:
+                raise MinifloatError("--base-keep holds layers of a LoRA run's packed base in FP8: it needs --lora RANK")
             if self.merge:
                 raise MinifloatError("--merge folds LoRA adapters into the base: it needs --lora RANK")
             return
