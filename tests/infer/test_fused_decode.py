@@ -2,7 +2,7 @@
 oracle it replaces: transformers' own forward of the same model (float32 weights), and the eager
 path over the same packed weights (weight-only configs). Tiny random models of each family it
 runs: Llama (with biases), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (a sliding window),
-Phi-3, GPT-2 and the built-in GPT."""
+Phi-3, Gemma 3, GPT-2 and the built-in GPT."""
 
 from __future__ import annotations
 
@@ -373,6 +373,37 @@ def test_the_built_in_gpt_runs_fused(config):
         fused = generate(gpt, ids[:, :5], 40, kv_cache=kv)
         assert fused.decode_step == "fused"
         assert torch.equal(fused.tokens, generate(gpt, ids[:, :5], 40, kv_cache=kv, decode_step="eager").tokens)
+
+
+@pytest.mark.parametrize("config", [None, "nvfp4-weight-only"])
+def test_gemma3_runs_fused_with_its_sandwich_norms_geglu_and_two_rotary_tables(config):
+    """Gemma 3: (1 + w) RMSNorms before and after each sublayer, GeGLU (tanh GELU), QK-norm, the
+    query scale 1/√query_pre_attn_scalar, a sliding layer (its own RoPE base, a 24-token window)
+    and a global one, a scaled embedding: transformers' logits past the window, eager's tokens."""
+    from tests.families.tiny import config as family_config
+
+    cfg = family_config("gemma3", VOCAB)
+    cfg.rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}  # fmt: skip
+    torch.manual_seed(12)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # norms' w away from 0 (the (1 + w) shows), weights of a trained model's size
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if name.endswith("norm.weight") else 0.08))
+    if config:
+        quantize_model(model, config, quantize_head=True)
+    assert unsupported(model) is None
+    ids = torch.randint(0, VOCAB, (1, 60))
+    dec = FusedDecoder(model)
+    got = prefill_then_steps(dec, ids, dec.new_cache("fp32", 64), 40)
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    assert (got - ref).abs().max() <= bound(ref)
+    for kv in ("fp32", "nvfp4+bf16@hadamard"):
+        fused = generate(model, ids[:, :5], 50, kv_cache=kv)
+        assert fused.decode_step == "fused"
+        assert torch.equal(fused.tokens, generate(model, ids[:, :5], 50, kv_cache=kv, decode_step="eager").tokens)
+    assert "two rotary embeddings" in unsupported(model, KVSpec.parse("nvfp4+bf16@pre-rope"))
 
 
 @pytest.mark.parametrize("act", ["gelu_new", "gelu"])

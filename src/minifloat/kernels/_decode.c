@@ -46,7 +46,9 @@ static int omp_get_thread_num(void) { return 0; }
 
 enum { LIN_ABSENT = 0, LIN_DENSE = 1, LIN_PACKED = 2 }; /* mf_lin_t.kind; absent: the GPT's k and v (in q: its fused qkv) and gate */
 enum { NORM_RMS = 0, NORM_LAYER = 1 };
-enum { GELU_ERF = 0, GELU_TANH = 1 }; /* an ungated MLP's GELU: exact (erf), or the tanh approximation (GPT-2's gelu_new) */
+/* the MLP's activation: ACT_DEFAULT is SiLU on a gated MLP's gate, exact (erf) GELU on an ungated one;
+ * ACT_GELU_TANH the tanh approximation of GELU on either (GPT-2's gelu_new, Gemma's GeGLU) */
+enum { ACT_DEFAULT = 0, ACT_GELU_TANH = 1 };
 #define MAX_HEAD_DIM 512 /* fused.MAX_HEAD_DIM: the rotary embedding's and a KV row's scratch */
 
 /* Must match Linear in minifloat/infer/generation/fused.py field for field (as the structs below). */
@@ -64,7 +66,10 @@ typedef struct {
     const float *attn_norm, *mlp_norm; /* the norms' weights, hidden each */
     const float *attn_norm_b, *mlp_norm_b; /* LayerNorm's biases (NULL: none) */
     const float *q_norm, *k_norm;      /* QK-norm weights (head_dim), or NULL */
+    const float *attn_out_norm, *mlp_out_norm; /* RMSNorms of the attention's and the MLP's outputs before
+                                                * each is added to the residual (Gemma's sandwich), or NULL */
     int64_t window;                    /* sliding window in tokens; 0: every position */
+    int64_t rope2;                     /* 1: this layer's rotary tables are the model's cos2 / sin2 */
 } mf_layer_t;
 
 /* KV formats: float32 and bfloat16 as they are; FP8 (E4M3, a float32 scale per head's row),
@@ -105,9 +110,10 @@ typedef struct {
     int64_t n_layer, hidden, n_head, n_kv, head_dim, inter, vocab, capacity;
     float eps, scale; /* RMSNorm's epsilon; the attention scores' scale */
     int32_t nthreads, isa, serial_below, norm; /* norm: NORM_RMS (Llama's) or NORM_LAYER (the built-in GPT's) */
-    int32_t gate_up, gelu; /* gate_up: `up` is one product of gate and up (Phi-3's gate_up_proj: [gate | up]), `gate` absent;
-                            * gelu: GELU_ERF or GELU_TANH, an ungated MLP's activation */
+    int32_t gate_up, act; /* gate_up: `up` is one product of gate and up (Phi-3's gate_up_proj: [gate | up]), `gate` absent;
+                           * act: ACT_* */
     const float *cos, *sin; /* capacity × head_dim: the rotary tables (rotate-half form); NULL: no rotary embedding */
+    const float *cos2, *sin2; /* the tables of the layers with rope2 (Gemma 3's sliding layers), or NULL */
     const mf_layer_t *layers;
     const float *final_norm, *final_norm_b;
     mf_lin_t head;
@@ -349,6 +355,10 @@ static void layer_norm(const float *x, const float *w, const float *b, float eps
     const float r = 1.0f / sqrtf(sq / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mean) * r * w[i] + (b ? b[i] : 0.0f);
 }
+
+/* GELU's tanh approximation as transformers computes it (NewGELUActivation, gelu(approximate="tanh")):
+ * 0.5 u (1 + tanh(√(2/π) (u + 0.044715 u³))) */
+static inline float gelu_tanh(float u) { return 0.5f * u * (1.0f + tanhf(0.7978845608028654f * (u + 0.044715f * u * u * u))); }
 
 /* the model's norm of each of M rows of x (hidden values) */
 static void norm_rows(const mf_model_t *m, const float *x, const float *w, const float *b, int64_t M, float *out) {
@@ -969,16 +979,17 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         lap(m, &t0, T_GEMV);
         for (int64_t r = 0; r < M; r++) {
             const int64_t p = pos + r;
-            const float *cs = m->cos ? m->cos + p * d : NULL, *sn = m->sin ? m->sin + p * d : NULL;
+            const float *tc = L->rope2 ? m->cos2 : m->cos, *ts = L->rope2 ? m->sin2 : m->sin;
+            const float *cs = tc ? tc + p * d : NULL, *sn = ts ? ts + p * d : NULL;
             for (int64_t hh = 0; hh < nh; hh++) {
                 float *qh = q + r * qd + hh * d;
                 if (L->q_norm) rms_norm(qh, L->q_norm, m->eps, d, qh);
-                if (m->cos) rope(qh, cs, sn, d);
+                if (cs) rope(qh, cs, sn, d);
             }
             for (int64_t hh = 0; hh < nkv; hh++) {
                 float *kh = k + r * kd + hh * d;
                 if (L->k_norm) rms_norm(kh, L->k_norm, m->eps, d, kh);
-                if (m->cos && !kv->pre_rope) rope(kh, cs, sn, d);
+                if (cs && !kv->pre_rope) rope(kh, cs, sn, d);
             }
             if (kv->rot) { /* rows stored rotated; queries rotated to meet them */
                 for (int64_t hh = 0; hh < nh; hh++) times_matrix(q + r * qd + hh * d, kv->rot, d);
@@ -1025,6 +1036,8 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             break;
         }
         lap(m, &t0, T_GEMV);
+        if (L->attn_out_norm)
+            for (int64_t r = 0; r < M; r++) rms_norm(h + r * H, L->attn_out_norm, m->eps, H, h + r * H);
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
         norm_rows(m, x, L->mlp_norm, L->mlp_norm_b, M, h);
         lap(m, &t0, T_OTHER);
@@ -1041,11 +1054,12 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
                     const float gt = u[r * 2 * I + i];
                     g[r * I + i] = gt / (1.0f + expf(-gt)) * u[r * 2 * I + I + i];
                 }
+        else if (gated && m->act == ACT_GELU_TANH) /* GeGLU: gelu_tanh(gate) · up */
+            for (int64_t i = 0; i < M * I; i++) g[i] = gelu_tanh(g[i]) * u[i];
         else if (gated)
             for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
-        else if (m->gelu == GELU_TANH) /* transformers' NewGELUActivation: 0.5 u (1 + tanh(√(2/π) (u + 0.044715 u³))) */
-            for (int64_t i = 0; i < M * I; i++)
-                g[i] = 0.5f * u[i] * (1.0f + tanhf(0.7978845608028654f * (u[i] + 0.044715f * u[i] * u[i] * u[i])));
+        else if (m->act == ACT_GELU_TANH)
+            for (int64_t i = 0; i < M * I; i++) g[i] = gelu_tanh(u[i]);
         else
             for (int64_t i = 0; i < M * I; i++) g[i] = 0.5f * u[i] * (1.0f + erff(u[i] * 0.70710678118654752f)); /* gelu(fc) */
         lap(m, &t0, T_OTHER);
@@ -1054,6 +1068,8 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             break;
         }
         lap(m, &t0, T_GEMV);
+        if (L->mlp_out_norm)
+            for (int64_t r = 0; r < M; r++) rms_norm(h + r * H, L->mlp_out_norm, m->eps, H, h + r * H);
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
     }
     if (rc == 0 && packed) *kv->aged = aged;

@@ -1,5 +1,6 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
-Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product), GPT-2 (its Conv1D layers held as
+Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product; Gemma 3 with its (1 + w) norms
+around each sublayer, GeGLU and two rotary tables), GPT-2 (its Conv1D layers held as
 Linears, as `minifloat.load_model` holds them) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
@@ -54,7 +55,7 @@ from minifloat.models.conv1d import Conv1DLinear
 from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # model types whose decoder layer mf_decode computes
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")  # model types whose decoder layer mf_decode computes
 FUSED_PROJECTIONS = {"phi3": ("qkv_proj", "gate_up_proj")}  # one product for q, k, v ([q | k | v]) and for gate, up
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
 PACKED_BLOCK = {"fp8": 1, "nvfp4": 16, "mxfp4": 32}  # head_dim must be a multiple (whole blocks, whole bytes)
@@ -63,8 +64,11 @@ PROFILE_KINDS = ("gemv", "attention", "norms_rope_activations")  # T_* of _decod
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _ABSENT, _DENSE, _PACKED = 0, 1, 2  # LIN_* of _decode.c
 _NORM_RMS, _NORM_LAYER = 0, 1  # NORM_* of _decode.c
-_GELU_ERF, _GELU_TANH = 0, 1  # GELU_* of _decode.c
-GPT2_GELUS = {"gelu": _GELU_ERF, "gelu_new": _GELU_TANH, "gelu_pytorch_tanh": _GELU_TANH}  # GPT-2's activation_function
+_ACT_DEFAULT, _ACT_GELU_TANH = 0, 1  # ACT_* of _decode.c
+GPT2_GELUS = {"gelu": _ACT_DEFAULT, "gelu_new": _ACT_GELU_TANH, "gelu_pytorch_tanh": _ACT_GELU_TANH}  # GPT-2's activation_function
+GATED_ACTS = {"silu": _ACT_DEFAULT, "gelu_pytorch_tanh": _ACT_GELU_TANH}  # a gated MLP's (hidden_act / hidden_activation)
+ACT_MODULES = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_pytorch_tanh", "PytorchGELUTanh": "gelu_pytorch_tanh"}
+SANDWICH = ("gemma3_text",)  # (1 + w) RMSNorms, before and after each sublayer; sliding layers with their own RoPE tables
 
 
 class Linear(ctypes.Structure):
@@ -81,8 +85,9 @@ class Layer(ctypes.Structure):
     """``mf_layer_t`` of _decode.c, field for field."""
 
     _fields_ = [*((n, Linear) for n in _LINEARS),
-                *((n, _P) for n in ("attn_norm", "mlp_norm", "attn_norm_b", "mlp_norm_b", "q_norm", "k_norm")),
-                ("window", _L)]  # fmt: skip
+                *((n, _P) for n in ("attn_norm", "mlp_norm", "attn_norm_b", "mlp_norm_b", "q_norm", "k_norm",
+                                    "attn_out_norm", "mlp_out_norm")),
+                ("window", _L), ("rope2", _L)]  # fmt: skip
 
 
 class KV(ctypes.Structure):
@@ -101,8 +106,8 @@ class Model(ctypes.Structure):
 
     _fields_ = [
         *((n, _L) for n in ("n_layer", "hidden", "n_head", "n_kv", "head_dim", "inter", "vocab", "capacity")),
-        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm", "gate_up", "gelu")),
-        ("cos", _P), ("sin", _P), ("layers", _P), ("final_norm", _P), ("final_norm_b", _P), ("head", Linear), ("kv", KV),
+        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm", "gate_up", "act")),
+        ("cos", _P), ("sin", _P), ("cos2", _P), ("sin2", _P), ("layers", _P), ("final_norm", _P), ("final_norm_b", _P), ("head", Linear), ("kv", KV),
         ("timers", _P),
     ]  # fmt: skip
 
@@ -175,8 +180,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
         return "the model is not laid out as transformers' Llama (model.layers, model.rotary_emb, model.norm)"
     text = _text_config(model)
-    if getattr(text, "hidden_act", "silu") != "silu":
-        return f"activation {text.hidden_act!r} (the fused step computes SiLU)"
+    if (act := _activation(text)) not in GATED_ACTS:
+        return f"activation {act!r} (the fused step computes {', '.join(GATED_ACTS)})"
     for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(text, attr, None):
             return f"{attr} (the fused step does not cap logits)"
@@ -185,6 +190,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return f"head_dim {head_dim}"
     if kv is not None and (why := _kv_problem(kv, kv_scales, head_dim)) is not None:
         return why
+    if kv is not None and kv.pre_rope and kind in SANDWICH:
+        return "pre-RoPE keys of a model whose layers have two rotary embeddings run eagerly"
     heads, kv_heads = int(text.num_attention_heads), int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     if heads % kv_heads or heads // kv_heads > 64:
         return f"{heads} query heads over {kv_heads} KV heads"
@@ -199,24 +206,45 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         for name, lin in _projections(kind, attn, mlp, f"layers.{i}.").values():
             if (why := _linear_problem(name, lin)) is not None:
                 return why
-        act = getattr(mlp, "activation_fn" if kind in FUSED_PROJECTIONS else "act_fn", None)
-        if type(act).__name__ not in ("SiLU", "SiLUActivation"):
-            return f"layers.{i}.mlp's activation is not SiLU"
-        if float(getattr(attn, "scaling", head_dim**-0.5)) != head_dim**-0.5:
+        act_fn = getattr(mlp, "activation_fn" if kind in FUSED_PROJECTIONS else "act_fn", None)
+        if ACT_MODULES.get(type(act_fn).__name__) != act:
+            return f"layers.{i}.mlp's activation is a {type(act_fn).__name__}, not the config's {act}"
+        if float(getattr(attn, "scaling", head_dim**-0.5)) != _attention_scale(text):
             return f"layers.{i} scales attention scores by {attn.scaling}"
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [
-            n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]  # fmt: skip
-        for n in norms:
+        for n in _norms(kind, layer):
             if not type(n).__name__.endswith("RMSNorm") or not _is_float32_cpu(n.weight):
                 return f"a norm of layers.{i} is a {type(n).__name__} (the fused step computes float32 RMSNorm)"
-            eps = float(n.variance_epsilon) if eps is None else eps
-            if float(n.variance_epsilon) != eps:
+            eps = _eps(n) if eps is None else eps
+            if _eps(n) != eps:
                 return "the norms' epsilons differ"
     if (why := _linear_problem("lm_head", getattr(model, "lm_head", None))) is not None:
         return why
-    if not _is_float32_cpu(inner.norm.weight) or float(inner.norm.variance_epsilon) != eps:
+    if not _is_float32_cpu(inner.norm.weight) or _eps(inner.norm) != eps:
         return "the final norm is not a float32 RMSNorm with the layers' epsilon"
     return None
+
+
+def _activation(text) -> str:
+    return getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", "silu")
+
+
+def _attention_scale(text) -> float:
+    """The scale of the attention scores: 1/√head_dim, or Gemma's 1/√query_pre_attn_scalar."""
+    scalar = getattr(text, "query_pre_attn_scalar", None)
+    return float(scalar) ** -0.5 if scalar else _head_dim(text) ** -0.5
+
+
+def _eps(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", None) or norm.eps)
+
+
+def _norms(kind: str, layer) -> list:
+    """A decoder layer's RMSNorms: before attention and MLP (Gemma: and after each), QK-norm."""
+    attn = layer.self_attn
+    around = [layer.input_layernorm, layer.post_attention_layernorm]
+    if kind in SANDWICH:
+        around += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    return around + [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
 
 
 def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
@@ -335,16 +363,24 @@ class FusedDecoder:
         kind = model.config.model_type
         layers = (Layer * len(inner.layers))()
         windows = sliding_windows(model.config)
+        sandwich = kind in SANDWICH
+
+        def norm(n) -> int | None:  # Gemma computes x̂ · (1 + w) in float32: the C step gets 1 + w
+            return None if n is None else self._hold(n.weight.detach().float() + 1 if sandwich else n.weight)
+
         for i, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
             mods = _projections(kind, a, m)
             for slot in _LINEARS:
                 setattr(layers[i], slot, self._linear(mods[slot][1]) if slot in mods else Linear(kind=_ABSENT))
-            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-            layers[i].attn_norm = self._hold(layer.input_layernorm.weight)
-            layers[i].mlp_norm = self._hold(layer.post_attention_layernorm.weight)
-            layers[i].q_norm = None if qn is None else self._hold(qn.weight)
-            layers[i].k_norm = None if kn is None else self._hold(kn.weight)
+            layers[i].attn_norm = norm(layer.input_layernorm)
+            layers[i].q_norm, layers[i].k_norm = norm(getattr(a, "q_norm", None)), norm(getattr(a, "k_norm", None))
+            if sandwich:
+                layers[i].attn_out_norm, layers[i].mlp_norm = norm(layer.post_attention_layernorm), norm(layer.pre_feedforward_layernorm)
+                layers[i].mlp_out_norm = norm(layer.post_feedforward_layernorm)
+                layers[i].rope2 = int(text.layer_types[i] == "sliding_attention")
+            else:
+                layers[i].mlp_norm = norm(layer.post_attention_layernorm)
             layers[i].window = windows[i] or 0
         self.layers = layers
         self.n_layer = len(inner.layers)
@@ -354,8 +390,8 @@ class FusedDecoder:
         self.template = Model(
             n_layer=self.n_layer, hidden=int(text.hidden_size), n_head=int(text.num_attention_heads), n_kv=self.n_kv,
             head_dim=self.head_dim, inter=int(inner.layers[0].mlp.down_proj.in_features), gate_up=int(kind in FUSED_PROJECTIONS), vocab=self.vocab,
-            eps=float(inner.norm.variance_epsilon), scale=self.head_dim**-0.5, serial_below=cpu.SERIAL_BELOW,
-            isa=gemv.ISAS.index(gemv.best_isa()), layers=ctypes.cast(layers, _P), final_norm=self._hold(inner.norm.weight),
+            eps=_eps(inner.norm), scale=_attention_scale(text), serial_below=cpu.SERIAL_BELOW, act=GATED_ACTS[_activation(text)],
+            isa=gemv.ISAS.index(gemv.best_isa()), layers=ctypes.cast(layers, _P), final_norm=norm(inner.norm),
             head=self._linear(model.lm_head),
         )  # fmt: skip
 
@@ -399,7 +435,7 @@ class FusedDecoder:
             n_layer=c.n_layer, hidden=c.n_embd, n_head=c.n_head, n_kv=c.n_head, head_dim=self.head_dim,
             inter=int(t.h[0].mlp.c_fc.out_features), vocab=self.vocab, eps=float(t.ln_f.eps), scale=self.head_dim**-0.5,
             serial_below=cpu.SERIAL_BELOW, isa=gemv.ISAS.index(gemv.best_isa()), norm=_NORM_LAYER,
-            gelu=GPT2_GELUS[c.activation_function], layers=ctypes.cast(layers, _P), final_norm=self._hold(t.ln_f.weight),
+            act=GPT2_GELUS[c.activation_function], layers=ctypes.cast(layers, _P), final_norm=self._hold(t.ln_f.weight),
             final_norm_b=self._hold(t.ln_f.bias), head=self._linear(model.lm_head),
         )  # fmt: skip
 
@@ -421,11 +457,16 @@ class FusedDecoder:
             x = x + wpe(torch.arange(pos, pos + T, device=ids.device))
         return x[0].float().contiguous()
 
-    def rope_tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rotary embedding's (cos, sin) (capacity, head_dim), from the model's own module; None for the GPT."""
+    def rope_tables(self, capacity: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary embedding's (cos, sin) (capacity, head_dim), from the model's own module (of the
+        layers of `layer_type`, for a model whose layers have two: Gemma 3's full and sliding); None
+        for a model with learned positions."""
         if self._positions() is not None:
             return None
-        cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(capacity)[None])
+        if self.model.config.model_type in SANDWICH:
+            layer_type = layer_type or "full_attention"
+        extra = () if layer_type is None else (layer_type,)
+        cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(capacity)[None], *extra)
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         if cos.shape != (capacity, self.head_dim):
             raise MinifloatError(f"the rotary embedding gives tables of {tuple(cos.shape)}; the fused step needs (positions, head_dim)")
@@ -460,6 +501,8 @@ class FusedDecoder:
         why = _kv_problem(spec, None, self.head_dim)
         if why is None and spec.pre_rope and self._positions() is not None:
             why = "pre-RoPE keys need a rotary embedding; this model learns positions"
+        if why is None and spec.pre_rope and getattr(self.model.config, "model_type", None) in SANDWICH:
+            why = "pre-RoPE keys of a model whose layers have two rotary embeddings run eagerly"
         if why is not None:
             raise MinifloatError(f"the fused decode step cannot keep this cache: {why}")
         return FusedCache(self, spec, capacity)
@@ -544,6 +587,9 @@ class FusedCache:
         self.struct.nthreads = torch.get_num_threads()
         if self.tables_rope is not None:
             self.struct.cos, self.struct.sin = (t.data_ptr() for t in self.tables_rope)
+            if getattr(decoder.model.config, "model_type", None) in SANDWICH:  # the sliding layers' tables
+                self.tables_rope2 = decoder.rope_tables(self.capacity, "sliding_attention")
+                self.struct.cos2, self.struct.sin2 = (t.data_ptr() for t in self.tables_rope2)
             if self.channel and spec.pre_rope:  # blocks of positions per channel: the tables by channel
                 self.tables_by_channel = tuple(t.T.contiguous() for t in self.tables_rope)
                 kv.cos_t, kv.sin_t = (t.data_ptr() for t in self.tables_by_channel)
