@@ -2,7 +2,7 @@
 oracle it replaces: transformers' own forward of the same model (float32 weights), and the eager
 path over the same packed weights (weight-only configs). Tiny random models of each family it
 runs: Llama (with biases), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (a sliding window),
-Phi-3, Gemma 3, GPT-2 and the built-in GPT."""
+Phi-3, Gemma 3, Mixtral and Qwen3-MoE, GPT-2 and the built-in GPT."""
 
 from __future__ import annotations
 
@@ -404,6 +404,38 @@ def test_gemma3_runs_fused_with_its_sandwich_norms_geglu_and_two_rotary_tables(c
         assert fused.decode_step == "fused"
         assert torch.equal(fused.tokens, generate(model, ids[:, :5], 50, kv_cache=kv, decode_step="eager").tokens)
     assert "two rotary embeddings" in unsupported(model, KVSpec.parse("nvfp4+bf16@pre-rope"))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe"])
+@pytest.mark.parametrize("experts", ["fused", "linears", "nvfp4-weight-only"])
+def test_mixtures_of_experts_run_fused(family, experts):
+    """Mixtral (weights renormalized over the top 2) and Qwen3-MoE (not renormalized), their experts
+    as transformers' fused 3-D parameters, as minifloat's per-expert Linears, or packed: every
+    row's logits are transformers' forward's (40 tokens: rows choose different experts), the
+    greedy tokens eager's."""
+    from minifloat.models.experts import unfuse_experts
+    from tests.families.tiny import moe_config
+
+    torch.manual_seed(13)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(family, VOCAB)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    if experts != "fused":
+        unfuse_experts(model)
+    if experts == "nvfp4-weight-only":
+        quantize_model(model, experts, quantize_head=True)
+    assert unsupported(model) is None
+    ids = torch.randint(0, VOCAB, (1, 40))
+    dec = FusedDecoder(model)
+    got = prefill_then_steps(dec, ids, dec.new_cache("fp32", 40), 30)
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    assert (got - ref).abs().max() <= bound(ref)
+    fused = generate(model, ids[:, :5], 30, kv_cache="nvfp4+bf16")
+    assert fused.decode_step == "fused"
+    assert torch.equal(fused.tokens, generate(model, ids[:, :5], 30, kv_cache="nvfp4+bf16", decode_step="eager").tokens)
 
 
 @pytest.mark.parametrize("act", ["gelu_new", "gelu"])

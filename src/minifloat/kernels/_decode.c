@@ -70,6 +70,12 @@ typedef struct {
                                                 * each is added to the residual (Gemma's sandwich), or NULL */
     int64_t window;                    /* sliding window in tokens; 0: every position */
     int64_t rope2;                     /* 1: this layer's rotary tables are the model's cos2 / sin2 */
+    /* A mixture of experts in place of the MLP (n_expert > 0): the router's product (n_expert
+     * outputs), each expert's gate, up and down products (experts[3e …]), the experts each row
+     * takes, and whether their weights are renormalized to sum 1 (`moe`). */
+    mf_lin_t router;
+    const mf_lin_t *experts;
+    int64_t n_expert, top_k, norm_topk;
 } mf_layer_t;
 
 /* KV formats: float32 and bfloat16 as they are; FP8 (E4M3, a float32 scale per head's row),
@@ -359,6 +365,76 @@ static void layer_norm(const float *x, const float *w, const float *b, float eps
 /* GELU's tanh approximation as transformers computes it (NewGELUActivation, gelu(approximate="tanh")):
  * 0.5 u (1 + tanh(√(2/π) (u + 0.044715 u³))) */
 static inline float gelu_tanh(float u) { return 0.5f * u * (1.0f + tanhf(0.7978845608028654f * (u + 0.044715f * u * u * u))); }
+
+/* Forward declaration: a Linear's product (below). */
+static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_t M, float *y);
+
+/* A mixture-of-experts layer over M rows of h (hidden each), into out, as transformers' Mixtral /
+ * Qwen-MoE blocks compute it: the router's logits, their softmax in float32, each row's top_k
+ * experts by probability (the lower index first among equals), their probabilities renormalized
+ * to sum 1 with norm_topk; then, expert by expert in ascending order (transformers' loop over
+ * experts), out[row] += weight · down(silu(gate(h)) · up(h)) for the rows that chose it — those
+ * rows multiplied together, each summed as it would be alone. Returns 0, -1 out of memory. */
+static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t M, float *out) {
+    const int64_t E = L->n_expert, K = L->top_k, H = m->hidden, I = L->experts[0].N;
+    float *buf = malloc((size_t)(M * E + M * K + 2 * M * H + 2 * M * I) * sizeof(float));
+    int64_t *pick = malloc((size_t)(M * K + M) * sizeof(int64_t));
+    if (!buf || !pick) {
+        free(buf);
+        free(pick);
+        return -1;
+    }
+    float *p = buf, *w = p + M * E, *xs = w + M * K, *ys = xs + M * H, *g = ys + M * H, *u = g + M * I;
+    int64_t *rows = pick + M * K;
+    int rc = linear(m, &L->router, h, M, p);
+    for (int64_t r = 0; r < M && rc == 0; r++) {
+        float *pr = p + r * E, mx = pr[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++) mx = pr[e] > mx ? pr[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += (pr[e] = expf(pr[e] - mx));
+        for (int64_t e = 0; e < E; e++) pr[e] /= sum;
+        float chosen = 0.0f;
+        for (int64_t j = 0; j < K; j++) { /* the j-th largest probability not chosen yet */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= pick[r * K + i] == e;
+                if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
+            }
+            pick[r * K + j] = best, w[r * K + j] = pr[best], chosen += pr[best];
+        }
+        if (L->norm_topk)
+            for (int64_t j = 0; j < K; j++) w[r * K + j] /= chosen;
+    }
+    memset(out, 0, (size_t)(M * H) * sizeof(float));
+    for (int64_t e = 0; e < E && rc == 0; e++) {
+        int64_t n = 0;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < K; j++)
+                if (pick[r * K + j] == e) {
+                    rows[n] = r * K + j; /* the row and its slot */
+                    memcpy(xs + n++ * H, h + r * H, (size_t)H * sizeof(float));
+                }
+        if (n == 0) continue;
+        const mf_lin_t *x3 = L->experts + 3 * e;
+        if (linear(m, x3, xs, n, g) || linear(m, x3 + 1, xs, n, u)) {
+            rc = -1;
+            break;
+        }
+        for (int64_t i = 0; i < n * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
+        if (linear(m, x3 + 2, g, n, ys)) {
+            rc = -1;
+            break;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            float *o = out + (rows[i] / K) * H;
+            const float wt = w[rows[i]];
+            for (int64_t c = 0; c < H; c++) o[c] = o[c] + ys[i * H + c] * wt;
+        }
+    }
+    free(buf);
+    free(pick);
+    return rc;
+}
 
 /* the model's norm of each of M rows of x (hidden values) */
 static void norm_rows(const mf_model_t *m, const float *x, const float *w, const float *b, int64_t M, float *out) {
@@ -1041,6 +1117,18 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
         norm_rows(m, x, L->mlp_norm, L->mlp_norm_b, M, h);
         lap(m, &t0, T_OTHER);
+        if (L->n_expert > 0) { /* a mixture of experts: its output into h */
+            if (moe(m, L, h, M, u) != 0) {
+                rc = -1;
+                break;
+            }
+            memcpy(h, u, (size_t)(M * H) * sizeof(float));
+            lap(m, &t0, T_GEMV);
+            if (L->mlp_out_norm)
+                for (int64_t r = 0; r < M; r++) rms_norm(h + r * H, L->mlp_out_norm, m->eps, H, h + r * H);
+            for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + h[i];
+            continue;
+        }
         const int gated = L->gate.kind != LIN_ABSENT;
         if ((gated && linear(m, &L->gate, h, M, g)) || linear(m, &L->up, h, M, u)) {
             rc = -1;

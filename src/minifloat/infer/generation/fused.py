@@ -1,6 +1,7 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
 Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product; Gemma 3 with its (1 + w) norms
-around each sublayer, GeGLU and two rotary tables), GPT-2 (its Conv1D layers held as
+around each sublayer, GeGLU and two rotary tables; Mixtral and Qwen3-MoE with their routers and
+experts), GPT-2 (its Conv1D layers held as
 Linears, as `minifloat.load_model` holds them) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
@@ -55,7 +56,7 @@ from minifloat.models.conv1d import Conv1DLinear
 from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")  # model types whose decoder layer mf_decode computes
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "mixtral", "qwen3_moe")  # model types whose decoder layer mf_decode computes
 FUSED_PROJECTIONS = {"phi3": ("qkv_proj", "gate_up_proj")}  # one product for q, k, v ([q | k | v]) and for gate, up
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
 PACKED_BLOCK = {"fp8": 1, "nvfp4": 16, "mxfp4": 32}  # head_dim must be a multiple (whole blocks, whole bytes)
@@ -87,7 +88,8 @@ class Layer(ctypes.Structure):
     _fields_ = [*((n, Linear) for n in _LINEARS),
                 *((n, _P) for n in ("attn_norm", "mlp_norm", "attn_norm_b", "mlp_norm_b", "q_norm", "k_norm",
                                     "attn_out_norm", "mlp_out_norm")),
-                ("window", _L), ("rope2", _L)]  # fmt: skip
+                ("window", _L), ("rope2", _L), ("router", Linear), ("experts", _P),
+                ("n_expert", _L), ("top_k", _L), ("norm_topk", _L)]  # fmt: skip
 
 
 class KV(ctypes.Structure):
@@ -203,12 +205,19 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return "LongRoPE (its tables depend on the sequence's length)"
     for i, layer in enumerate(layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        for name, lin in _projections(kind, attn, mlp, f"layers.{i}.").values():
+        moe = _is_moe(mlp)
+        for slot, (name, lin) in _projections(kind, attn, mlp, f"layers.{i}.").items():
+            if moe and slot in ("gate", "up", "down"):
+                continue
             if (why := _linear_problem(name, lin)) is not None:
                 return why
-        act_fn = getattr(mlp, "activation_fn" if kind in FUSED_PROJECTIONS else "act_fn", None)
-        if ACT_MODULES.get(type(act_fn).__name__) != act:
-            return f"layers.{i}.mlp's activation is a {type(act_fn).__name__}, not the config's {act}"
+        if moe:
+            if (why := _moe_problem(f"layers.{i}.mlp", mlp, act)) is not None:
+                return why
+        else:
+            act_fn = getattr(mlp, "activation_fn" if kind in FUSED_PROJECTIONS else "act_fn", None)
+            if ACT_MODULES.get(type(act_fn).__name__) != act:
+                return f"layers.{i}.mlp's activation is a {type(act_fn).__name__}, not the config's {act}"
         if float(getattr(attn, "scaling", head_dim**-0.5)) != _attention_scale(text):
             return f"layers.{i} scales attention scores by {attn.scaling}"
         for n in _norms(kind, layer):
@@ -222,6 +231,55 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     if not _is_float32_cpu(inner.norm.weight) or _eps(inner.norm) != eps:
         return "the final norm is not a float32 RMSNorm with the layers' epsilon"
     return None
+
+
+def _is_moe(mlp) -> bool:
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and type(mlp.gate).__name__.endswith("TopKRouter")
+
+
+def _expert_weights(experts, e: int):
+    """Expert `e`'s (gate, up, down) as float32 (out, in) weights or Linears: from transformers'
+    fused 3-D parameters (gate rows first in gate_up_proj) or from `ExpertLinears`."""
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter):
+        gu, inter = experts.gate_up_proj, experts.gate_up_proj.shape[1] // 2
+        return gu[e, :inter], gu[e, inter:], experts.down_proj[e]
+    x = experts[e]
+    return tuple(getattr(x, n) for n in x.names)
+
+
+def _moe_problem(name: str, mlp, act: str) -> str | None:
+    """Why the fused step cannot run the mixture-of-experts block `mlp` (None: it can): a router
+    without bias in float32, experts SiLU-gated without biases, fused float32 or `ExpertLinears`."""
+    router = mlp.gate
+    if getattr(router, "bias", None) is not None or not _is_float32_cpu(router.weight):
+        return f"{name}.gate is not a float32 router without bias"
+    experts = mlp.experts
+    fused = isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter)
+    if fused:
+        if experts.gate_up_proj.dim() != 3 or getattr(experts, "gate_up_proj_bias", None) is not None:
+            return f"{name}.experts are not Mixtral-style fused experts (gate rows first, no biases)"
+        if not (_is_float32_cpu(experts.gate_up_proj) and _is_float32_cpu(experts.down_proj)):
+            return f"{name}.experts are not float32"
+        act_fn = experts.act_fn
+    else:
+        if type(experts).__name__ != "ExpertLinears" or any(getattr(x, "names", None) is None for x in experts):
+            return f"{name}.experts are a {type(experts).__name__} (the fused step runs SiLU-gated experts)"
+        for e, x in enumerate(experts):
+            for n in x.names:
+                if (why := _linear_problem(f"{name}.experts.{e}.{n}", getattr(x, n))) is not None:
+                    return why
+        act_fn = experts[0].act
+    if ACT_MODULES.get(type(act_fn).__name__) != "silu" or act != "silu":
+        return f"{name}'s experts' activation is a {type(act_fn).__name__} (the fused step computes SiLU experts)"
+    return None
+
+
+def _inter(mlp) -> int:
+    """The width of `mlp`'s hidden layer (a mixture of experts: an expert's)."""
+    if _is_moe(mlp):
+        gate = _expert_weights(mlp.experts, 0)[0]
+        return int(gate.shape[0] if isinstance(gate, torch.Tensor) else gate.out_features)
+    return int(mlp.down_proj.in_features)
 
 
 def _activation(text) -> str:
@@ -370,9 +428,12 @@ class FusedDecoder:
 
         for i, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
-            mods = _projections(kind, a, m)
+            mods, moe = _projections(kind, a, m), _is_moe(m)
             for slot in _LINEARS:
-                setattr(layers[i], slot, self._linear(mods[slot][1]) if slot in mods else Linear(kind=_ABSENT))
+                here = slot in mods and not (moe and slot in ("gate", "up", "down"))
+                setattr(layers[i], slot, self._linear(mods[slot][1]) if here else Linear(kind=_ABSENT))
+            if moe:
+                self._experts(layers[i], m, text)
             layers[i].attn_norm = norm(layer.input_layernorm)
             layers[i].q_norm, layers[i].k_norm = norm(getattr(a, "q_norm", None)), norm(getattr(a, "k_norm", None))
             if sandwich:
@@ -389,7 +450,7 @@ class FusedDecoder:
         self.vocab = int(model.lm_head.out_features)
         self.template = Model(
             n_layer=self.n_layer, hidden=int(text.hidden_size), n_head=int(text.num_attention_heads), n_kv=self.n_kv,
-            head_dim=self.head_dim, inter=int(inner.layers[0].mlp.down_proj.in_features), gate_up=int(kind in FUSED_PROJECTIONS), vocab=self.vocab,
+            head_dim=self.head_dim, inter=max(_inter(layer.mlp) for layer in inner.layers), gate_up=int(kind in FUSED_PROJECTIONS), vocab=self.vocab,
             eps=_eps(inner.norm), scale=_attention_scale(text), serial_below=cpu.SERIAL_BELOW, act=GATED_ACTS[_activation(text)],
             isa=gemv.ISAS.index(gemv.best_isa()), layers=ctypes.cast(layers, _P), final_norm=norm(inner.norm),
             head=self._linear(model.lm_head),
@@ -479,7 +540,22 @@ class FusedDecoder:
         self.keep.append(t)
         return t.data_ptr()
 
+    def _experts(self, layer: Layer, mlp, text) -> None:
+        """A mixture-of-experts block into `layer`: its router and every expert's gate, up and down."""
+        n = len(mlp.experts) if not hasattr(mlp.experts, "gate_up_proj") else mlp.experts.gate_up_proj.shape[0]
+        experts = (Linear * (3 * n))()
+        for e in range(n):
+            for j, w in enumerate(_expert_weights(mlp.experts, e)):
+                experts[3 * e + j] = self._linear(w)
+        self.keep.append(experts)
+        layer.router, layer.experts = self._linear(mlp.gate.weight), ctypes.cast(experts, _P)
+        layer.n_expert, layer.top_k = n, int(mlp.gate.top_k)
+        layer.norm_topk = int(getattr(mlp.gate, "norm_topk_prob", True))  # Mixtral's router always renormalizes
+
     def _linear(self, lin) -> Linear:
+        """A Linear (float32 or packed) or a float32 (out, in) weight as ``mf_lin_t``."""
+        if isinstance(lin, torch.Tensor):
+            return Linear(N=lin.shape[0], K=lin.shape[1], kind=_DENSE, w=self._hold(lin))
         out = Linear(N=lin.out_features, K=lin.in_features, kind=_DENSE)
         if isinstance(lin, QuantizedLinear):
             lin._prepacked.decodes(torch.empty(1, lin.in_features))  # a stale plan made again
