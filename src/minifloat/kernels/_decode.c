@@ -76,7 +76,16 @@ typedef struct {
     mf_lin_t router;
     const mf_lin_t *experts;
     int64_t n_expert, top_k, norm_topk;
+    int64_t moe_kind;      /* MOE_*: how the router weighs the experts and what an expert computes */
+    float swiglu_alpha, swiglu_limit; /* MOE_GPT_OSS's clamped SwiGLU */
+    const float *sinks;    /* per query head, a learned logit in every row's softmax (GPT-OSS), or NULL */
 } mf_layer_t;
+
+/* MOE_SOFTMAX_TOPK (Mixtral, Qwen-MoE): the softmax of the router's logits, the top_k of it,
+ * experts down(silu(gate(h)) · up(h)); MOE_GPT_OSS: the top_k logits (the router has a bias),
+ * their softmax, experts down(((up + 1) · gate · σ(α gate))) of one gate-up product whose rows
+ * alternate gate, up (gate clamped above at the limit, up to ± the limit), biases on both. */
+enum { MOE_SOFTMAX_TOPK = 0, MOE_GPT_OSS = 1 };
 
 /* KV formats: float32 and bfloat16 as they are; FP8 (E4M3, a float32 scale per head's row),
  * NVFP4 (E2M1, E4M3 scales per 16 values, a float32 tensor scale per stored chunk), MXFP4 (E2M1,
@@ -376,8 +385,9 @@ static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_
  * experts), out[row] += weight · down(silu(gate(h)) · up(h)) for the rows that chose it — those
  * rows multiplied together, each summed as it would be alone. Returns 0, -1 out of memory. */
 static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t M, float *out) {
-    const int64_t E = L->n_expert, K = L->top_k, H = m->hidden, I = L->experts[0].N;
-    float *buf = malloc((size_t)(M * E + M * K + 2 * M * H + 2 * M * I) * sizeof(float));
+    const int64_t E = L->n_expert, K = L->top_k, H = m->hidden;
+    const int64_t I = L->moe_kind == MOE_GPT_OSS ? L->experts[0].N / 2 : L->experts[0].N; /* one gate-up product: 2I rows */
+    float *buf = malloc((size_t)(M * E + M * K + 2 * M * H + 3 * M * I) * sizeof(float));
     int64_t *pick = malloc((size_t)(M * K + M) * sizeof(int64_t));
     if (!buf || !pick) {
         free(buf);
@@ -387,11 +397,14 @@ static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t
     float *p = buf, *w = p + M * E, *xs = w + M * K, *ys = xs + M * H, *g = ys + M * H, *u = g + M * I;
     int64_t *rows = pick + M * K;
     int rc = linear(m, &L->router, h, M, p);
+    const int oss = L->moe_kind == MOE_GPT_OSS;
     for (int64_t r = 0; r < M && rc == 0; r++) {
         float *pr = p + r * E, mx = pr[0], sum = 0.0f;
-        for (int64_t e = 1; e < E; e++) mx = pr[e] > mx ? pr[e] : mx;
-        for (int64_t e = 0; e < E; e++) sum += (pr[e] = expf(pr[e] - mx));
-        for (int64_t e = 0; e < E; e++) pr[e] /= sum;
+        if (!oss) { /* the softmax over every expert, then its top_k */
+            for (int64_t e = 1; e < E; e++) mx = pr[e] > mx ? pr[e] : mx;
+            for (int64_t e = 0; e < E; e++) sum += (pr[e] = expf(pr[e] - mx));
+            for (int64_t e = 0; e < E; e++) pr[e] /= sum;
+        }
         float chosen = 0.0f;
         for (int64_t j = 0; j < K; j++) { /* the j-th largest probability not chosen yet */
             int64_t best = -1;
@@ -402,7 +415,12 @@ static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t
             }
             pick[r * K + j] = best, w[r * K + j] = pr[best], chosen += pr[best];
         }
-        if (L->norm_topk)
+        if (oss) { /* the softmax of the top_k logits (the first is their largest) */
+            const float top = w[r * K];
+            float total = 0.0f;
+            for (int64_t j = 0; j < K; j++) total += (w[r * K + j] = expf(w[r * K + j] - top));
+            for (int64_t j = 0; j < K; j++) w[r * K + j] /= total;
+        } else if (L->norm_topk)
             for (int64_t j = 0; j < K; j++) w[r * K + j] /= chosen;
     }
     memset(out, 0, (size_t)(M * H) * sizeof(float));
@@ -416,11 +434,25 @@ static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t
                 }
         if (n == 0) continue;
         const mf_lin_t *x3 = L->experts + 3 * e;
-        if (linear(m, x3, xs, n, g) || linear(m, x3 + 1, xs, n, u)) {
-            rc = -1;
-            break;
+        if (oss) { /* one product, rows alternating gate and up, into u (n × 2I) */
+            if (linear(m, x3, xs, n, u)) {
+                rc = -1;
+                break;
+            }
+            const float a = L->swiglu_alpha, lim = L->swiglu_limit;
+            for (int64_t i = 0; i < n * I; i++) {
+                float gt = u[2 * i], up = u[2 * i + 1];
+                gt = gt > lim ? lim : gt; /* torch's clamp: NaN stays NaN */
+                up = up > lim ? lim : (up < -lim ? -lim : up);
+                g[i] = (up + 1.0f) * (gt * (1.0f / (1.0f + expf(-(gt * a)))));
+            }
+        } else {
+            if (linear(m, x3, xs, n, g) || linear(m, x3 + 1, xs, n, u)) {
+                rc = -1;
+                break;
+            }
+            for (int64_t i = 0; i < n * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
         }
-        for (int64_t i = 0; i < n * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
         if (linear(m, x3 + 2, g, n, ys)) {
             rc = -1;
             break;
@@ -968,10 +1000,10 @@ D512 static void attend_part512(const mf_model_t *m, int64_t li, int64_t g, int6
 
 /* The parts' results (np of them, each group × (head_dim + 2): output, max, sum) merged into
  * out (group × head_dim), in order. */
-static void attend_merge(int64_t group, int64_t d, int64_t np, const float *parts, float *out) {
+static void attend_merge(int64_t group, int64_t d, int64_t np, const float *parts, const float *sinks, float *out) {
     const int64_t stride = group * (d + 2);
     for (int64_t h = 0; h < group; h++) {
-        float mx = -INFINITY, total = 0.0f;
+        float mx = sinks ? sinks[h] : -INFINITY, total = 0.0f; /* a sink: one more logit in the softmax, no value */
         for (int64_t p = 0; p < np; p++) {
             const float v = parts[p * stride + group * d + h];
             mx = v > mx ? v : mx;
@@ -980,10 +1012,11 @@ static void attend_merge(int64_t group, int64_t d, int64_t np, const float *part
         memset(o, 0, (size_t)d * sizeof(float));
         for (int64_t p = 0; p < np; p++) {
             const float *part = parts + p * stride;
-            const float w = np == 1 ? 1.0f : expf(part[group * d + h] - mx);
+            const float w = np == 1 && !sinks ? 1.0f : expf(part[group * d + h] - mx);
             total += w * part[group * d + group + h];
             for (int64_t i = 0; i < d; i++) o[i] += w * part[h * d + i];
         }
+        if (sinks) total += expf(sinks[h] - mx);
         const float inv = 1.0f / total;
         for (int64_t i = 0; i < d; i++) o[i] *= inv;
     }
@@ -1102,7 +1135,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             for (int64_t gg = 0; gg < nkv; gg++) {
                 const int64_t p = pos + r, lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
                 attend_merge(group, d, (p - lo) / PART + 1, parts + (r * nkv + gg) * np_max * part_floats,
-                             att + r * qd + gg * group * d);
+                             L->sinks ? L->sinks + gg * group : NULL, att + r * qd + gg * group * d);
             }
         if (kv->rot_v) /* outputs of rotated V rows rotated back */
             for (int64_t i = 0; i < M * nh; i++) times_matrix(att + i * d, kv->rot_t, d);

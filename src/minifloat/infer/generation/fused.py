@@ -1,7 +1,7 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
 Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product; Gemma 3 with its (1 + w) norms
-around each sublayer, GeGLU and two rotary tables; Mixtral and Qwen3-MoE with their routers and
-experts), GPT-2 (its Conv1D layers held as
+around each sublayer, GeGLU and two rotary tables; Mixtral, Qwen3-MoE and GPT-OSS with their
+routers and experts, GPT-OSS's attention sinks), GPT-2 (its Conv1D layers held as
 Linears, as `minifloat.load_model` holds them) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
@@ -56,7 +56,8 @@ from minifloat.models.conv1d import Conv1DLinear
 from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "mixtral", "qwen3_moe")  # model types whose decoder layer mf_decode computes
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss")
+_MOE_SOFTMAX_TOPK, _MOE_GPT_OSS = 0, 1  # MOE_* of _decode.c  # model types whose decoder layer mf_decode computes
 FUSED_PROJECTIONS = {"phi3": ("qkv_proj", "gate_up_proj")}  # one product for q, k, v ([q | k | v]) and for gate, up
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
 PACKED_BLOCK = {"fp8": 1, "nvfp4": 16, "mxfp4": 32}  # head_dim must be a multiple (whole blocks, whole bytes)
@@ -89,7 +90,8 @@ class Layer(ctypes.Structure):
                 *((n, _P) for n in ("attn_norm", "mlp_norm", "attn_norm_b", "mlp_norm_b", "q_norm", "k_norm",
                                     "attn_out_norm", "mlp_out_norm")),
                 ("window", _L), ("rope2", _L), ("router", Linear), ("experts", _P),
-                ("n_expert", _L), ("top_k", _L), ("norm_topk", _L)]  # fmt: skip
+                ("n_expert", _L), ("top_k", _L), ("norm_topk", _L), ("moe_kind", _L), ("swiglu_alpha", _F),
+                ("swiglu_limit", _F), ("sinks", _P)]  # fmt: skip
 
 
 class KV(ctypes.Structure):
@@ -211,6 +213,9 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
                 continue
             if (why := _linear_problem(name, lin)) is not None:
                 return why
+        sinks = getattr(attn, "sinks", None)
+        if sinks is not None and not (_is_float32_cpu(sinks) and sinks.numel() == heads):
+            return f"layers.{i}.self_attn.sinks are not float32, one per head"
         if moe:
             if (why := _moe_problem(f"layers.{i}.mlp", mlp, act)) is not None:
                 return why
@@ -233,8 +238,22 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     return None
 
 
+def _router(mlp):
+    """A mixture-of-experts block's router (Mixtral's and Qwen's `gate`, GPT-OSS's `router`), or None."""
+    router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+    return router if hasattr(mlp, "experts") and type(router).__name__.endswith("TopKRouter") else None
+
+
 def _is_moe(mlp) -> bool:
-    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and type(mlp.gate).__name__.endswith("TopKRouter")
+    return _router(mlp) is not None
+
+
+def _is_gpt_oss(mlp) -> bool:
+    """GPT-OSS's experts: one gate-up product (rows alternating), a clamped SwiGLU, biases."""
+    experts = mlp.experts
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter):
+        return getattr(experts, "gate_up_proj_bias", None) is not None
+    return type(experts).__name__ == "ExpertLinears" and getattr(experts[0], "names", ()) is None
 
 
 def _expert_weights(experts, e: int):
@@ -250,10 +269,18 @@ def _expert_weights(experts, e: int):
 def _moe_problem(name: str, mlp, act: str) -> str | None:
     """Why the fused step cannot run the mixture-of-experts block `mlp` (None: it can): a router
     without bias in float32, experts SiLU-gated without biases, fused float32 or `ExpertLinears`."""
-    router = mlp.gate
-    if getattr(router, "bias", None) is not None or not _is_float32_cpu(router.weight):
-        return f"{name}.gate is not a float32 router without bias"
-    experts = mlp.experts
+    router, experts = _router(mlp), mlp.experts
+    oss = _is_gpt_oss(mlp)
+    if not _is_float32_cpu(router.weight) or (getattr(router, "bias", None) is not None and not oss):
+        return f"{name}'s router is not a float32 router without bias"
+    if oss:  # minifloat's per-expert Linears (load_model unfuses); transformers' fused ones hold them transposed
+        if type(experts).__name__ != "ExpertLinears":
+            return f"{name}.experts are transformers' fused GPT-OSS experts (load the model with minifloat.load_model)"
+        for e, x in enumerate(experts):
+            for n in ("gate_up_proj", "down_proj"):
+                if (why := _linear_problem(f"{name}.experts.{e}.{n}", getattr(x, n))) is not None:
+                    return why
+        return None
     fused = isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter)
     if fused:
         if experts.gate_up_proj.dim() != 3 or getattr(experts, "gate_up_proj_bias", None) is not None:
@@ -276,6 +303,8 @@ def _moe_problem(name: str, mlp, act: str) -> str | None:
 
 def _inter(mlp) -> int:
     """The width of `mlp`'s hidden layer (a mixture of experts: an expert's)."""
+    if _is_moe(mlp) and _is_gpt_oss(mlp):
+        return int(mlp.experts[0].down_proj.in_features)
     if _is_moe(mlp):
         gate = _expert_weights(mlp.experts, 0)[0]
         return int(gate.shape[0] if isinstance(gate, torch.Tensor) else gate.out_features)
@@ -443,6 +472,8 @@ class FusedDecoder:
             else:
                 layers[i].mlp_norm = norm(layer.post_attention_layernorm)
             layers[i].window = windows[i] or 0
+            if getattr(a, "sinks", None) is not None:  # GPT-OSS: a learned logit per head in the softmax
+                layers[i].sinks = self._hold(a.sinks.detach().float())
         self.layers = layers
         self.n_layer = len(inner.layers)
         self.n_kv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
@@ -528,7 +559,10 @@ class FusedDecoder:
             layer_type = layer_type or "full_attention"
         extra = () if layer_type is None else (layer_type,)
         cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(capacity)[None], *extra)
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        cos, sin = cos[0].float(), sin[0].float()
+        if cos.shape[-1] * 2 == self.head_dim:  # GPT-OSS's half tables (x₁ cos − x₂ sin, x₂ cos + x₁ sin): rotate-half's, halved
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        cos, sin = cos.contiguous(), sin.contiguous()
         if cos.shape != (capacity, self.head_dim):
             raise MinifloatError(f"the rotary embedding gives tables of {tuple(cos.shape)}; the fused step needs (positions, head_dim)")
         return cos, sin
@@ -543,14 +577,22 @@ class FusedDecoder:
     def _experts(self, layer: Layer, mlp, text) -> None:
         """A mixture-of-experts block into `layer`: its router and every expert's gate, up and down."""
         n = len(mlp.experts) if not hasattr(mlp.experts, "gate_up_proj") else mlp.experts.gate_up_proj.shape[0]
-        experts = (Linear * (3 * n))()
-        for e in range(n):
-            for j, w in enumerate(_expert_weights(mlp.experts, e)):
-                experts[3 * e + j] = self._linear(w)
+        router, experts = _router(mlp), (Linear * (3 * n))()
+        if _is_gpt_oss(mlp):  # slot 0 the gate-up product, slot 1 absent, slot 2 down; its SwiGLU's constants
+            for e, x in enumerate(mlp.experts):
+                experts[3 * e], experts[3 * e + 1], experts[3 * e + 2] = self._linear(x.gate_up_proj), Linear(kind=_ABSENT), self._linear(x.down_proj)
+            fused = mlp.experts[0].act.__self__  # the bound _apply_gate of transformers' experts module
+            layer.moe_kind, layer.swiglu_alpha, layer.swiglu_limit = _MOE_GPT_OSS, float(fused.alpha), float(fused.limit)
+        else:
+            for e in range(n):
+                for j, w in enumerate(_expert_weights(mlp.experts, e)):
+                    experts[3 * e + j] = self._linear(w)
         self.keep.append(experts)
-        layer.router, layer.experts = self._linear(mlp.gate.weight), ctypes.cast(experts, _P)
-        layer.n_expert, layer.top_k = n, int(mlp.gate.top_k)
-        layer.norm_topk = int(getattr(mlp.gate, "norm_topk_prob", True))  # Mixtral's router always renormalizes
+        layer.router, layer.experts = self._linear(router.weight), ctypes.cast(experts, _P)
+        if getattr(router, "bias", None) is not None:
+            layer.router.bias = self._hold(router.bias.float())
+        layer.n_expert, layer.top_k = n, int(router.top_k)
+        layer.norm_topk = int(getattr(router, "norm_topk_prob", True))  # Mixtral's router always renormalizes
 
     def _linear(self, lin) -> Linear:
         """A Linear (float32 or packed) or a float32 (out, in) weight as ``mf_lin_t``."""
