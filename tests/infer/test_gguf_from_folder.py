@@ -176,3 +176,24 @@ def test_what_a_folder_cannot_give_a_gguf_is_refused_before_any_work(tmp_path, c
     transformers.AutoModelForCausalLM.from_config(gguf_config("gemma3", 300)).save_pretrained(gemma)
     _one_line_error(capsys, ["quantize", str(gemma), *out], "model_type 'gemma3_text'", "convert_hf_to_gguf.py")
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.llamacpp
+def test_bench_llamacpp_takes_a_transformers_folder(written, tmp_path, capsys):
+    """llama.cpp's own files made from the F32 GGUF minifloat writes from the folder: llama.cpp's
+    perplexity of it is minifloat's of the folder's model, and its quantizer makes Q8_0 from it."""
+    import sys
+
+    pytest.importorskip("llama_cpp")
+    family, style, folder, _ = written
+    if (family, style) != ("llama", "llama-bpe"):
+        pytest.skip("one family is enough for the command")
+    out = tmp_path / "b"
+    assert main(["bench", "llamacpp", str(folder), "--llamacpp-python", sys.executable, "--out", str(out), "--batch-size", "2",
+                 "--seq-len", "32", "--eval-batches", "1", "--calib-batches", "1", "--new-tokens", "4", "--reps", "1",
+                 "--methods", "rtn", "--configs", "mxfp4-weight-only", "--llama-types", "F32,Q8_0", "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["file"]: r for r in result["rows"]}
+    assert list(rows) == ["llama.cpp F32", "llama.cpp Q8_0", "minifloat mxfp4-weight-only rtn"]
+    assert rows["llama.cpp F32"]["ppl"] == pytest.approx(result["minifloat_f32_ppl"], rel=1e-4)
+    assert gguf.GGUFReader(rows["llama.cpp Q8_0"]["path"]).fields["tokenizer.ggml.pre"].contents() == style

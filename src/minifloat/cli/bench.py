@@ -44,7 +44,7 @@ _mnk = _dims("4096x4096x4096", "shape (MxNxK)")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="side-by-side timings")
     p.add_argument("what", choices=["quantize", "gemm", "train", "decode", "llamacpp"], help="what to time")
-    p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file; llamacpp: a .gguf file")
+    p.add_argument("model", nargs="?", default=None, help="decode: a `minifloat train` output folder or checkpoint, a transformers model folder or a .gguf file; llamacpp: a .gguf file or a transformers folder")
     p.add_argument("--weights", default=None,
                    help="decode: comma-separated PTQ configs to time greedy decoding with, fp32 the baseline ('' for none; "
                         "default: fp32 and the fp8, mxfp4 and nvfp4 weight-only configs)")
@@ -333,7 +333,7 @@ def _llamacpp(args: argparse.Namespace) -> int:
     from minifloat.measure import llamacpp
 
     if args.model is None:
-        raise MinifloatError("bench llamacpp takes a .gguf model: minifloat bench llamacpp MODEL.gguf")
+        raise MinifloatError("bench llamacpp takes a model: minifloat bench llamacpp MODEL.gguf (or a transformers folder)")
     for name in ("threads", "batch_size", "seq_len", "eval_batches", "calib_batches", "new_tokens"):
         if getattr(args, name) < 1:
             raise MinifloatError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")

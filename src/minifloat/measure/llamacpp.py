@@ -91,19 +91,30 @@ def peer(python: str, *args: str) -> dict:
 
 def llamacpp_files(model, folder, python: str, types: Sequence[str], threads: int = 2,
                    progress: Callable[[str], None] | None = None) -> dict[str, str]:  # fmt: skip
-    """llama.cpp's own files of the GGUF `model` in `folder` (F32 from the source, the others
-    from F32, by ``llama_model_quantize``), one per llama.cpp type in `types` (`LLAMA_FTYPES`)."""
+    """llama.cpp's own files of `model` in `folder` (F32 from the source — by ``llama_model_quantize``
+    from a GGUF, by minifloat's GGUF writer from a transformers folder, as llama.cpp's converter
+    would lay it out —, the others from F32 by ``llama_model_quantize``), one per llama.cpp type in
+    `types` (`LLAMA_FTYPES`)."""
+    from minifloat.infer.checkpoints import gguf_folder
+
     model, folder = Path(model), Path(folder)
-    if model.suffix != ".gguf":
-        raise MinifloatError(f"{model}: llama.cpp's files are made from a .gguf model; pass one")
+    if model.suffix != ".gguf" and not gguf_folder.is_folder(model):
+        raise MinifloatError(f"{model}: llama.cpp's files are made from a .gguf model or a transformers folder; pass one")
     bad = [t for t in types if t not in LLAMA_FTYPES]
     if bad:
         raise MinifloatError(f"llama.cpp type {bad[0]!r}: use some of {', '.join(LLAMA_FTYPES)}")
     folder.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda msg: None)
     f32 = folder / "llamacpp-F32.gguf"
-    say("  llama.cpp: F32 from the source (llama_model_quantize)")
-    peer(python, "quantize", str(model), str(f32), str(LLAMA_FTYPES["F32"]), "--threads", str(threads))
+    if model.suffix == ".gguf":
+        say("  llama.cpp: F32 from the source (llama_model_quantize)")
+        peer(python, "quantize", str(model), str(f32), str(LLAMA_FTYPES["F32"]), "--threads", str(threads))
+    else:
+        from minifloat.infer.checkpoints import gguf_file
+        from minifloat.infer.checkpoints.loaders import load_model
+
+        say("  F32 GGUF from the transformers folder (minifloat's writer)")
+        gguf_file.write(load_model(model), f32, source=model, rest="f32", overwrite=True, dense=True)
     out = {}
     for t in types:
         path = folder / f"llamacpp-{t}.gguf"

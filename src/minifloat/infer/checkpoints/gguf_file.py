@@ -395,8 +395,10 @@ def copy_metadata(reader, writer, skip: tuple[str, ...] = ()) -> None:
 
 
 def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
-          rest: str = "q8_0", overwrite: bool = False) -> Path:  # fmt: skip
-    """Write the quantized transformers `model` (loaded from the GGUF `source`) to the GGUF file `out`."""
+          rest: str = "q8_0", overwrite: bool = False, dense: bool = False) -> Path:  # fmt: skip
+    """Write the quantized transformers `model` (loaded from `source`, a GGUF or a transformers
+    folder) to the GGUF file `out`; `dense`: a model with no quantized layer too (every tensor in
+    `rest`: with ``"f32"`` the F32 file llama.cpp's own quantizer starts from)."""
     import gguf
 
     from minifloat.infer.modules.embedding import QuantizedEmbedding
@@ -415,7 +417,7 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
     nmap = name_map(arch, config.num_hidden_layers)
 
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    if not quantized:
+    if not quantized and not dense:
         raise MinifloatError(
             "the model has no QuantizedLinear: run minifloat.quantize_model(model, config) first"
         )
@@ -472,7 +474,9 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), arch)
         src.add_metadata(w)
-        w.add_file_type(_FTYPE[types.pop()] if len(types) == 1 else gguf.LlamaFileType.GUESSED)
+        plain = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
+        w.add_file_type(_FTYPE[types.pop()] if len(types) == 1 else plain[rest] if not types else gguf.LlamaFileType.GUESSED)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_string(RECORD_KEY, json.dumps({"version": importlib.metadata.version("minifloat"), "configs": record}, sort_keys=True))
         for g, (arr, qtype) in tensors.items():
