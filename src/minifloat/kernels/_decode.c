@@ -383,7 +383,8 @@ static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_
  * experts by probability (the lower index first among equals), their probabilities renormalized
  * to sum 1 with norm_topk; then, expert by expert in ascending order (transformers' loop over
  * experts), out[row] += weight · down(silu(gate(h)) · up(h)) for the rows that chose it — those
- * rows multiplied together, each summed as it would be alone. Returns 0, -1 out of memory. */
+ * rows multiplied together, each summed as it would be alone. GPT-OSS's router and experts as
+ * MOE_GPT_OSS says. Returns 0, -1 out of memory. */
 static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t M, float *out) {
     const int64_t E = L->n_expert, K = L->top_k, H = m->hidden;
     const int64_t I = L->moe_kind == MOE_GPT_OSS ? L->experts[0].N / 2 : L->experts[0].N; /* one gate-up product: 2I rows */

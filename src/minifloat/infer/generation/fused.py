@@ -56,8 +56,9 @@ from minifloat.models.conv1d import Conv1DLinear
 from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
+# model types whose decoder layer mf_decode computes
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss")
-_MOE_SOFTMAX_TOPK, _MOE_GPT_OSS = 0, 1  # MOE_* of _decode.c  # model types whose decoder layer mf_decode computes
+_MOE_SOFTMAX_TOPK, _MOE_GPT_OSS = 0, 1  # MOE_* of _decode.c
 FUSED_PROJECTIONS = {"phi3": ("qkv_proj", "gate_up_proj")}  # one product for q, k, v ([q | k | v]) and for gate, up
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
 PACKED_BLOCK = {"fp8": 1, "nvfp4": 16, "mxfp4": 32}  # head_dim must be a multiple (whole blocks, whole bytes)
@@ -322,7 +323,8 @@ def _attention_scale(text) -> float:
 
 
 def _eps(norm) -> float:
-    return float(getattr(norm, "variance_epsilon", None) or norm.eps)
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
 
 
 def _norms(kind: str, layer) -> list:
