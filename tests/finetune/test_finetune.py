@@ -334,7 +334,8 @@ def test_an_sft_model_answers_in_the_templates_format(llama, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("options", [["--precision", "fp8"], ["--precision", "bf16", "--master", "bf16+remainder"],
-                                     ["--lora", "8", "--base", "nvfp4", "--quantize-head"], ["--lora", "4", "--base", "fp8"]])  # fmt: skip
+                                     ["--lora", "8", "--base", "nvfp4", "--quantize-head"], ["--lora", "4", "--base", "fp8"],
+                                     ["--lora", "4", "--base", "mxfp4", "--base-keep", "*.k_proj,*.v_proj"]])  # fmt: skip
 def test_memory_plans_a_fine_tune_within_ten_percent_of_the_measured_state(options, llama, text, capsys):
     """The plan from the shapes alone (meta device; the activations on a fake model) against one
     real training step's state and one real forward's saved tensors, counted by their storages:

@@ -131,7 +131,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _globs(arg: str | None) -> tuple[str, ...] | None:
+def globs_arg(arg: str | None) -> tuple[str, ...] | None:
+    """A comma-separated list of globs (`--lora-targets`, `--base-keep`) as a tuple; None stays None."""
     return None if arg is None else tuple(t.strip() for t in arg.split(",") if t.strip())
 
 
@@ -145,7 +146,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
         pretrained=args.pretrained, sft=args.sft, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        lora_targets=_globs(args.lora_targets), base_keep=_globs(args.base_keep),
+        lora_targets=globs_arg(args.lora_targets), base_keep=globs_arg(args.base_keep),
         base_method=args.base_method, adapter_dtype=args.adapter_dtype, lora_init=args.lora_init,
     )  # fmt: skip
     precision, base = getattr(args, "precision", None), getattr(args, "base", None)

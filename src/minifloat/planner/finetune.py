@@ -67,11 +67,13 @@ def _packed_bytes(shape: tuple[int, int], config: str, cache: dict) -> int:
 
 def plan_finetune(path: str | Path, *, precision: str = "bf16", lora_rank: int = 0, base: str = "bf16", quantize_head: bool = False,
                   lora_targets: tuple[str, ...] | None = None, adapter_dtype: str = "fp32", master: str = "fp32",
-                  optimizer_states: str = "fp32", batch: int | None = None, seq: int | None = None) -> dict[str, int]:  # fmt: skip
+                  optimizer_states: str = "fp32", batch: int | None = None, seq: int | None = None,
+                  base_keep: tuple[str, ...] | None = None) -> dict[str, int]:  # fmt: skip
     """The planned bytes of each category (module docstring) and their ``total``; activations only
-    with `batch` and `seq`."""
+    with `batch` and `seq`; `base_keep`: layers of a packed base held in FP8 (``--base-keep``)."""
     plan = _state_plan(path, precision=precision, lora_rank=lora_rank, base=base, quantize_head=quantize_head,
-                       lora_targets=lora_targets, adapter_dtype=adapter_dtype, master=master, optimizer_states=optimizer_states)  # fmt: skip
+                       lora_targets=lora_targets, adapter_dtype=adapter_dtype, master=master, optimizer_states=optimizer_states,
+                       base_keep=base_keep)  # fmt: skip
     if batch is not None and seq is not None:
         plan["activations"] = plan_activations(path, precision=precision, lora_rank=lora_rank, base=base, quantize_head=quantize_head,
                                                lora_targets=lora_targets, adapter_dtype=adapter_dtype, master=master,
@@ -80,7 +82,8 @@ def plan_finetune(path: str | Path, *, precision: str = "bf16", lora_rank: int =
     return plan
 
 
-def _state_plan(path, *, precision, lora_rank, base, quantize_head, lora_targets, adapter_dtype, master, optimizer_states) -> dict[str, int]:
+def _state_plan(path, *, precision, lora_rank, base, quantize_head, lora_targets, adapter_dtype, master, optimizer_states,
+                base_keep=None) -> dict[str, int]:  # fmt: skip
     model = meta_model(path)
     prefix, _ = decoder_layers(model)
     params = {id(p): p for p in model.parameters()}  # a tied weight once
@@ -96,10 +99,10 @@ def _state_plan(path, *, precision, lora_rank, base, quantize_head, lora_targets
         rest_width = 4 if base == "fp32" else 2
         packed, cache, frozen = set(), {}, 0
         if base in PACKED_BASES:
-            config = PACKED_BASES[base]
-            for m in linears.values():
+            for name, m in linears.items():
                 if m is head and not quantize_head or min(m.in_features, m.out_features) < 16:
                     continue
+                config = PACKED_BASES["fp8"] if base_keep and matches(name, base_keep) else PACKED_BASES[base]
                 frozen += _packed_bytes(tuple(m.weight.shape), config, cache)
                 packed.add(id(m.weight))
         frozen += sum(p.numel() * rest_width for p in params.values() if id(p) not in packed)
