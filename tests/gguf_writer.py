@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from minifloat.infer.checkpoints.gguf_folder import hyper_parameters
+
 VOCAB = 259  # the tokenizer below
 BOS, EOS = 256, 257
 
@@ -32,37 +34,6 @@ def gpt2_bytes() -> list[str]:
 def rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's order of the Q / K rows (its converter permutes them; transformers undoes it)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _hyper_parameters(w, cfg, arch: str) -> None:
-    if arch == "gpt2":
-        w.add_context_length(cfg.n_positions)
-        w.add_embedding_length(cfg.n_embd)
-        w.add_block_count(cfg.n_layer)
-        w.add_feed_forward_length(cfg.n_inner or 4 * cfg.n_embd)
-        w.add_head_count(cfg.n_head)
-        w.add_layer_norm_eps(cfg.layer_norm_epsilon)
-        w.add_vocab_size(cfg.vocab_size)
-        return
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base (the local ones' is the default)
-    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    w.add_vocab_size(cfg.vocab_size)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if arch == "llama":
-        w.add_rope_dimension_count(head_dim)
-    if arch in ("qwen3", "gemma3"):  # a head_dim that is not hidden / heads
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    if arch == "gemma3":
-        w.add_sliding_window(cfg.sliding_window)
 
 
 def _tokenizer(w, vocab: int, pad: int | None) -> None:
@@ -102,7 +73,7 @@ def write_gguf(model: torch.nn.Module, path, arch: str) -> torch.nn.Module:
     layers = cfg.n_layer if arch == "gpt2" else cfg.num_hidden_layers
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     w = gguf.GGUFWriter(str(path), arch)
-    _hyper_parameters(w, cfg, arch)
+    hyper_parameters(w, cfg, arch)  # the library's (tested here: transformers builds the model from these keys)
     _tokenizer(w, cfg.vocab_size, getattr(cfg, "pad_token_id", None))
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for name, t in model.state_dict().items():

@@ -52,6 +52,24 @@ def prefill_then_steps(dec, ids, cache, prompt: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def fused_matches(model, n: int, prompt: int, kvs: tuple[str, ...], new: int = 30):
+    """The fused step's logits of n random tokens (`prompt` of them in one call, then one step per
+    token) are the model's own forward's, and its greedy tokens eager's for each cache in `kvs`;
+    returns the decoder."""
+    assert unsupported(model) is None
+    ids = torch.randint(0, VOCAB, (1, n))
+    dec = FusedDecoder(model)
+    got = prefill_then_steps(dec, ids, dec.new_cache("fp32", n), prompt)
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    assert (got - ref).abs().max() <= bound(ref)
+    for kv in kvs:
+        fused = generate(model, ids[:, :5], new, kv_cache=kv)
+        assert fused.decode_step == "fused"
+        assert torch.equal(fused.tokens, generate(model, ids[:, :5], new, kv_cache=kv, decode_step="eager").tokens)
+    return dec
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_fused_logits_equal_transformers_forward(family):
     """Prefill in chunks (40 tokens: more than the 16 rows of one call), then single steps: every
@@ -392,17 +410,7 @@ def test_gemma3_runs_fused_with_its_sandwich_norms_geglu_and_two_rotary_tables(c
             p.copy_(torch.randn_like(p) * (0.3 if name.endswith("norm.weight") else 0.08))
     if config:
         quantize_model(model, config, quantize_head=True)
-    assert unsupported(model) is None
-    ids = torch.randint(0, VOCAB, (1, 60))
-    dec = FusedDecoder(model)
-    got = prefill_then_steps(dec, ids, dec.new_cache("fp32", 64), 40)
-    with torch.no_grad():
-        ref = model(ids).logits[0]
-    assert (got - ref).abs().max() <= bound(ref)
-    for kv in ("fp32", "nvfp4+bf16@hadamard"):
-        fused = generate(model, ids[:, :5], 50, kv_cache=kv)
-        assert fused.decode_step == "fused"
-        assert torch.equal(fused.tokens, generate(model, ids[:, :5], 50, kv_cache=kv, decode_step="eager").tokens)
+    fused_matches(model, 60, 40, ("fp32", "nvfp4+bf16@hadamard"), new=50)
     assert "two rotary embeddings" in unsupported(model, KVSpec.parse("nvfp4+bf16@pre-rope"))
 
 
@@ -430,16 +438,7 @@ def test_mixtures_of_experts_run_fused(family, experts):
         unfuse_experts(model)
     if experts == "nvfp4-weight-only":
         quantize_model(model, experts, quantize_head=True)
-    assert unsupported(model) is None
-    ids = torch.randint(0, VOCAB, (1, 40))
-    dec = FusedDecoder(model)
-    got = prefill_then_steps(dec, ids, dec.new_cache("fp32", 40), 30)
-    with torch.no_grad():
-        ref = model(ids).logits[0]
-    assert (got - ref).abs().max() <= bound(ref)
-    fused = generate(model, ids[:, :5], 30, kv_cache="nvfp4+bf16")
-    assert fused.decode_step == "fused"
-    assert torch.equal(fused.tokens, generate(model, ids[:, :5], 30, kv_cache="nvfp4+bf16", decode_step="eager").tokens)
+    fused_matches(model, 40, 30, ("nvfp4+bf16",))
 
 
 @pytest.mark.parametrize("act", ["gelu_new", "gelu"])
@@ -460,19 +459,9 @@ def test_gpt2_runs_fused_as_the_built_in_gpt_does(act, config):
     assert linears_from_conv1d(model) == 8
     if config:
         quantize_model(model, config, quantize_head=True)
-    assert unsupported(model) is None
-    ids = torch.randint(0, VOCAB, (1, 30))
-    dec = FusedDecoder(model)
-    got = prefill_then_steps(dec, ids, dec.new_cache("fp32", 30), 25)
-    with torch.no_grad():
-        ref = model(ids).logits[0]
-    assert (got - ref).abs().max() <= bound(ref)
+    dec = fused_matches(model, 30, 25, ("fp32", "nvfp4+bf16"))
     with pytest.raises(MinifloatError, match="positions 40 … 49: the model learned 48"):
         dec.forward(torch.randint(0, VOCAB, (1, 10)), _filled(dec, 40))
-    for kv in ("fp32", "nvfp4+bf16"):
-        fused = generate(model, ids[:, :5], 30, kv_cache=kv)
-        assert fused.decode_step == "fused"
-        assert torch.equal(fused.tokens, generate(model, ids[:, :5], 30, kv_cache=kv, decode_step="eager").tokens)
 
 
 def _filled(dec, n: int):

@@ -133,7 +133,9 @@ def shapes(folder: str | os.PathLike[str]) -> list[tuple[int, ...]]:
     return out
 
 
-def _hyper_parameters(w, cfg, arch: str) -> None:
+def hyper_parameters(w, cfg, arch: str) -> None:
+    """The architecture's hyper-parameter keys of the transformers text config `cfg`, as llama.cpp's
+    converter writes them (Gemma 3 too: its global layers' RoPE base and its sliding window)."""
     if arch == "gpt2":
         w.add_context_length(cfg.n_positions)
         w.add_embedding_length(cfg.n_embd)
@@ -151,14 +153,17 @@ def _hyper_parameters(w, cfg, arch: str) -> None:
     w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base (the local ones' is llama.cpp's default)
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)
-    if arch == "qwen3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if arch in ("qwen3", "gemma3") or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
 
 
 def _tokenizer(w, folder: Path, vocab_size: int) -> None:
@@ -201,5 +206,5 @@ def add_metadata(w, folder: str | os.PathLike[str], arch: str) -> None:
     folder = Path(folder)
     cfg = _config(folder).get_text_config(decoder=True)
     w.add_name(folder.resolve().name)
-    _hyper_parameters(w, cfg, arch)
+    hyper_parameters(w, cfg, arch)
     _tokenizer(w, folder, cfg.vocab_size)

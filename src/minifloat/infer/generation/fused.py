@@ -340,21 +340,22 @@ def _gpt_problem(gpt: GPT, kv: KVSpec | None) -> str | None:
     """Why the fused step cannot run the built-in GPT `gpt` (None: it can): LayerNorms, a fused
     qkv, GELU, learned positions, every Linear float32 or weight-only packed."""
     c = gpt.config
-    d = c.n_embd // c.n_head
+    linears = {f"blocks.{i}.{n}": lin for i, b in enumerate(gpt.blocks)
+               for n, lin in (("attn.qkv", b.attn.qkv), ("attn.proj", b.attn.proj), ("mlp.fc", b.mlp.fc), ("mlp.proj", b.mlp.proj))}  # fmt: skip
+    return _layer_norm_problem(c.n_embd // c.n_head, kv, [gpt.ln_f] + [n for b in gpt.blocks for n in (b.ln1, b.ln2)],
+                               {**linears, "lm_head": gpt.lm_head})  # fmt: skip
+
+
+def _layer_norm_problem(d: int, kv: KVSpec | None, norms, linears: dict) -> str | None:
+    """Why a GPT-shaped model (learned positions) of head_dim `d` with a cache of `kv`, its
+    `norms` (the final one first) and `linears` (name → module) is not what the fused step
+    computes (None: it is)."""
     if d > MAX_HEAD_DIM:
         return f"head_dim {d} (the fused step takes ≤ {MAX_HEAD_DIM})"
     if kv is not None and (why := _kv_problem(kv, None, d)) is not None:
         return why
     if kv is not None and kv.pre_rope:
-        return "pre-RoPE keys need a rotary embedding; the built-in GPT learns positions"
-    linears = {f"blocks.{i}.{n}": lin for i, b in enumerate(gpt.blocks)
-               for n, lin in (("attn.qkv", b.attn.qkv), ("attn.proj", b.attn.proj), ("mlp.fc", b.mlp.fc), ("mlp.proj", b.mlp.proj))}  # fmt: skip
-    return _layer_norm_problem([gpt.ln_f] + [n for b in gpt.blocks for n in (b.ln1, b.ln2)], {**linears, "lm_head": gpt.lm_head})
-
-
-def _layer_norm_problem(norms, linears: dict) -> str | None:
-    """Why a LayerNorm model's `norms` (the final one first) and `linears` (name → module) are
-    not what the fused step computes (None: they are)."""
+        return "pre-RoPE keys need a rotary embedding; this model learns positions"
     if any(type(n) is not torch.nn.LayerNorm or n.weight is None or n.bias is None or not _is_float32_cpu(n.weight)
            or float(n.eps) != float(norms[0].eps) for n in norms):  # fmt: skip
         return "a norm is not a float32 LayerNorm with weight, bias and the model's epsilon"
@@ -369,13 +370,6 @@ def _gpt2_problem(model, kv: KVSpec | None) -> str | None:
     layout (LayerNorms with biases, one qkv product, a GELU MLP, learned positions) with its Conv1D
     layers held as Linears (`minifloat.load_model` does that) and GELU exact or tanh-approximated."""
     c = model.config
-    d = c.n_embd // c.n_head
-    if d > MAX_HEAD_DIM:
-        return f"head_dim {d} (the fused step takes ≤ {MAX_HEAD_DIM})"
-    if kv is not None and (why := _kv_problem(kv, None, d)) is not None:
-        return why
-    if kv is not None and kv.pre_rope:
-        return "pre-RoPE keys need a rotary embedding; GPT-2 learns positions"
     if c.activation_function not in GPT2_GELUS:
         return f"activation {c.activation_function!r} (the fused step computes {', '.join(GPT2_GELUS)})"
     if not c.scale_attn_weights or c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn:
@@ -386,7 +380,8 @@ def _gpt2_problem(model, kv: KVSpec | None) -> str | None:
                               ("mlp.c_proj", b.mlp.c_proj))}  # fmt: skip
     if any(type(m).__name__ == "Conv1D" for m in linears.values()):
         return "its layers are transformers' Conv1D (load the model with minifloat.load_model: Conv1D as Linear)"
-    return _layer_norm_problem([t.ln_f] + [n for b in t.h for n in (b.ln_1, b.ln_2)], {**linears, "lm_head": model.lm_head})
+    return _layer_norm_problem(c.n_embd // c.n_head, kv, [t.ln_f] + [n for b in t.h for n in (b.ln_1, b.ln_2)],
+                               {**linears, "lm_head": model.lm_head})  # fmt: skip
 
 
 def _kv_problem(kv: KVSpec, kv_scales, head_dim: int | None = None) -> str | None:
@@ -492,45 +487,34 @@ class FusedDecoder:
     def _gpt(self, gpt: GPT) -> None:
         """The built-in GPT: LayerNorms with biases, one qkv product (in `q`; k and v absent), a
         GELU MLP (up = fc, no gate), positions added to the embedding (`embed`), no rotary tables."""
-        c = gpt.config
-        layers = (Layer * c.n_layer)()
-        for i, b in enumerate(gpt.blocks):
-            layers[i].q, layers[i].o = self._linear(b.attn.qkv), self._linear(b.attn.proj)
-            layers[i].up, layers[i].down = self._linear(b.mlp.fc), self._linear(b.mlp.proj)
-            for name in ("k", "v", "gate"):
-                setattr(layers[i], name, Linear(kind=_ABSENT))
-            layers[i].attn_norm, layers[i].attn_norm_b = self._hold(b.ln1.weight), self._hold(b.ln1.bias)
-            layers[i].mlp_norm, layers[i].mlp_norm_b = self._hold(b.ln2.weight), self._hold(b.ln2.bias)
-        self.layers, self.n_layer, self.n_kv = layers, c.n_layer, c.n_head
-        self.head_dim, self.vocab = c.n_embd // c.n_head, int(gpt.lm_head.out_features)
-        self.template = Model(
-            n_layer=c.n_layer, hidden=c.n_embd, n_head=c.n_head, n_kv=c.n_head, head_dim=self.head_dim,
-            inter=int(gpt.blocks[0].mlp.fc.out_features), vocab=self.vocab, eps=float(gpt.ln_f.eps),
-            scale=self.head_dim**-0.5, serial_below=cpu.SERIAL_BELOW, isa=gemv.ISAS.index(gemv.best_isa()),
-            norm=_NORM_LAYER, layers=ctypes.cast(layers, _P), final_norm=self._hold(gpt.ln_f.weight),
-            final_norm_b=self._hold(gpt.ln_f.bias), head=self._linear(gpt.lm_head),
-        )  # fmt: skip
+        blocks = [(b.ln1, b.attn.qkv, b.attn.proj, b.ln2, b.mlp.fc, b.mlp.proj) for b in gpt.blocks]
+        self._layer_norm_model(blocks, gpt.ln_f, gpt.lm_head, gpt.config.n_head, _ACT_DEFAULT)
 
     def _gpt2(self, model) -> None:
-        """transformers' GPT-2 as the built-in GPT's layout (`_gpt`): c_attn the qkv product, c_fc
-        and c_proj the MLP, its GELU exact or tanh-approximated, positions added in `embed`."""
-        c, t = model.config, model.transformer
-        layers = (Layer * c.n_layer)()
-        for i, b in enumerate(t.h):
-            layers[i].q, layers[i].o = self._linear(b.attn.c_attn), self._linear(b.attn.c_proj)
-            layers[i].up, layers[i].down = self._linear(b.mlp.c_fc), self._linear(b.mlp.c_proj)
+        """transformers' GPT-2 as the built-in GPT's layout: c_attn the qkv product, c_fc and c_proj
+        the MLP, its GELU exact or tanh-approximated, positions added in `embed`."""
+        blocks = [(b.ln_1, b.attn.c_attn, b.attn.c_proj, b.ln_2, b.mlp.c_fc, b.mlp.c_proj) for b in model.transformer.h]
+        self._layer_norm_model(blocks, model.transformer.ln_f, model.lm_head, model.config.n_head,
+                               GPT2_GELUS[model.config.activation_function])  # fmt: skip
+
+    def _layer_norm_model(self, blocks, final_norm, head, n_head: int, act: int) -> None:
+        """A GPT-shaped model from its blocks' (norm 1, qkv, attention output, norm 2, fc, MLP output)."""
+        layers = (Layer * len(blocks))()
+        for i, (ln1, qkv, proj, ln2, fc, out) in enumerate(blocks):
+            layers[i].q, layers[i].o, layers[i].up, layers[i].down = (self._linear(m) for m in (qkv, proj, fc, out))
             for name in ("k", "v", "gate"):
                 setattr(layers[i], name, Linear(kind=_ABSENT))
-            layers[i].attn_norm, layers[i].attn_norm_b = self._hold(b.ln_1.weight), self._hold(b.ln_1.bias)
-            layers[i].mlp_norm, layers[i].mlp_norm_b = self._hold(b.ln_2.weight), self._hold(b.ln_2.bias)
-        self.layers, self.n_layer, self.n_kv = layers, c.n_layer, c.n_head
-        self.head_dim, self.vocab = c.n_embd // c.n_head, int(model.lm_head.out_features)
+            layers[i].attn_norm, layers[i].attn_norm_b = self._hold(ln1.weight), self._hold(ln1.bias)
+            layers[i].mlp_norm, layers[i].mlp_norm_b = self._hold(ln2.weight), self._hold(ln2.bias)
+        hidden = int(final_norm.weight.numel())
+        self.layers, self.n_layer, self.n_kv = layers, len(blocks), n_head
+        self.head_dim, self.vocab = hidden // n_head, int(head.out_features)
         self.template = Model(
-            n_layer=c.n_layer, hidden=c.n_embd, n_head=c.n_head, n_kv=c.n_head, head_dim=self.head_dim,
-            inter=int(t.h[0].mlp.c_fc.out_features), vocab=self.vocab, eps=float(t.ln_f.eps), scale=self.head_dim**-0.5,
-            serial_below=cpu.SERIAL_BELOW, isa=gemv.ISAS.index(gemv.best_isa()), norm=_NORM_LAYER,
-            act=GPT2_GELUS[c.activation_function], layers=ctypes.cast(layers, _P), final_norm=self._hold(t.ln_f.weight),
-            final_norm_b=self._hold(t.ln_f.bias), head=self._linear(model.lm_head),
+            n_layer=len(blocks), hidden=hidden, n_head=n_head, n_kv=n_head, head_dim=self.head_dim,
+            inter=int(blocks[0][4].out_features), vocab=self.vocab, eps=float(final_norm.eps), scale=self.head_dim**-0.5,
+            serial_below=cpu.SERIAL_BELOW, isa=gemv.ISAS.index(gemv.best_isa()), norm=_NORM_LAYER, act=act,
+            layers=ctypes.cast(layers, _P), final_norm=self._hold(final_norm.weight), final_norm_b=self._hold(final_norm.bias),
+            head=self._linear(head),
         )  # fmt: skip
 
     def _positions(self) -> torch.nn.Embedding | None:
