@@ -2,7 +2,7 @@
 oracle it replaces: transformers' own forward of the same model (float32 weights), and the eager
 path over the same packed weights (weight-only configs). Tiny random models of each family it
 runs: Llama (with biases), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (a sliding window),
-Phi-3, Gemma 3, Mixtral and Qwen3-MoE, GPT-2 and the built-in GPT."""
+Phi-3, Gemma 3, Mixtral, Qwen3-MoE and GPT-OSS, GPT-2, OPT and the built-in GPT."""
 
 from __future__ import annotations
 
@@ -439,6 +439,31 @@ def test_mixtures_of_experts_run_fused(family, experts):
     if experts == "nvfp4-weight-only":
         quantize_model(model, experts, quantize_head=True)
     fused_matches(model, 40, 30, ("nvfp4+bf16",))
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("config", [None, "nvfp4-weight-only"])
+def test_opt_runs_fused_as_the_built_in_gpt_is_exported(act, config):
+    """OPT (separate q, k, v with biases, LayerNorms, ReLU or GELU, positions offset by 2): its own
+    forward's logits and eager's tokens; the built-in GPT exported as OPT decodes fused; OPT-350m's
+    post-norm layout is refused by name."""
+    from minifloat.models.opt import gpt_to_transformers
+
+    torch.manual_seed(14)
+    cfg = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                 max_position_embeddings=48, activation_function=act, word_embed_proj_dim=64)  # fmt: skip
+    model = transformers.OPTForCausalLM(cfg).eval()
+    with torch.no_grad():  # biases away from 0, LayerNorm weights away from 1: a missed one shows
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.08) + (1.0 if "layer_norm.weight" in name else 0.0))
+    if config:
+        quantize_model(model, config, quantize_head=True)
+    fused_matches(model, 30, 25, ("fp32", "nvfp4+bf16"))
+    gpt = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, vocab_size=VOCAB)).eval()
+    fused_matches(gpt_to_transformers(gpt).eval(), 30, 25, ("bf16",))
+    post = transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
+                                                              num_attention_heads=4, do_layer_norm_before=False))  # fmt: skip
+    assert "post-norm" in unsupported(post)
 
 
 @pytest.mark.parametrize("act", ["gelu_new", "gelu"])

@@ -47,8 +47,9 @@ static int omp_get_thread_num(void) { return 0; }
 enum { LIN_ABSENT = 0, LIN_DENSE = 1, LIN_PACKED = 2 }; /* mf_lin_t.kind; absent: the GPT's k and v (in q: its fused qkv) and gate */
 enum { NORM_RMS = 0, NORM_LAYER = 1 };
 /* the MLP's activation: ACT_DEFAULT is SiLU on a gated MLP's gate, exact (erf) GELU on an ungated one;
- * ACT_GELU_TANH the tanh approximation of GELU on either (GPT-2's gelu_new, Gemma's GeGLU) */
-enum { ACT_DEFAULT = 0, ACT_GELU_TANH = 1 };
+ * ACT_GELU_TANH the tanh approximation of GELU on either (GPT-2's gelu_new, Gemma's GeGLU); ACT_RELU
+ * max(u, 0) on an ungated one (OPT's) */
+enum { ACT_DEFAULT = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 #define MAX_HEAD_DIM 512 /* fused.MAX_HEAD_DIM: the rotary embedding's and a KV row's scratch */
 
 /* Must match Linear in minifloat/infer/generation/fused.py field for field (as the structs below). */
@@ -1182,6 +1183,8 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
         else if (m->act == ACT_GELU_TANH)
             for (int64_t i = 0; i < M * I; i++) g[i] = gelu_tanh(u[i]);
+        else if (m->act == ACT_RELU) /* NaN stays NaN, as torch's relu keeps it */
+            for (int64_t i = 0; i < M * I; i++) g[i] = u[i] < 0.0f ? 0.0f : u[i];
         else
             for (int64_t i = 0; i < M * I; i++) g[i] = 0.5f * u[i] * (1.0f + erff(u[i] * 0.70710678118654752f)); /* gelu(fc) */
         lap(m, &t0, T_OTHER);

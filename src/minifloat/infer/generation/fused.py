@@ -2,7 +2,8 @@
 Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product; Gemma 3 with its (1 + w) norms
 around each sublayer, GeGLU and two rotary tables; Mixtral, Qwen3-MoE and GPT-OSS with their
 routers and experts, GPT-OSS's attention sinks), GPT-2 (its Conv1D layers held as
-Linears, as `minifloat.load_model` holds them) or the built-in GPT run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
+Linears, as `minifloat.load_model` holds them), OPT (the built-in GPT's export) or the built-in GPT
+run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
 the plans their layers already hold (Hadamard-rotated inputs rotated in C) — and a KV cache it
 owns: float32, bfloat16, or FP8 / NVFP4 / MXFP4 rows packed as `KVCache` packs them (each call's
@@ -67,7 +68,8 @@ PROFILE_KINDS = ("gemv", "attention", "norms_rope_activations")  # T_* of _decod
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _ABSENT, _DENSE, _PACKED = 0, 1, 2  # LIN_* of _decode.c
 _NORM_RMS, _NORM_LAYER = 0, 1  # NORM_* of _decode.c
-_ACT_DEFAULT, _ACT_GELU_TANH = 0, 1  # ACT_* of _decode.c
+_ACT_DEFAULT, _ACT_GELU_TANH, _ACT_RELU = 0, 1, 2  # ACT_* of _decode.c
+OPT_ACTS = {"gelu": _ACT_DEFAULT, "relu": _ACT_RELU}  # OPT's activation_function
 GPT2_GELUS = {"gelu": _ACT_DEFAULT, "gelu_new": _ACT_GELU_TANH, "gelu_pytorch_tanh": _ACT_GELU_TANH}  # GPT-2's activation_function
 GATED_ACTS = {"silu": _ACT_DEFAULT, "gelu_pytorch_tanh": _ACT_GELU_TANH}  # a gated MLP's (hidden_act / hidden_activation)
 ACT_MODULES = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_pytorch_tanh", "PytorchGELUTanh": "gelu_pytorch_tanh"}
@@ -177,6 +179,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     kind = getattr(config, "model_type", None)
     if kind == "gpt2":
         return _gpt2_problem(model, kv)
+    if kind == "opt":
+        return _opt_problem(model, kv)
     if kind not in FAMILIES:
         what = f"model type {kind!r}" if kind is not None else f"a {type(model).__name__}, not a transformers model"
         return f"{what} (the fused step runs transformers' {', '.join(FAMILIES)})"
@@ -365,6 +369,27 @@ def _layer_norm_problem(d: int, kv: KVSpec | None, norms, linears: dict) -> str 
     return None
 
 
+def _opt_blocks(model) -> list[tuple]:
+    """OPT's decoder layers as the GPT-shaped builder takes them: (norm 1, (q, k, v), out_proj, norm 2, fc1, fc2)."""
+    return [(b.self_attn_layer_norm, (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj), b.self_attn.out_proj,
+             b.final_layer_norm, b.fc1, b.fc2) for b in model.model.decoder.layers]  # fmt: skip
+
+
+def _opt_problem(model, kv: KVSpec | None) -> str | None:
+    """Why the fused step cannot run transformers' OPT `model` (None: it can): pre-norm LayerNorm
+    blocks (``do_layer_norm_before``), no projection of the embeddings, GELU or ReLU, learned
+    positions (offset by 2) — the layout the built-in GPT is exported in."""
+    c, d = model.config, model.config.hidden_size // model.config.num_attention_heads
+    if not c.do_layer_norm_before or getattr(model.model.decoder, "project_in", None) is not None:
+        return "OPT with post-norm blocks or projected embeddings (OPT-350m's layout)"
+    if c.activation_function not in OPT_ACTS:
+        return f"activation {c.activation_function!r} (the fused step computes {', '.join(OPT_ACTS)})"
+    linears = {f"layers.{i}.{n}": lin for i, (_, qkv, o, _, fc1, fc2) in enumerate(_opt_blocks(model))
+               for n, lin in (("q_proj", qkv[0]), ("k_proj", qkv[1]), ("v_proj", qkv[2]), ("out_proj", o), ("fc1", fc1), ("fc2", fc2))}  # fmt: skip
+    norms = [model.model.decoder.final_layer_norm] + [n for b in _opt_blocks(model) for n in (b[0], b[3])]
+    return _layer_norm_problem(d, kv, norms, {**linears, "lm_head": model.lm_head})
+
+
 def _gpt2_problem(model, kv: KVSpec | None) -> str | None:
     """Why the fused step cannot run transformers' GPT-2 `model` (None: it can): the built-in GPT's
     layout (LayerNorms with biases, one qkv product, a GELU MLP, learned positions) with its Conv1D
@@ -442,6 +467,11 @@ class FusedDecoder:
         if model.config.model_type == "gpt2":
             self._gpt2(model)
             return
+        if model.config.model_type == "opt":
+            c = model.config
+            self._layer_norm_model(_opt_blocks(model), model.model.decoder.final_layer_norm, model.lm_head,
+                                   c.num_attention_heads, OPT_ACTS[c.activation_function])  # fmt: skip
+            return
         text = _text_config(model)
         inner = model.model
         kind = model.config.model_type
@@ -498,12 +528,14 @@ class FusedDecoder:
                                GPT2_GELUS[model.config.activation_function])  # fmt: skip
 
     def _layer_norm_model(self, blocks, final_norm, head, n_head: int, act: int) -> None:
-        """A GPT-shaped model from its blocks' (norm 1, qkv, attention output, norm 2, fc, MLP output)."""
+        """A GPT-shaped model from its blocks' (norm 1, qkv — one product, or (q, k, v) —, attention
+        output, norm 2, fc, MLP output)."""
         layers = (Layer * len(blocks))()
         for i, (ln1, qkv, proj, ln2, fc, out) in enumerate(blocks):
-            layers[i].q, layers[i].o, layers[i].up, layers[i].down = (self._linear(m) for m in (qkv, proj, fc, out))
-            for name in ("k", "v", "gate"):
-                setattr(layers[i], name, Linear(kind=_ABSENT))
+            q, k, v = (self._linear(m) for m in qkv) if isinstance(qkv, tuple) else (self._linear(qkv), None, None)
+            layers[i].q, layers[i].k, layers[i].v = q, k or Linear(kind=_ABSENT), v or Linear(kind=_ABSENT)
+            layers[i].o, layers[i].up, layers[i].down = (self._linear(m) for m in (proj, fc, out))
+            layers[i].gate = Linear(kind=_ABSENT)
             layers[i].attn_norm, layers[i].attn_norm_b = self._hold(ln1.weight), self._hold(ln1.bias)
             layers[i].mlp_norm, layers[i].mlp_norm_b = self._hold(ln2.weight), self._hold(ln2.bias)
         hidden = int(final_norm.weight.numel())
@@ -517,11 +549,15 @@ class FusedDecoder:
             head=self._linear(head),
         )  # fmt: skip
 
-    def _positions(self) -> torch.nn.Embedding | None:
-        """The learned position embedding (the built-in GPT's, GPT-2's), or None (RoPE)."""
+    def _positions(self) -> tuple[torch.nn.Embedding, int] | None:
+        """The learned position embedding (the built-in GPT's, GPT-2's, OPT's) and the offset of
+        position 0 in it (OPT's 2), or None (RoPE)."""
         if isinstance(self.model, GPT):
-            return self.model.wpe
-        return self.model.transformer.wpe if self.model.config.model_type == "gpt2" else None
+            return self.model.wpe, 0
+        kind = self.model.config.model_type
+        if kind == "opt":
+            return self.model.model.decoder.embed_positions, 2
+        return (self.model.transformer.wpe, 0) if kind == "gpt2" else None
 
     def embed(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         """The input rows (T, hidden) float32 of `ids` (1, T) at positions pos …: the token
@@ -529,10 +565,11 @@ class FusedDecoder:
         T = ids.shape[-1]
         wte = self.model.wte if isinstance(self.model, GPT) else self.model.get_input_embeddings()
         x = wte(ids.reshape(1, T))
-        if (wpe := self._positions()) is not None:
-            if pos + T > wpe.num_embeddings:
-                raise MinifloatError(f"positions {pos} … {pos + T - 1}: the model learned {wpe.num_embeddings}")
-            x = x + wpe(torch.arange(pos, pos + T, device=ids.device))
+        if (learned := self._positions()) is not None:
+            wpe, offset = learned
+            if pos + T > wpe.num_embeddings - offset:
+                raise MinifloatError(f"positions {pos} … {pos + T - 1}: the model learned {wpe.num_embeddings - offset}")
+            x = x + torch.nn.functional.embedding(torch.arange(pos + offset, pos + offset + T, device=ids.device), wpe.weight)
         return x[0].float().contiguous()
 
     def rope_tables(self, capacity: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
