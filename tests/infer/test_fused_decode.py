@@ -2,7 +2,7 @@
 oracle it replaces: transformers' own forward of the same model (float32 weights), and the eager
 path over the same packed weights (weight-only configs). Tiny random models of each family it
 runs: Llama (with biases), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (a sliding window),
-Phi-3, Gemma 3, Mixtral, Qwen3-MoE and GPT-OSS, GPT-2, OPT and the built-in GPT."""
+Phi-3, Gemma 2 and 3, Mixtral, Qwen3-MoE and GPT-OSS, GPT-2, OPT and the built-in GPT."""
 
 from __future__ import annotations
 
@@ -439,6 +439,23 @@ def test_mixtures_of_experts_run_fused(family, experts):
     if experts == "nvfp4-weight-only":
         quantize_model(model, experts, quantize_head=True)
     fused_matches(model, 40, 30, ("nvfp4+bf16",))
+
+
+def test_gemma2_runs_fused_with_its_capped_scores_and_logits():
+    """Gemma 2: Gemma 3's sandwich norms and GeGLU with one rotary table, attention scores and
+    final logits capped as cap · tanh(x / cap) (caps small enough to bite): transformers' logits
+    past the sliding window, eager's tokens, NVFP4 weights too."""
+    torch.manual_seed(15)
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                                    query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if name.endswith("norm.weight") else 0.2))
+    fused_matches(model, 60, 40, ("fp32",), new=50)
+    quantize_model(model, "nvfp4-weight-only", quantize_head=True)
+    fused_matches(model, 60, 40, ("nvfp4+bf16",), new=50)
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu"])

@@ -125,6 +125,7 @@ typedef struct {
 typedef struct {
     int64_t n_layer, hidden, n_head, n_kv, head_dim, inter, vocab, capacity;
     float eps, scale; /* RMSNorm's epsilon; the attention scores' scale */
+    float attn_softcap, logit_softcap; /* > 0: scores, logits capped as cap · tanh(x / cap) (Gemma 2's); 0: not */
     int32_t nthreads, isa, serial_below, norm; /* norm: NORM_RMS (Llama's) or NORM_LAYER (the built-in GPT's) */
     int32_t gate_up, act; /* gate_up: `up` is one product of gate and up (Phi-3's gate_up_proj: [gate | up]), `gate` absent;
                            * act: ACT_* */
@@ -812,7 +813,8 @@ static void attend_part(const mf_model_t *m, int64_t li, int64_t g, int64_t grou
             k = buf;
         }
         for (int64_t h = 0; h < group; h++) {
-            const float v = dot(q + h * d, k, d) * m->scale;
+            float v = dot(q + h * d, k, d) * m->scale;
+            if (m->attn_softcap > 0.0f) v = m->attn_softcap * tanhf(v / m->attn_softcap);
             s[h * n + j - lo] = v;
             mx[h] = v > mx[h] ? v : mx[h];
         }
@@ -1058,7 +1060,8 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
     }
     const int nt = threads_for(m, span * nh * d * 8);
     /* AVX-512 attention with rows and outputs in registers: head_dim 32, 64 or 128, ≤ 24 output vectors */
-    const int fast512 = MF_X86 && m->isa == ISA_AVX512 && (d == 32 || d == 64 || d == 128) && group * (d / 16) <= 24;
+    const int fast512 = MF_X86 && m->isa == ISA_AVX512 && (d == 32 || d == 64 || d == 128) && group * (d / 16) <= 24 &&
+                        m->attn_softcap == 0.0f; /* capped scores: the scalar path caps each */
     (void)fast512;
     const int64_t per_thread = group * PART + d; /* one attention task's scores and row buffer */
     const int64_t np_max = (span + PART - 1) / PART, part_floats = group * (d + 2);
@@ -1203,6 +1206,8 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         norm_rows(m, last, m->final_norm, m->final_norm_b, logit_rows, h);
         lap(m, &t0, T_OTHER);
         rc = linear(m, &m->head, h, logit_rows, logits);
+        if (rc == 0 && m->logit_softcap > 0.0f)
+            for (int64_t i = 0; i < logit_rows * m->vocab; i++) logits[i] = m->logit_softcap * tanhf(logits[i] / m->logit_softcap);
         lap(m, &t0, T_GEMV);
     }
     free(buf);

@@ -1,6 +1,6 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
-Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product; Gemma 3 with its (1 + w) norms
-around each sublayer, GeGLU and two rotary tables; Mixtral, Qwen3-MoE and GPT-OSS with their
+Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product; Gemma 2 and 3 with their (1 + w)
+norms around each sublayer and GeGLU, Gemma 2's capped scores and logits, Gemma 3's two rotary tables; Mixtral, Qwen3-MoE and GPT-OSS with their
 routers and experts, GPT-OSS's attention sinks), GPT-2 (its Conv1D layers held as
 Linears, as `minifloat.load_model` holds them), OPT (the built-in GPT's export) or the built-in GPT
 run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
@@ -58,7 +58,7 @@ from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
 # model types whose decoder layer mf_decode computes
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss")
 _MOE_SOFTMAX_TOPK, _MOE_GPT_OSS = 0, 1  # MOE_* of _decode.c
 FUSED_PROJECTIONS = {"phi3": ("qkv_proj", "gate_up_proj")}  # one product for q, k, v ([q | k | v]) and for gate, up
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
@@ -73,7 +73,8 @@ OPT_ACTS = {"gelu": _ACT_DEFAULT, "relu": _ACT_RELU}  # OPT's activation_functio
 GPT2_GELUS = {"gelu": _ACT_DEFAULT, "gelu_new": _ACT_GELU_TANH, "gelu_pytorch_tanh": _ACT_GELU_TANH}  # GPT-2's activation_function
 GATED_ACTS = {"silu": _ACT_DEFAULT, "gelu_pytorch_tanh": _ACT_GELU_TANH}  # a gated MLP's (hidden_act / hidden_activation)
 ACT_MODULES = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_pytorch_tanh", "PytorchGELUTanh": "gelu_pytorch_tanh"}
-SANDWICH = ("gemma3_text",)  # (1 + w) RMSNorms, before and after each sublayer; sliding layers with their own RoPE tables
+SANDWICH = ("gemma2", "gemma3_text")  # (1 + w) RMSNorms, before and after each sublayer
+TWO_ROPES = ("gemma3_text",)  # sliding layers with their own rotary tables
 
 
 class Linear(ctypes.Structure):
@@ -113,7 +114,7 @@ class Model(ctypes.Structure):
 
     _fields_ = [
         *((n, _L) for n in ("n_layer", "hidden", "n_head", "n_kv", "head_dim", "inter", "vocab", "capacity")),
-        ("eps", _F), ("scale", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm", "gate_up", "act")),
+        ("eps", _F), ("scale", _F), ("attn_softcap", _F), ("logit_softcap", _F), *((n, _I) for n in ("nthreads", "isa", "serial_below", "norm", "gate_up", "act")),
         ("cos", _P), ("sin", _P), ("cos2", _P), ("sin2", _P), ("layers", _P), ("final_norm", _P), ("final_norm_b", _P), ("head", Linear), ("kv", KV),
         ("timers", _P),
     ]  # fmt: skip
@@ -191,15 +192,12 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     text = _text_config(model)
     if (act := _activation(text)) not in GATED_ACTS:
         return f"activation {act!r} (the fused step computes {', '.join(GATED_ACTS)})"
-    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(text, attr, None):
-            return f"{attr} (the fused step does not cap logits)"
     head_dim = _head_dim(text)
     if head_dim > MAX_HEAD_DIM or head_dim % 2:
         return f"head_dim {head_dim}"
     if kv is not None and (why := _kv_problem(kv, kv_scales, head_dim)) is not None:
         return why
-    if kv is not None and kv.pre_rope and kind in SANDWICH:
+    if kv is not None and kv.pre_rope and kind in TWO_ROPES:
         return "pre-RoPE keys of a model whose layers have two rotary embeddings run eagerly"
     heads, kv_heads = int(text.num_attention_heads), int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     if heads % kv_heads or heads // kv_heads > 64:
@@ -495,7 +493,7 @@ class FusedDecoder:
             if sandwich:
                 layers[i].attn_out_norm, layers[i].mlp_norm = norm(layer.post_attention_layernorm), norm(layer.pre_feedforward_layernorm)
                 layers[i].mlp_out_norm = norm(layer.post_feedforward_layernorm)
-                layers[i].rope2 = int(text.layer_types[i] == "sliding_attention")
+                layers[i].rope2 = int(kind in TWO_ROPES and text.layer_types[i] == "sliding_attention")
             else:
                 layers[i].mlp_norm = norm(layer.post_attention_layernorm)
             layers[i].window = windows[i] or 0
@@ -509,7 +507,8 @@ class FusedDecoder:
         self.template = Model(
             n_layer=self.n_layer, hidden=int(text.hidden_size), n_head=int(text.num_attention_heads), n_kv=self.n_kv,
             head_dim=self.head_dim, inter=max(_inter(layer.mlp) for layer in inner.layers), gate_up=int(kind in FUSED_PROJECTIONS), vocab=self.vocab,
-            eps=_eps(inner.norm), scale=_attention_scale(text), serial_below=cpu.SERIAL_BELOW, act=GATED_ACTS[_activation(text)],
+            eps=_eps(inner.norm), scale=_attention_scale(text), attn_softcap=float(getattr(text, "attn_logit_softcapping", None) or 0),
+            logit_softcap=float(getattr(text, "final_logit_softcapping", None) or 0), serial_below=cpu.SERIAL_BELOW, act=GATED_ACTS[_activation(text)],
             isa=gemv.ISAS.index(gemv.best_isa()), layers=ctypes.cast(layers, _P), final_norm=norm(inner.norm),
             head=self._linear(model.lm_head),
         )  # fmt: skip
@@ -578,7 +577,7 @@ class FusedDecoder:
         for a model with learned positions."""
         if self._positions() is not None:
             return None
-        if self.model.config.model_type in SANDWICH:
+        if self.model.config.model_type in TWO_ROPES:
             layer_type = layer_type or "full_attention"
         extra = () if layer_type is None else (layer_type,)
         cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(capacity)[None], *extra)
@@ -642,7 +641,7 @@ class FusedDecoder:
         why = _kv_problem(spec, None, self.head_dim)
         if why is None and spec.pre_rope and self._positions() is not None:
             why = "pre-RoPE keys need a rotary embedding; this model learns positions"
-        if why is None and spec.pre_rope and getattr(self.model.config, "model_type", None) in SANDWICH:
+        if why is None and spec.pre_rope and getattr(self.model.config, "model_type", None) in TWO_ROPES:
             why = "pre-RoPE keys of a model whose layers have two rotary embeddings run eagerly"
         if why is not None:
             raise MinifloatError(f"the fused decode step cannot keep this cache: {why}")
@@ -728,7 +727,7 @@ class FusedCache:
         self.struct.nthreads = torch.get_num_threads()
         if self.tables_rope is not None:
             self.struct.cos, self.struct.sin = (t.data_ptr() for t in self.tables_rope)
-            if getattr(decoder.model.config, "model_type", None) in SANDWICH:  # the sliding layers' tables
+            if getattr(decoder.model.config, "model_type", None) in TWO_ROPES:  # the sliding layers' tables
                 self.tables_rope2 = decoder.rope_tables(self.capacity, "sliding_attention")
                 self.struct.cos2, self.struct.sin2 = (t.data_ptr() for t in self.tables_rope2)
             if self.channel and spec.pre_rope:  # blocks of positions per channel: the tables by channel
