@@ -172,6 +172,10 @@ def test_what_a_folder_cannot_give_a_gguf_is_refused_before_any_work(tmp_path, c
     (folder / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}))
     _one_line_error(capsys, ["quantize", str(folder), *out], "RoPE scaling 'linear'")
 
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"steps": 4}')  # a config.json, not a transformers model's
+    _one_line_error(capsys, ["quantize", str(tmp_path / "odd"), *out], "config.json is not a transformers model's")
+
     gemma = tmp_path / "gemma"
     transformers.AutoModelForCausalLM.from_config(gguf_config("gemma3", 300)).save_pretrained(gemma)
     _one_line_error(capsys, ["quantize", str(gemma), *out], "model_type 'gemma3_text'", "convert_hf_to_gguf.py")

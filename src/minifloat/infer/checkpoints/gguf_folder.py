@@ -90,7 +90,11 @@ def is_folder(path: str | os.PathLike[str]) -> bool:
 def _config(folder: Path):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(folder)
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as err:
+        raise MinifloatError(f"{folder}: config.json is not a transformers model's ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0][:160]})") from None  # fmt: skip
 
 
 def arch(folder: str | os.PathLike[str]) -> str:
