@@ -251,10 +251,15 @@ def _is_moe(mlp) -> bool:
     return _router(mlp) is not None
 
 
+def _fused(experts) -> bool:
+    """Whether `experts` are transformers' fused 3-D parameters (not minifloat's `ExpertLinears`)."""
+    return isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter)
+
+
 def _is_gpt_oss(mlp) -> bool:
     """GPT-OSS's experts: one gate-up product (rows alternating), a clamped SwiGLU, biases."""
     experts = mlp.experts
-    if isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter):
+    if _fused(experts):
         return getattr(experts, "gate_up_proj_bias", None) is not None
     return type(experts).__name__ == "ExpertLinears" and getattr(experts[0], "names", ()) is None
 
@@ -262,7 +267,7 @@ def _is_gpt_oss(mlp) -> bool:
 def _expert_weights(experts, e: int):
     """Expert `e`'s (gate, up, down) as float32 (out, in) weights or Linears: from transformers'
     fused 3-D parameters (gate rows first in gate_up_proj) or from `ExpertLinears`."""
-    if isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter):
+    if _fused(experts):
         gu, inter = experts.gate_up_proj, experts.gate_up_proj.shape[1] // 2
         return gu[e, :inter], gu[e, inter:], experts.down_proj[e]
     x = experts[e]
@@ -284,8 +289,7 @@ def _moe_problem(name: str, mlp, act: str) -> str | None:
                 if (why := _linear_problem(f"{name}.experts.{e}.{n}", getattr(x, n))) is not None:
                     return why
         return None
-    fused = isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter)
-    if fused:
+    if _fused(experts):
         if experts.gate_up_proj.dim() != 3 or getattr(experts, "gate_up_proj_bias", None) is not None:
             return f"{name}.experts are not Mixtral-style fused experts (gate rows first, no biases)"
         if not (_is_float32_cpu(experts.gate_up_proj) and _is_float32_cpu(experts.down_proj)):
@@ -466,9 +470,7 @@ class FusedDecoder:
             self._gpt2(model)
             return
         if model.config.model_type == "opt":
-            c = model.config
-            self._layer_norm_model(_opt_blocks(model), model.model.decoder.final_layer_norm, model.lm_head,
-                                   c.num_attention_heads, OPT_ACTS[c.activation_function])  # fmt: skip
+            self._opt(model)
             return
         text = _text_config(model)
         inner = model.model
@@ -525,6 +527,13 @@ class FusedDecoder:
         blocks = [(b.ln_1, b.attn.c_attn, b.attn.c_proj, b.ln_2, b.mlp.c_fc, b.mlp.c_proj) for b in model.transformer.h]
         self._layer_norm_model(blocks, model.transformer.ln_f, model.lm_head, model.config.n_head,
                                GPT2_GELUS[model.config.activation_function])  # fmt: skip
+
+    def _opt(self, model) -> None:
+        """transformers' OPT (the built-in GPT's export) as the GPT-shaped layout: q, k and v
+        products, fc1 and fc2 the MLP, ReLU or GELU, positions (offset by 2) added in `embed`."""
+        c = model.config
+        self._layer_norm_model(_opt_blocks(model), model.model.decoder.final_layer_norm, model.lm_head,
+                               c.num_attention_heads, OPT_ACTS[c.activation_function])  # fmt: skip
 
     def _layer_norm_model(self, blocks, final_norm, head, n_head: int, act: int) -> None:
         """A GPT-shaped model from its blocks' (norm 1, qkv — one product, or (q, k, v) —, attention
@@ -598,7 +607,7 @@ class FusedDecoder:
 
     def _experts(self, layer: Layer, mlp, text) -> None:
         """A mixture-of-experts block into `layer`: its router and every expert's gate, up and down."""
-        n = len(mlp.experts) if not hasattr(mlp.experts, "gate_up_proj") else mlp.experts.gate_up_proj.shape[0]
+        n = mlp.experts.gate_up_proj.shape[0] if _fused(mlp.experts) else len(mlp.experts)
         router, experts = _router(mlp), (Linear * (3 * n))()
         if _is_gpt_oss(mlp):  # slot 0 the gate-up product, slot 1 absent, slot 2 down; its SwiGLU's constants
             for e, x in enumerate(mlp.experts):
