@@ -597,6 +597,51 @@ def test_channel_keys_hold_kivi_s_quantization(fmt):
         generate(model, ids, 6, kv_cache=f"{fmt}+bf16@channel", kv_recent_tokens=3, draft="nvfp4", decode_step="fused")
 
 
+def _longrope_phi3(orig: int = 12):
+    """A tiny Phi-3 whose LongRoPE switches from the short to the long factors past `orig` positions."""
+    torch.manual_seed(17)
+    half = 8  # head_dim 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": orig,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * orig,
+                                  original_max_position_embeddings=orig, rope_parameters=rope,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize(("prompt", "total"), [(5, 30), (20, 30), (8, 10)])
+def test_longrope_tables_switch_per_call_as_transformers_does(prompt, total):
+    """Phi-3's LongRoPE takes the long factors for a whole call once the call reaches past the
+    pretraining length (12 here), the short ones before: the fused step's logits are those of
+    transformers' own cached calls (the prompt in one call, then one token a call) — a prompt
+    shorter and one longer than 12, and a sequence that never crosses — and greedy tokens eager's."""
+    model = _longrope_phi3()
+    assert unsupported(model) is None
+    ids = torch.randint(0, VOCAB, (1, total))
+    dec = FusedDecoder(model)
+    got = prefill_then_steps(dec, ids, dec.new_cache("fp32", 48), prompt)
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        ref = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[0]]
+        ref += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0] for t in range(prompt, total)]
+        ref = torch.cat(ref)
+        whole = model(ids).logits[0]
+    assert (got - ref).abs().max() <= bound(ref)
+    if prompt <= 12 < total:  # the whole sequence in one call takes the long factors everywhere: not what this decode computes
+        assert (whole[:12] - ref[:12]).abs().max() > bound(ref)
+    fused = generate(model, ids[:, :prompt], 24, kv_cache="bf16")
+    assert fused.decode_step == "fused"
+    assert torch.equal(fused.tokens, generate(model, ids[:, :prompt], 24, kv_cache="bf16", decode_step="eager").tokens)
+
+
+def test_dynamic_rope_and_pre_rope_keys_with_longrope_run_eagerly():
+    model = _longrope_phi3()
+    assert "pre-RoPE keys" in unsupported(model, KVSpec(format="nvfp4", recent_format="bf16", pre_rope=True))
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    assert "dynamic" in unsupported(model)
+
+
 def test_phi3_runs_fused_with_its_qkv_and_gate_up_products():
     """Phi-3: one qkv product and one gate-up product ([gate | up]) per layer: transformers' logits, eager's tokens."""
     torch.manual_seed(13)

@@ -1,5 +1,6 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
-Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product; Gemma 2 and 3 with their (1 + w)
+Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product, and LongRoPE's short or long tables
+chosen per call as transformers chooses them; Gemma 2 and 3 with their (1 + w)
 norms around each sublayer and GeGLU, Gemma 2's capped scores and logits, Gemma 3's two rotary tables; Mixtral, Qwen3-MoE and GPT-OSS with their
 routers and experts, GPT-OSS's attention sinks), GPT-2 (its Conv1D layers held as
 Linears, as `minifloat.load_model` holds them), OPT (the built-in GPT's export) or the built-in GPT
@@ -206,8 +207,10 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     if float(rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         return "a partial rotary embedding (the fused step rotates the whole head)"
-    if rope.get("rope_type", rope.get("type")) == "longrope":
-        return "LongRoPE (its tables depend on the sequence's length)"
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        return "dynamic NTK RoPE (its frequencies change with each call's last position)"
+    if kv is not None and kv.pre_rope and _longrope_switch(model) is not None:
+        return "pre-RoPE keys of a LongRoPE model run eagerly (their rotation depends on the call that reads them)"
     for i, layer in enumerate(layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         moe = _is_moe(mlp)
@@ -411,6 +414,15 @@ def _gpt2_problem(model, kv: KVSpec | None) -> str | None:
                                {**linears, "lm_head": model.lm_head})  # fmt: skip
 
 
+def _longrope_switch(model) -> int | None:
+    """The pretraining length past which LongRoPE takes its long factors (Phi-3.5, Phi-3-128k), or None."""
+    rope = getattr(_text_config(model), "rope_parameters", None) or {}
+    if rope.get("rope_type", rope.get("type")) != "longrope":
+        return None
+    orig = rope.get("original_max_position_embeddings", getattr(_text_config(model), "original_max_position_embeddings", None))
+    return int(orig) if orig else None
+
+
 def _kv_problem(kv: KVSpec, kv_scales, head_dim: int | None = None) -> str | None:
     """Why the fused step cannot keep a cache of `kv` (None: it can): a format of `KV_KINDS`,
     with a bfloat16 recent window or none, and one of: keys (and values) Hadamard-rotated, keys
@@ -583,7 +595,8 @@ class FusedDecoder:
     def rope_tables(self, capacity: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary embedding's (cos, sin) (capacity, head_dim), from the model's own module (of the
         layers of `layer_type`, for a model whose layers have two: Gemma 3's full and sliding); None
-        for a model with learned positions."""
+        for a model with learned positions. Computed in one call over the `capacity` positions: a
+        LongRoPE module gives its long factors' tables when that passes its pretraining length."""
         if self._positions() is not None:
             return None
         if self.model.config.model_type in TWO_ROPES:
@@ -652,6 +665,8 @@ class FusedDecoder:
             why = "pre-RoPE keys need a rotary embedding; this model learns positions"
         if why is None and spec.pre_rope and getattr(self.model.config, "model_type", None) in TWO_ROPES:
             why = "pre-RoPE keys of a model whose layers have two rotary embeddings run eagerly"
+        if why is None and spec.pre_rope and _longrope_switch(self.model) is not None:
+            why = "pre-RoPE keys of a LongRoPE model run eagerly (their rotation depends on the call that reads them)"
         if why is not None:
             raise MinifloatError(f"the fused decode step cannot keep this cache: {why}")
         return FusedCache(self, spec, capacity)
@@ -668,6 +683,7 @@ class FusedDecoder:
         x = self.embed(ids, cache.length())
         out = torch.empty(last, self.vocab, dtype=torch.float32)
         # all T rows in one call: a packed cache stores them as one chunk, as KVCache stores one update
+        cache.select_rope(cache.length() + T)
         rc = self.lib.mf_decode(ctypes.byref(cache.struct), x.data_ptr(), cache.length(), T, last, out.data_ptr())
         if rc == -1:
             raise MemoryError("mf_decode: no memory for its scratch")
@@ -734,6 +750,16 @@ class FusedCache:
         self.tables_rope = decoder.rope_tables(self.capacity)  # None: no rotary embedding (the GPT)
         self.struct.capacity = self.capacity
         self.struct.nthreads = torch.get_num_threads()
+        # LongRoPE: transformers chooses the short or long factors per call, by whether the call's last
+        # position passes the pretraining length `switch`; the same choice per mf_decode call
+        self.switch = _longrope_switch(decoder.model) if self.tables_rope is not None else None
+        if self.switch is not None and self.capacity > self.switch:
+            long = self.tables_rope  # one call over every position: the long factors
+            short = decoder.rope_tables(self.switch)  # the last: leaves the module's own frequencies short
+            self.tables_long = long
+            self.tables_rope = tuple(torch.cat([a, b[self.switch :]]).contiguous() for a, b in zip(short, long, strict=True))
+        else:
+            self.switch = None
         if self.tables_rope is not None:
             self.struct.cos, self.struct.sin = (t.data_ptr() for t in self.tables_rope)
             if getattr(decoder.model.config, "model_type", None) in TWO_ROPES:  # the sliding layers' tables
@@ -748,6 +774,13 @@ class FusedCache:
 
     def length(self, layer: int = 0) -> int:
         return self.filled
+
+    def select_rope(self, end: int) -> None:
+        """The rotary tables of a call whose last position is `end` − 1: LongRoPE's long ones past
+        its pretraining length, else the short ones (other models: one set, nothing to choose)."""
+        if self.switch is not None:
+            tables = self.tables_long if end > self.switch else self.tables_rope
+            self.struct.cos, self.struct.sin = (t.data_ptr() for t in tables)
 
     def start_profile(self) -> None:
         """From now on mf_decode adds up its seconds per kind of work (`stop_profile` reads them)."""
