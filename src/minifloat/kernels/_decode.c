@@ -480,6 +480,10 @@ static void norm_rows(const mf_model_t *m, const float *x, const float *w, const
 }
 
 /* x (head_dim) rotated in place at the tables' row: x·cos + rotate_half(x)·sin */
+/* layer li's rotary tables: the second set for Gemma 3's sliding layers (rope2), else the model's */
+static inline const float *rope_cos(const mf_model_t *m, int64_t li) { return m->layers[li].rope2 ? m->cos2 : m->cos; }
+static inline const float *rope_sin(const mf_model_t *m, int64_t li) { return m->layers[li].rope2 ? m->sin2 : m->sin; }
+
 static void rope(float *x, const float *c, const float *s, int64_t d) {
     const int64_t h = d / 2;
     float t[MAX_HEAD_DIM];
@@ -809,7 +813,7 @@ static void attend_part(const mf_model_t *m, int64_t li, int64_t g, int64_t grou
         const float *k = kv_row(m, li, g, j, 0, aged, buf);
         if (m->kv.pre_rope) { /* a key stored before the rotary embedding gets its position's now */
             if (k != buf) memcpy(buf, k, (size_t)d * sizeof(float));
-            rope(buf, m->cos + j * d, m->sin + j * d, d);
+            rope(buf, rope_cos(m, li) + j * d, rope_sin(m, li) + j * d, d);
             k = buf;
         }
         for (int64_t h = 0; h < group; h++) {
@@ -876,7 +880,7 @@ D512 static inline __attribute__((always_inline)) void row512(const mf_model_t *
                                                               int which, int64_t aged, int nv, __m512 *v, float *buf) {
     row512_stored(m, li, g, j, which, aged, nv, v, buf);
     if (which || !m->kv.pre_rope) return;
-    const float *cs = m->cos + j * m->head_dim, *sn = m->sin + j * m->head_dim;
+    const float *cs = rope_cos(m, li) + j * m->head_dim, *sn = rope_sin(m, li) + j * m->head_dim;
     const int half = nv / 2;
     __m512 t[8];
     for (int c = 0; c < nv; c++) t[c] = v[c];

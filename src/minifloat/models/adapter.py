@@ -108,6 +108,8 @@ class TransformersAdapter(ModelAdapter):
         rot = getattr(getattr(self.model, "model", None), "rotary_emb", None)
         if rot is None or float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
             return None
+        if getattr(rot, "layer_types", None):  # one table per kind of layer (Gemma 3): not one function of positions
+            return None
         head_dim = self.kv_geometry.head_dim
 
         def rope(positions: torch.Tensor):

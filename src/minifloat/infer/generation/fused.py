@@ -198,8 +198,8 @@ def unsupported(model: torch.nn.Module, kv: KVSpec | None = None, kv_scales=None
         return f"head_dim {head_dim}"
     if kv is not None and (why := _kv_problem(kv, kv_scales, head_dim)) is not None:
         return why
-    if kv is not None and kv.pre_rope and kind in TWO_ROPES:
-        return "pre-RoPE keys of a model whose layers have two rotary embeddings run eagerly"
+    if kv is not None and kv.pre_rope and kv.key_scales == "channel" and kind in TWO_ROPES:
+        return "pre-RoPE keys scaled per channel in a model whose layers have two rotary embeddings run eagerly"
     heads, kv_heads = int(text.num_attention_heads), int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     if heads % kv_heads or heads // kv_heads > 64:
         return f"{heads} query heads over {kv_heads} KV heads"
@@ -663,8 +663,8 @@ class FusedDecoder:
         why = _kv_problem(spec, None, self.head_dim)
         if why is None and spec.pre_rope and self._positions() is not None:
             why = "pre-RoPE keys need a rotary embedding; this model learns positions"
-        if why is None and spec.pre_rope and getattr(self.model.config, "model_type", None) in TWO_ROPES:
-            why = "pre-RoPE keys of a model whose layers have two rotary embeddings run eagerly"
+        if why is None and spec.pre_rope and spec.key_scales == "channel" and getattr(self.model.config, "model_type", None) in TWO_ROPES:
+            why = "pre-RoPE keys scaled per channel in a model whose layers have two rotary embeddings run eagerly"
         if why is None and spec.pre_rope and _longrope_switch(self.model) is not None:
             why = "pre-RoPE keys of a LongRoPE model run eagerly (their rotation depends on the call that reads them)"
         if why is not None:

@@ -72,7 +72,8 @@ class KVCache(KVPolicy):
             raise MinifloatError("calibrated per-tensor KV scales take no key rotation, channel scales or pre-RoPE keys")
         if s.pre_rope and rope is None:
             raise MinifloatError("pre_rope=True needs the model's rotary embedding (rope=, which the transformers adapter "
-                                 "gives for a model with one of the standard form)")  # fmt: skip
+                                 "gives for a model with one of the standard form; a model whose layers have two, as "
+                                 "Gemma 3's, keeps pre-RoPE keys in the fused decode step only)")  # fmt: skip
         self.scales = scales  # layer → (K amax, V amax): one FP8 scale per layer and tensor, from calibration
         self.rope = rope
         self.n_layer = n_layer
