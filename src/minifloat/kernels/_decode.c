@@ -479,11 +479,11 @@ static void norm_rows(const mf_model_t *m, const float *x, const float *w, const
     }
 }
 
-/* x (head_dim) rotated in place at the tables' row: x·cos + rotate_half(x)·sin */
 /* layer li's rotary tables: the second set for Gemma 3's sliding layers (rope2), else the model's */
 static inline const float *rope_cos(const mf_model_t *m, int64_t li) { return m->layers[li].rope2 ? m->cos2 : m->cos; }
 static inline const float *rope_sin(const mf_model_t *m, int64_t li) { return m->layers[li].rope2 ? m->sin2 : m->sin; }
 
+/* x (head_dim) rotated in place at the tables' row: x·cos + rotate_half(x)·sin */
 static void rope(float *x, const float *c, const float *s, int64_t d) {
     const int64_t h = d / 2;
     float t[MAX_HEAD_DIM];
