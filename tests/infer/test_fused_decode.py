@@ -410,16 +410,13 @@ def test_gemma3_runs_fused_with_its_sandwich_norms_geglu_and_two_rotary_tables(c
             p.copy_(torch.randn_like(p) * (0.3 if name.endswith("norm.weight") else 0.08))
     if config:
         quantize_model(model, config, quantize_head=True)
-    dec = fused_matches(model, 60, 40, ("fp32", "nvfp4+bf16@hadamard"), new=50)
+    dec = fused_matches(model, 60, 40, ("fp32", "nvfp4+bf16@hadamard", "nvfp4+bf16@pre-rope"), new=50)
     # keys stored before RoPE, each layer's own table applied as they are read: the same logits
     ids = torch.randint(0, VOCAB, (1, 40))
     with torch.no_grad():
         ref = model(ids).logits[0]
     got = prefill_then_steps(dec, ids, dec.new_cache(KVSpec.parse("fp32@pre-rope"), 40), 30)
     assert (got - ref).abs().max() <= bound(ref)
-    assert generate(model, ids[:, :5], 8, kv_cache="nvfp4+bf16@pre-rope").decode_step == "fused"
-    with pytest.raises(MinifloatError, match="Gemma 3's, keeps pre-RoPE keys in the fused decode step only"):
-        generate(model, ids[:, :5], 8, kv_cache="nvfp4+bf16@pre-rope", decode_step="eager")
     assert "two rotary embeddings" in unsupported(model, KVSpec.parse("nvfp4+bf16@channel@pre-rope"))
 
 

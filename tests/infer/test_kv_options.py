@@ -45,6 +45,26 @@ def test_each_option_leaves_fp32_attention_unchanged(kw):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_pre_rope_keys_leave_sliding_and_two_table_models_unchanged(family):
+    """A sliding-window layer holds only its window: its first held key is not position 0, and each
+    key gets its own position's RoPE back (Mistral, a window of 8 within 40 tokens); Gemma 3's
+    sliding and global layers each take their own table."""
+    from tests.families.tiny import config
+
+    cfg = config(family, 256)
+    cfg.sliding_window = 8
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)  # logits that move with a wrong rotation
+    want, _ = decode_logits(model, IDS, "fp32")
+    got, cache = decode_logits(model, IDS, "fp32", pre_rope=True)
+    assert min(cache.kv.length(i) for i in range(cfg.num_hidden_layers)) < 40  # a layer dropped its oldest keys
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_rotation_leaves_the_built_in_gpt_unchanged_and_pre_rope_needs_rope():
     from tests.infer.test_generate import gpt
 

@@ -104,19 +104,28 @@ class TransformersAdapter(ModelAdapter):
     def rope(self):
         """positions → (cos, sin) (T, head_dim) of the model's rotary embedding, when it has the
         standard form (``model.model.rotary_emb`` over the whole head dim, no attention scaling),
-        else None."""
+        else None; a list of those, one per layer, where the layers have their own (Gemma 3)."""
         rot = getattr(getattr(self.model, "model", None), "rotary_emb", None)
         if rot is None or float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
             return None
-        if getattr(rot, "layer_types", None):  # one table per kind of layer (Gemma 3): not one function of positions
-            return None
         head_dim = self.kv_geometry.head_dim
 
-        def rope(positions: torch.Tensor):
-            cos, sin = rot(torch.empty(0, dtype=torch.float32, device=positions.device), positions[None])
-            return cos[0], sin[0]
+        def of(*kind):
+            def rope(positions: torch.Tensor):
+                cos, sin = rot(torch.empty(0, dtype=torch.float32, device=positions.device), positions[None], *kind)
+                return cos[0], sin[0]
 
-        cos, _ = rope(torch.arange(1))
+            return rope
+
+        kinds = getattr(rot, "layer_types", None)  # Gemma 3: a table per kind of layer, a function per layer
+        if kinds:
+            if any(float(getattr(rot, f"{k}_attention_scaling", 1.0)) != 1.0 for k in kinds):
+                return None
+            by_kind = {k: of(k) for k in kinds}
+            rope = [by_kind[k] for k in rot.config.layer_types]
+        else:
+            rope = of()
+        cos, _ = (rope[0] if isinstance(rope, list) else rope)(torch.arange(1))
         return rope if cos.shape[-1] == head_dim else None
 
     def forward(self, ids: torch.Tensor, cache=None) -> torch.Tensor:

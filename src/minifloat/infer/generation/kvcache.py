@@ -72,8 +72,7 @@ class KVCache(KVPolicy):
             raise MinifloatError("calibrated per-tensor KV scales take no key rotation, channel scales or pre-RoPE keys")
         if s.pre_rope and rope is None:
             raise MinifloatError("pre_rope=True needs the model's rotary embedding (rope=, which the transformers adapter "
-                                 "gives for a model with one of the standard form; a model whose layers have two, as "
-                                 "Gemma 3's, keeps pre-RoPE keys in the fused decode step only)")  # fmt: skip
+                                 "gives for a model with one of the standard form)")  # fmt: skip
         self.scales = scales  # layer → (K amax, V amax): one FP8 scale per layer and tensor, from calibration
         self.rope = rope
         self.n_layer = n_layer
@@ -129,7 +128,7 @@ class KVCache(KVPolicy):
         t = k.shape[2]
         if self.budget_bytes is not None and layer == 0:
             self._check_budget(t)  # before anything is stored: every layer has layer 0's sizes
-        kr, vr = self._transforms.encode(to_rows(k.detach()), to_rows(v.detach()), self.length(layer) + self._front[layer], t)
+        kr, vr = self._transforms.encode(to_rows(k.detach()), to_rows(v.detach()), self.length(layer) + self._front[layer], t, layer)
         if self.scales is not None:  # the calibrated per-tensor scale; values past its amax saturate
             if layer not in self.scales:
                 raise MinifloatError(f"the calibrated KV scales have no entry for layer {layer}")
@@ -160,7 +159,7 @@ class KVCache(KVPolicy):
         for part in ("k", "v"):
             rows = [getattr(run, part).dequantize() for run in runs]
             out.append(rows[0] if len(rows) == 1 else torch.cat(rows))
-        k, v = self._transforms.decode(out[0], out[1])
+        k, v = self._transforms.decode(out[0], out[1], self._front[layer], layer)  # a window's first row: position _front
         return from_rows(k, b, nh), from_rows(v, b, nh)
 
     def expect(self, batch: int, heads: int, head_dim: int) -> None:

@@ -5,7 +5,10 @@ out, so that attention reads what it would without them but the stored rows quan
   as (x·R)·Rᵀ; attention sees q·(Q(kR)Rᵀ)ᵀ = (qR)·Q(kR)ᵀ, so QKᵀ is unchanged before quantization
   and the rotation spreads outlier channels over every block;
 - RoPE undone before keys are stored and applied again when they are read (``pre_rope``,
-  KVQuant), with the model's own rotary embedding (``rope``: positions → (cos, sin)).
+  KVQuant), with the model's own rotary embedding (``rope``: positions → (cos, sin), or one such
+  function per layer for a model whose layers have their own tables, as Gemma 3's sliding and
+  global layers), at each held row's own position (a sliding-window layer's first held row is
+  not position 0).
 """
 
 from __future__ import annotations
@@ -38,19 +41,20 @@ class RowTransforms:
 
     rotate: str | None
     pre_rope: bool
-    rope: object  # positions → (cos, sin) (T, head_dim); None without pre_rope
+    rope: object  # positions → (cos, sin) (T, head_dim), or a list of those, one per layer; None without pre_rope
     per: int
     head_dim: int
 
-    def _rope_rows(self, start: int, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of positions [start, start + t), one row per stored row (token-major)."""
-        cos, sin = self.rope(torch.arange(start, start + t, device=device))
+    def _rope_rows(self, start: int, t: int, device: torch.device, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions [start, start + t) in `layer`, one row per stored row (token-major)."""
+        rope = self.rope[layer] if isinstance(self.rope, (list, tuple)) else self.rope
+        cos, sin = rope(torch.arange(start, start + t, device=device))
         return cos.float().repeat_interleave(self.per, 0), sin.float().repeat_interleave(self.per, 0)
 
-    def encode(self, kr: torch.Tensor, vr: torch.Tensor, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """New rows of tokens [start, start + t) as they are stored: RoPE undone (pre-RoPE keys), then rotated."""
+    def encode(self, kr: torch.Tensor, vr: torch.Tensor, start: int, t: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """New rows of tokens [start, start + t) of `layer` as they are stored: RoPE undone (pre-RoPE keys), then rotated."""
         if self.pre_rope:
-            cos, sin = self._rope_rows(start, t, kr.device)
+            cos, sin = self._rope_rows(start, t, kr.device, layer)
             k = kr.float()
             kr = k * cos - rotate_half(k) * sin  # the inverse rotation: RoPE by −θ
         if self.rotate:
@@ -59,13 +63,14 @@ class RowTransforms:
             vr = vr.float() @ r if self.rotate == "kv" else vr
         return kr, vr
 
-    def decode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored row, from the first token, as attention reads it: rotated back, then RoPE applied again."""
+    def decode(self, k: torch.Tensor, v: torch.Tensor, start: int = 0, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored row of `layer`, the first at position `start`, as attention reads it:
+        rotated back, then RoPE applied again."""
         if self.rotate:
             r = hadamard(self.head_dim).to(k.device)
             k = k @ r.T
             v = v @ r.T if self.rotate == "kv" else v
         if self.pre_rope:
-            cos, sin = self._rope_rows(0, k.shape[0] // self.per, k.device)
+            cos, sin = self._rope_rows(start, k.shape[0] // self.per, k.device, layer)
             k = k * cos + rotate_half(k) * sin
         return k, v
