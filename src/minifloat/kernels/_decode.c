@@ -1097,7 +1097,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         lap(m, &t0, T_GEMV);
         for (int64_t r = 0; r < M; r++) {
             const int64_t p = pos + r;
-            const float *tc = L->rope2 ? m->cos2 : m->cos, *ts = L->rope2 ? m->sin2 : m->sin;
+            const float *tc = rope_cos(m, li), *ts = rope_sin(m, li);
             const float *cs = tc ? tc + p * d : NULL, *sn = ts ? ts + p * d : NULL;
             for (int64_t hh = 0; hh < nh; hh++) {
                 float *qh = q + r * qd + hh * d;

@@ -416,10 +416,11 @@ def _gpt2_problem(model, kv: KVSpec | None) -> str | None:
 
 def _longrope_switch(model) -> int | None:
     """The pretraining length past which LongRoPE takes its long factors (Phi-3.5, Phi-3-128k), or None."""
-    rope = getattr(_text_config(model), "rope_parameters", None) or {}
+    text = _text_config(model)
+    rope = getattr(text, "rope_parameters", None) or {}
     if rope.get("rope_type", rope.get("type")) != "longrope":
         return None
-    orig = rope.get("original_max_position_embeddings", getattr(_text_config(model), "original_max_position_embeddings", None))
+    orig = rope.get("original_max_position_embeddings", getattr(text, "original_max_position_embeddings", None))
     return int(orig) if orig else None
 
 
