@@ -237,8 +237,8 @@ class PretrainedTask(Task):
             # GPTQ's recommended pipeline, its Hadamard rotation kept online in the packed layers (the frozen
             # base is never exported; `lora.effective_weight` undoes the rotation for merging and the backward):
             # SmolLM2's NVFP4 base with the head 3.476 → 3.458 before training, MXFP4 ≈3.60 → 3.532 (fp32: 3.369)
-            method = recommended(lora.PACKED_BASES[c.precision]) if c.base_method == "gptq" else "rtn"
             config = lora.PACKED_BASES[c.precision]
+            method = recommended(config) if c.base_method == "gptq" else "rtn"
             if c.base_keep:  # first match wins: the kept globs in FP8, every other layer in the base's format
                 config = {**dict.fromkeys(c.base_keep, lora.PACKED_BASES["fp8"]), "*": config}
             with torch.no_grad():
