@@ -99,6 +99,23 @@ def test_nan_scales_and_inputs_propagate(name, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_nvfp4_block_sums_do_not_overflow_where_the_scaled_products_do_not(isa):
+    """AVX-512 sums each NVFP4 block's products before its scale: inputs of 2^126 times weights of
+    2^-30 are finite products, but their unscaled block sums are not (it takes the scaled path)."""
+    scheme = SCHEMES["nvfp4"]
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 384, generator=g) * 2.0**-30
+    w[:, 192:208] = w[:, 192:208].abs()  # a block of positive weights …
+    parts = quantize_parts(w, scheme)
+    for top in (2.0**99, 2.0**100, 2.0**101, 2.0**126):
+        x = torch.randn(2, 384, generator=g)
+        x[1, 192:208] = top  # … times inputs whose sum overflows unscaled: the largest |x| of the call
+        y = gemv.matmul(x, *parts, w.shape, scheme, isa=isa)
+        assert torch.isfinite(y).all(), top
+        check(y, *oracle(x, parts, w.shape, scheme))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_an_e4m3_weight_with_huge_row_scales_is_exact(isa):
     """E4M3 values are decoded × 2^-8 and the 2^8 moved into the scale, except where that overflows."""
     scheme = SCHEMES["fp8_rowwise"]

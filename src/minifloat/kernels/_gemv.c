@@ -8,9 +8,12 @@
  * to (one rounding; a decode table scaled by the block scale holds exactly those products), and
  * y[m][n] = Σ_k x[m][k] · w[n][k], accumulated in float32 by fused multiply-adds in a fixed
  * order (the same for any thread count: a row of W is one thread's). NaN and inf codes and
- * scales propagate as the reference's products do.
+ * scales propagate as the reference's products do. One exception to the products: NVFP4 on
+ * AVX-512 sums a block's products x · value unscaled and multiplies the sum by the block's scale
+ * (one rounding more per 4 products, still within the float32 summation bound; no multiply per
+ * weight), for inputs with |x| ≤ 2^100, where no such sum can overflow.
  *
- * Work per row n of W. AVX-512 (row_fused512): whole chunks are decoded in registers and
+ * Work per row n of W. AVX-512 (rows_fused512): whole chunks are decoded in registers and
  * multiplied at once with up to four rows of x (more rows: again per group of four, the row of W
  * then in L1), one loop per element kind and scale layout. Other paths (row_buffered): by
  * segments of KC columns, the segment's codes decoded (scaled) into a float buffer in L1, then
@@ -18,7 +21,7 @@
  * y[m] does not depend on the other rows of the call (a speculative verification's rows equal
  * single steps bit for bit). Within a 32-column chunk a decoder
  * may take the columns in its own order (FP4: even columns, then odd: the two nibbles of a byte;
- * NVFP4 in row_fused512: 128-column chunks, column 8i + q in lane i of the q-th vector); x is
+ * NVFP4 in rows_fused512: 128-column chunks, column 8i + q in lane i of the q-th vector); x is
  * copied once per call into the same order, zero beyond K, so the products pair up. Columns past
  * the last whole chunk are decoded one by one from the value table.
  *
@@ -43,6 +46,9 @@
 #endif
 
 #include "_gemv.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static inline uint32_t code_at(const uint8_t *row, int64_t k, int bits) {
     if (bits == 8) return row[k];
@@ -411,13 +417,17 @@ T512 static inline __attribute__((always_inline)) __m512 e8m0_512(__m128i raw) {
     return _mm512_castsi512_ps(bits);
 }
 
+/* Rows n0 … n1 - 1 of W against R rows of x: what does not depend on the row made once (a row
+ * of a small layer is a few hundred cycles of work; its setup cost about as much again). */
 T512 static inline __attribute__((always_inline)) void
-rows_fused512(const gemv_args_t *a, int64_t n, const float *xp, int64_t xs, float *y, int lb, const uint8_t *scale_end,
-              int wide, const int R) {
+rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int64_t xs, float *y, int lb,
+              const uint8_t *scale_end, int wide, const int R) {
     DECODE_SETUP_512;
-    const uint8_t *row = a->data + n * a->row_bytes;
-    const int64_t t0 = (a->br == 1 ? n : n / a->br) * a->ngc, nfull = a->K / CH * CH;
+    const int64_t nfull = a->K / CH * CH;
     const int nan_free = a->nan_free;
+    for (int64_t n = n0; n < n1; n++) {
+    const uint8_t *row = a->data + n * a->row_bytes;
+    const int64_t t0 = (a->br == 1 ? n : n / a->br) * a->ngc;
     __m512 acc[4][4]; /* row r of x: four partial sums, as one row alone has them (R ≤ 4) */
     for (int r = 0; r < R; r++)
         for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
@@ -425,8 +435,11 @@ rows_fused512(const gemv_args_t *a, int64_t n, const float *xp, int64_t xs, floa
     if (wide) {
         /* NVFP4, 128 columns (64 bytes) at a time: shifting each 32-bit lane by 4q puts the code of
          * column 8i + q in lane i's low nibble, which vpermps reads: 8 lookups, no byte unpacking
-         * (the shuffle unit bounds these loops). Lane i's block is i / 2 in every vector, so one
-         * scale vector (a permute of 16 decoded scales) serves the 8; x is in the same order. */
+         * (the shuffle unit bounds these loops). Lane i's block is i / 2 in every vector, so each
+         * lane sums its 8 products unscaled (even q, odd q: two sums of 4) and one scale vector
+         * (a permute of 16 decoded scales) multiplies the two sums: s·Σ x·v for Σ x·(v·s), one
+         * rounding more per 4 products, no multiply per weight. x is in the same order, and
+         * |x| ≤ 2^100 (mf_gemv checks), so no unscaled sum overflows. */
         const uint8_t *sc = (const uint8_t *)a->scales + t0;
         const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
         const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -437,10 +450,23 @@ rows_fused512(const gemv_args_t *a, int64_t n, const float *xp, int64_t xs, floa
                 const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * h)), S);
                 const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * h) / 2));
                 const float *xx = xp + j + 128 * h;
-                for (int q = 0; q < 8; q++) {
-                    const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4), sv);
-                    for (int r = 0; r < R; r++)
-                        acc[r][q & 3] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), v, acc[r][q & 3]);
+                __m512 p0[4], p1[4];
+                const __m512 v0 = _mm512_permutexvar_ps(b, t4), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t4);
+                for (int r = 0; r < R; r++) {
+                    p0[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs), v0);
+                    p1[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs + 16), v1);
+                }
+                for (int q = 2; q < 8; q += 2) {
+                    const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4);
+                    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q + 4), t4);
+                    for (int r = 0; r < R; r++) {
+                        p0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), w0, p0[r]);
+                        p1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q + 16), w1, p1[r]);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    acc[r][2 * h] = _mm512_fmadd_ps(p0[r], sv, acc[r][2 * h]);
+                    acc[r][2 * h + 1] = _mm512_fmadd_ps(p1[r], sv, acc[r][2 * h + 1]);
                 }
             }
         }
@@ -518,22 +544,26 @@ rows_fused512(const gemv_args_t *a, int64_t n, const float *xp, int64_t xs, floa
     }
     for (int r = 0; r < R; r++)
         y[r * a->N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+    }
 }
 
-/* Row n of W against every row of x, by groups of ≤ 4 rows: each group's chunks decoded once in
- * registers and multiplied with each of its rows, every row summed as it would be alone. */
-T512 static void row_fused512(const gemv_args_t *a, int64_t n, const float *xp, int64_t xs, int lb,
-                              const uint8_t *scale_end, int wide) {
-    for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
-        const float *x = xp + m0 * xs;
-        float *y = a->y + m0 * a->N;
-        switch (a->M - m0 < 4 ? a->M - m0 : 4) {
-        case 1: rows_fused512(a, n, x, xs, y, lb, scale_end, wide, 1); break;
-        case 2: rows_fused512(a, n, x, xs, y, lb, scale_end, wide, 2); break;
-        case 3: rows_fused512(a, n, x, xs, y, lb, scale_end, wide, 3); break;
-        default: rows_fused512(a, n, x, xs, y, lb, scale_end, wide, 4); break;
+/* Rows n0 … n1 - 1 of W against every row of x, by groups of ≤ 4 rows: each group's chunks decoded
+ * once in registers and multiplied with each of its rows, every row summed as it would be alone.
+ * More than 4 rows of x: row by row of W, every group in turn (the row of W then in L1). */
+T512 static void rows_range512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int64_t xs, int lb,
+                               const uint8_t *scale_end, int wide) {
+    const int64_t step = a->M <= 4 ? n1 - n0 : 1;
+    for (int64_t n = n0; n < n1; n += step)
+        for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
+            const float *x = xp + m0 * xs;
+            float *y = a->y + m0 * a->N;
+            switch (a->M - m0 < 4 ? a->M - m0 : 4) {
+            case 1: rows_fused512(a, n, n + step, x, xs, y, lb, scale_end, wide, 1); break;
+            case 2: rows_fused512(a, n, n + step, x, xs, y, lb, scale_end, wide, 2); break;
+            case 3: rows_fused512(a, n, n + step, x, xs, y, lb, scale_end, wide, 3); break;
+            default: rows_fused512(a, n, n + step, x, xs, y, lb, scale_end, wide, 4); break;
+            }
         }
-    }
 }
 #endif
 
@@ -547,8 +577,14 @@ int mf_gemv(const gemv_args_t *a) {
     if (a->ngc == 1) lb = 62;
     else if ((a->bc & (a->bc - 1)) == 0) lb = __builtin_ctzll((unsigned long long)a->bc);
     /* NVFP4 (16-column blocks, E4M3 scales) decoding one row of x on AVX-512: whole 128-column
-     * chunks by shifts of 64 loaded bytes (see row_fused512), x in their order */
-    const int wide = MF_X86 && a->isa == ISA_AVX512 && a->kind == K_FP4 && lb == 4 && a->sfmt == SF_E4M3;
+     * chunks by shifts of 64 loaded bytes (see rows_fused512), x in their order */
+    int wide = MF_X86 && a->isa == ISA_AVX512 && a->kind == K_FP4 && lb == 4 && a->sfmt == SF_E4M3;
+    if (wide) { /* its unscaled block sums need |x| ≤ 2^100 (a NaN or inf fails too): the bits, as integers */
+        const uint32_t *xb = (const uint32_t *)a->x;
+        uint32_t over = 0;
+        for (int64_t i = 0; i < M * K; i++) over |= (xb[i] & 0x7FFFFFFFu) > 0x71800000u;
+        wide = !over;
+    }
     int perm[CH], identity = !wide;
     for (int c = 0; c < CH; c++) identity &= (perm[c] = chunk_pos(c, a->kind, a->isa)) == c;
     for (int64_t m = 0; m < M; m++) { /* x in the decoders' chunk order, zero past K */
@@ -560,7 +596,7 @@ int mf_gemv(const gemv_args_t *a) {
             continue;
         }
         int64_t c0 = 0;
-        if (wide) /* 128-column chunks: vector q, lane i holds column 8i + q (row_fused512's NVFP4 loop) */
+        if (wide) /* 128-column chunks: vector q, lane i holds column 8i + q (rows_fused512's NVFP4 loop) */
             for (; c0 + 128 <= K; c0 += 128)
                 for (int q = 0; q < 8; q++)
                     for (int i = 0; i < 16; i++) o[c0 + 16 * q + i] = xr[c0 + 8 * i + q];
@@ -575,15 +611,21 @@ int mf_gemv(const gemv_args_t *a) {
 #endif
     /* the end of the scale grid (of 8-bit codes: read 16 at a time): (rows_pad / br) × ngc of them */
     const uint8_t *scale_end = (const uint8_t *)a->scales + (a->N + a->br - 1) / a->br * a->ngc;
-#pragma omp parallel for num_threads(a->nthreads) schedule(static)
-    for (int64_t n = 0; n < a->N; n++) {
-#if MF_X86
-        if (a->isa == ISA_AVX512 && lb >= 0) {
-            row_fused512(a, n, xp, Kc, lb, scale_end, wide);
-            continue;
-        }
+#pragma omp parallel num_threads(a->nthreads)
+    { /* thread t: rows [t·per, (t + 1)·per), as a static schedule splits them */
+#ifdef _OPENMP
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
 #endif
-        row_buffered(a, n, xp, Kc, dec, dot);
+        const int64_t per = (a->N + nt - 1) / nt, n0 = t * per < a->N ? t * per : a->N;
+        const int64_t n1 = n0 + per < a->N ? n0 + per : a->N;
+#if MF_X86
+        if (a->isa == ISA_AVX512 && lb >= 0)
+            rows_range512(a, n0, n1, xp, Kc, lb, scale_end, wide);
+        else
+#endif
+            for (int64_t n = n0; n < n1; n++) row_buffered(a, n, xp, Kc, dec, dot);
     }
     free(xp);
     return 0;
