@@ -147,7 +147,35 @@ def load_gguf(path: str | os.PathLike[str]) -> torch.nn.Module:
     if arch not in causal:
         raise MinifloatError(f"{path}: a GGUF of architecture {arch!r}, not a causal LM transformers "
                              f"{transformers.__version__} reads from GGUF ({', '.join(causal)})")  # fmt: skip
-    return _from_pretrained(path.parent, gguf_file=path.name)
+    return _from_pretrained(path.parent, gguf_file=path.name, config=gguf_config(path))
+
+
+# What transformers' GGUF reader leaves at its config's default though the file says it (its key
+# map has no entry): per architecture, the GGUF key under the architecture and the config field.
+GGUF_MISSED_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+                    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}}  # fmt: skip
+# What llama.cpp's graph of the architecture computes whatever the file says: Qwen3-MoE's renormalizes
+# the top-k routing weights (build_moe_ffn's norm_w), so a file of it is that model.
+GGUF_GRAPH_FIELDS = {"qwen3moe": {"norm_topk_prob": True}}
+
+
+def gguf_config(path: str | os.PathLike[str]):
+    """transformers' config of the GGUF file at `path`, with what its reader misses
+    (`GGUF_MISSED_KEYS`, `GGUF_GRAPH_FIELDS`) taken from the file."""
+    from gguf import GGUFReader
+
+    transformers = require_transformers()
+    path = Path(path)
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    fields = GGUFReader(path).fields
+    arch = fields["general.architecture"].contents()
+    for key, attr in GGUF_MISSED_KEYS.get(arch, {}).items():
+        if (field := fields.get(f"{arch}.{key}")) is not None:
+            setattr(config, attr, int(field.contents()))
+    for attr, value in GGUF_GRAPH_FIELDS.get(arch, {}).items():
+        setattr(config, attr, value)
+    return config
 
 
 LOADERS: list[Loader] = [

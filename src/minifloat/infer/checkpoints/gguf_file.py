@@ -32,7 +32,10 @@ copied as they were. What llama.cpp's converter changes and transformers' reader
 put back: Llama's Q and K rows in RoPE's interleaved order, Gemma 2 / 3's norms stored as
 ``1 + w``, GPT-2's Conv1D weights as (out, in) rows (where FP4 blocks lie anyway). ``minifloat.quantization`` records each FP4
 tensor's config, so a file read back keeps them (a config that disagrees with the block type is
-refused). Written beside the target and renamed into place.
+refused). Mixture-of-experts layers (`MOE_ARCHS`: Qwen3-MoE) are written as llama.cpp's
+converter stacks them: each layer's ``ffn_{gate,up,down}_exps`` of (n_expert, rows, columns), one
+block type for all experts, NVFP4's per-expert tensor scales as one ``.scale`` of n_expert values;
+read back, expert e is the e-th slice. Written beside the target and renamed into place.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +55,8 @@ from minifloat.errors import MinifloatError
 from minifloat.infer.checkpoints import gguf_folder
 from minifloat.infer.ptq.config import QUANT_CONFIGS, QuantConfig
 from minifloat.models.conv1d import linears_from_conv1d
+from minifloat.models.experts import unfuse_experts
+from minifloat.models.loading import gguf_config
 from minifloat.quant import QuantizedTensor
 from minifloat.scaling.layout import part_specs
 from minifloat.scaling.schemes import Scheme
@@ -67,7 +73,12 @@ CONV1D_TENSORS = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn
 # Architectures whose llama.cpp graph multiplies every Linear's output by NVFP4's ``.scale`` (checked in
 # llama-cpp-python 0.3.36's sources and by running it): qwen2's passes NULL scales to its FFN, so an NVFP4
 # file of it computes with weights off by the tensor scale (NaN logits, seen on Qwen2.5-Coder-0.5B).
-NVFP4_ARCHS = ("llama",)
+NVFP4_ARCHS = ("llama", "qwen3moe")
+# Mixture-of-experts architectures whose experts the file holds stacked, as llama.cpp's converter writes
+# them: ``blk.L.ffn_{gate,up,down}_exps`` of (n_expert, rows, columns), NVFP4's tensor scales as one
+# ``.scale`` of n_expert values (llama.cpp multiplies expert e's product by the e-th).
+MOE_ARCHS = ("qwen3moe",)
+EXPERT_LINEAR = re.compile(r"^(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)$")  # minifloat.models.experts' names
 RECORD_KEY = "minifloat.quantization"
 _FTYPE = {"MXFP4": 38, "NVFP4": 39}  # llama_ftype MOSTLY_MXFP4_MOE, MOSTLY_NVFP4
 _E4M3_NAN = 0x7F
@@ -331,16 +342,37 @@ def name_map(arch: str, layers: int):
 
 def check_arch(arch: str) -> None:
     """Refuse an architecture whose tensors transformers converts on reading in a way the writer
-    does not invert (fused MoE experts, …); Llama's Q / K order, Gemma's norm offset and GPT-2's
-    Conv1D are inverted."""
+    does not invert (Qwen2-MoE's shared experts, GPT-OSS, …); Llama's Q / K order, Gemma's norm
+    offset, GPT-2's Conv1D and Qwen3-MoE's stacked experts are inverted."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor
 
     proc = TENSOR_PROCESSORS.get(arch)
-    if proc is not None and proc is not LlamaTensorProcessor and arch not in (*NORM_OFFSET_ARCHS, *CONV1D_ARCHS):
+    if proc is not None and proc is not LlamaTensorProcessor and arch not in (*NORM_OFFSET_ARCHS, *CONV1D_ARCHS, *MOE_ARCHS):
         raise MinifloatError(f"writing GGUF for architecture {arch!r} is not supported: transformers converts its "
                              f"tensors on reading ({proc.__name__}) and the writer does not invert that yet; "
-                             f"architectures it writes: llama, qwen2, qwen3, phi3, gemma2, gemma3, gpt2 and "
+                             f"architectures it writes: llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3, gpt2 and "
                              f"the like")  # fmt: skip
+
+
+def expert_slot(module: str) -> tuple[str, int] | None:
+    """An expert Linear's name without its index, and the index (``…experts.3.gate_proj`` →
+    ``(…experts.gate_proj, 3)``: the name gguf's map places as the stacked ``ffn_gate_exps``), or None."""
+    m = EXPERT_LINEAR.match(module)
+    return None if m is None else (f"{m['pre']}.{m['proj']}", int(m["e"]))
+
+
+def expert_count(config) -> int:
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
+
+
+def _stack(g: str, by_expert: dict[int, object], n_expert: int, what: str) -> list:
+    """Expert 0 … n_expert - 1's parts of the stacked tensor `g`, all of them or refused."""
+    if sorted(by_expert) != list(range(n_expert)):
+        missing = sorted(set(range(n_expert)) - set(by_expert))
+        raise MinifloatError(f"{g}: experts {missing[:8]} of {n_expert} are not {what} like the others; a GGUF holds a "
+                             f"layer's experts as one tensor of one type: quantize all of a layer's experts or none "
+                             f"(an ignore pattern that names some of them)")  # fmt: skip
+    return [by_expert[e] for e in range(n_expert)]
 
 
 def transposed(arch: str, gguf_name: str) -> bool:
@@ -433,17 +465,33 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
                                  f"cannot place it")  # fmt: skip
         return found
 
+    def slot(module: str) -> tuple[str, int] | None:
+        found = expert_slot(module)
+        if found is not None and arch not in MOE_ARCHS:
+            raise MinifloatError(f"{module}: a MoE expert; GGUF files with experts are written for "
+                                 f"{', '.join(MOE_ARCHS)}, not {arch}")  # fmt: skip
+        return found
+
+    n_expert = expert_count(config)
+    experts: dict[str, dict[int, tuple]] = {}  # stacked GGUF name → expert → (blocks, type, tensor scale, config)
     for name, layer in quantized.items():
         q = layer.checkpoint_weight()
         if (why := refusal(name, layer.config, q, layer.input_transform)) is not None:
             raise MinifloatError(f"{why}; keep it in high precision (ignore=[{name!r}]; quantize_model(..., "
                                  f"export_format='gguf') does so itself)")  # fmt: skip
-        g = place(f"{name}.weight")
+        expert = slot(name)
+        g = place(f"{expert[0] if expert else name}.weight")
         check_nvfp4(arch, f"layer {name!r}", ggml_type(q.scheme))
         try:
             t, blocks, ts = to_blocks(q)
         except ValueError as err:
             raise MinifloatError(f"layer {name!r}: {err}") from None
+        if expert is not None:
+            if layer.bias is not None:
+                raise MinifloatError(f"layer {name!r}: an expert with a bias, which {arch}'s file has no tensor for")
+            experts.setdefault(g, {})[expert[1]] = (blocks, t, ts, layer.config.name)
+            types.add(t)
+            continue
         tensors[g] = (file_rows(blocks, arch, config, g), getattr(gguf.GGMLQuantizationType, t))
         if ts is not None:
             tensors[g.removesuffix(".weight") + ".scale"] = (np.array([ts], dtype=np.float32), None)
@@ -451,12 +499,24 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
             tensors[place(f"{name}.bias")] = (layer.bias.detach().float().numpy(), None)
         record[g] = layer.config.name
         types.add(t)
+    for g, by_expert in experts.items():  # (n_expert, rows, block bytes): one type, one config
+        parts = _stack(g, by_expert, n_expert, "quantized")
+        kinds = {(t, c) for _, t, _, c in parts}
+        if len(kinds) > 1:
+            raise MinifloatError(f"{g}: its experts are quantized differently ({sorted(kinds)}); a GGUF holds a layer's "
+                                 f"experts as one tensor of one type")  # fmt: skip
+        (t, record[g]), = kinds
+        tensors[g] = (np.stack([b for b, _, _, _ in parts]), getattr(gguf.GGMLQuantizationType, t))
+        if any(ts is not None for _, _, ts, _ in parts):
+            scales = [1.0 if ts is None else ts for _, _, ts, _ in parts]
+            tensors[g.removesuffix(".weight") + ".scale"] = (np.array(scales, dtype=np.float32), None)
     for prefix in embeddings:  # a packed table: llama.cpp looks tokens up in its values, as the rest type
         tensors[place(f"{prefix}.weight")] = rest_tensor(
             model.get_submodule(prefix).weight.dequantize(torch.float32).numpy(), rest
         )
     skip = tuple(f"{p}." for p in (*quantized, *embeddings))
     seen: set[tuple] = set()
+    dense_experts: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, t in model.state_dict().items():
         if hf_name.startswith(skip):
             continue
@@ -464,9 +524,19 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
         if key in seen:  # a tied head: llama.cpp reads token_embd when the file has no output.weight
             continue
         seen.add(key)
+        module, _, suffix = hf_name.rpartition(".")
+        if (expert := slot(module)) is not None:
+            g = place(f"{expert[0]}.{suffix}")
+            if g in experts:
+                raise MinifloatError(f"{g}: some of its experts are quantized and expert {expert[1]} is not; a GGUF holds "
+                                     f"a layer's experts as one tensor of one type")  # fmt: skip
+            dense_experts.setdefault(g, {})[expert[1]] = t.detach().float().numpy()
+            continue
         g = place(hf_name)
         arr = file_values(file_rows(t.detach().float().numpy(), arch, config, g), arch, g)
         tensors[g] = rest_tensor(arr, rest)
+    for g, by_expert in dense_experts.items():
+        tensors[g] = rest_tensor(np.stack(_stack(g, by_expert, n_expert, "kept in high precision")), rest)
     for name, data, qtype in src.extra_tensors():  # what transformers does not hold (rope_freqs), as it was
         if name not in tensors:
             tensors[name] = (data, qtype)
@@ -512,7 +582,7 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
     from transformers' reading of the file's metadata); in eval mode. Every tensor the model needs
     is checked (present, shape, a record that agrees with the block type) before it is used."""
     import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from minifloat.infer.modules.linear import QuantizedLinear
     from minifloat.nn.convert import swap_modules
@@ -529,9 +599,11 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
             raise MinifloatError(
                 f"{path}: {RECORD_KEY} is not minifloat's record of the tensors' configs"
             ) from None
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config = gguf_config(path)  # with what transformers' reader misses (an expert's width)
     model = AutoModelForCausalLM.from_config(config)
     linears_from_conv1d(model)  # GPT-2's Conv1D as the Linear its FP4 blocks are rows of
+    unfuse_experts(model)  # one Linear per expert weight: expert e's rows are the e-th of the stacked tensor
+    n_expert = expert_count(config)
     by_name = {t.name: t for t in reader.tensors}
     nmap = name_map(arch, config.num_hidden_layers)
     used: set[str] = set()
@@ -547,15 +619,23 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
         used.add(g)
         return rt
 
+    def place(hf_name: str) -> tuple[str | None, int | None]:
+        """The file's name of `hf_name` and, for an expert's, its index in the stacked tensor."""
+        module, _, suffix = hf_name.rpartition(".")
+        expert = expert_slot(module) if arch in MOE_ARCHS else None
+        if expert is None:
+            return gguf_name(nmap, hf_name), None
+        return gguf_name(nmap, f"{expert[0]}.{suffix}"), expert[1]
+
     swaps: dict[str, torch.nn.Module] = {}
     for name, m in model.named_modules():
-        if not isinstance(m, torch.nn.Linear) or (g := gguf_name(nmap, f"{name}.weight")) not in by_name:
+        if not isinstance(m, torch.nn.Linear):
             continue
-        t = by_name[g].tensor_type.name
-        if t not in BLOCK:
+        g, e = place(f"{name}.weight")
+        if g not in by_name or (t := by_name[g].tensor_type.name) not in BLOCK:
             continue
         n, k = m.out_features, m.in_features
-        rt = tensor(g, f"{name}.weight", (n, k))
+        rt = tensor(g, f"{name}.weight", (n, k) if e is None else (n_expert, n, k))
         cname = record.get(g, READ_AS[t])
         qc = QUANT_CONFIGS.get(cname)
         if qc is None or ggml_type(qc.weight_scheme) != t or qc.activation_scheme is not None:
@@ -563,10 +643,10 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
                                  f"does not write them: the file claims one thing and holds another")  # fmt: skip
         ts = None
         if t == "NVFP4" and (sg := g.removesuffix(".weight") + ".scale") in by_name:
-            ts = float(
-                np.asarray(tensor(sg, f"{name} tensor scale", (1,)).data, dtype=np.float32).reshape(-1)[0]
-            )
-        raw = file_rows(np.asarray(rt.data).reshape(n, -1), arch, config, g, reading=True)
+            scales = tensor(sg, f"{name} tensor scale", (1,) if e is None else (n_expert,)).data
+            ts = float(np.asarray(scales, dtype=np.float32).reshape(-1)[e or 0])
+        data = np.asarray(rt.data)
+        raw = file_rows((data if e is None else data[e]).reshape(n, -1), arch, config, g, reading=True)
         weight = from_blocks(t, raw, k, qc.weight_scheme, ts, m.weight.dtype)
         swaps[name] = QuantizedLinear(weight, m.bias, qc)
     dense = {}
@@ -574,14 +654,15 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
         prefix = hf_name.rpartition(".")[0]
         if prefix in swaps and hf_name.endswith(".weight"):
             continue
-        g = gguf_name(nmap, hf_name)
+        g, e = place(hf_name)
         if g is None:
             raise MinifloatError(f"{path}: {arch} tensor {hf_name!r} has no GGUF name in gguf's map")
         if g not in by_name and hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         shape = tuple(reversed(p.shape)) if transposed(arch, g) else tuple(p.shape)
-        rt = tensor(g, hf_name, shape)
-        arr = file_rows(gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(shape), arch, config, g, reading=True)
+        rt = tensor(g, hf_name, shape if e is None else (n_expert, *shape))
+        arr = gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(shape if e is None else (n_expert, *shape))
+        arr = file_rows(arr if e is None else arr[e], arch, config, g, reading=True)
         arr = file_values(arr, arch, g, reading=True)
         dense[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(p.dtype)
     by_old = {id(model.get_submodule(n)): q for n, q in swaps.items()}
