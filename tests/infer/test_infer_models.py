@@ -198,7 +198,8 @@ def test_bench_decode_reports_kv_formats_and_drafts(trained, capsys):
     assert fp4["weight_bytes_per_token"] == nk // 2 + nk // 16 + 4 * len(linear) + biases
     assert fp32["vs_fp32"] == 1.0 and fp4["tokens_per_s"] > 0 and fp4["bound_tokens_per_s"] > fp32["bound_tokens_per_s"]
     kernels = {r["kernel"] for r in out["gemv"]}
-    assert {"fp32", "minifloat nvfp4", "minifloat mxfp4", "torch int4 (bf16 x)", "torch int8 (fp32 x)"} <= kernels
+    assert {"fp32", "minifloat nvfp4", "minifloat nvfp4 (kernel)", "minifloat mxfp4", "torch int4 (bf16 x)",
+            "torch int8 (fp32 x)"} <= kernels
     kv = {r["format"]: r for r in out["kv"]}
     assert kv["fp32"]["kl"] == 0.0 and kv["fp32"]["top1"] == 1.0  # the reference against itself
     assert kv["fp8"]["kv_bytes"] < kv["fp32"]["kv_bytes"] / 3 and kv["nvfp4"]["kv_bytes"] < kv["fp8"]["kv_bytes"]

@@ -182,6 +182,22 @@ def test_weight_only_layers_and_w4a4_decode_steps_run_on_the_kernels(monkeypatch
         assert calls == [1, 4], (config, calls)  # 40 rows: the GEMM
 
 
+def test_a_bound_call_is_the_kernel_a_plan_calls():
+    """`Plan.bound` (what `bench decode` times beside torch's kernels) computes what the plan's
+    call does, into the one output it made, and sees a new x written in place."""
+    s = SCHEMES["nvfp4"]
+    w = torch.randn(40, 256)
+    parts = quantize_parts(w, s)
+    plan = gemv.Plan(*parts, w.shape, s)
+    x = torch.randn(3, 256)
+    call = plan.bound(x)
+    y = call()
+    assert torch.equal(y, plan(x)) and call() is y
+    check(y, *oracle(x, parts, w.shape, s))
+    x.mul_(2)
+    assert torch.equal(call(), plan(x))
+
+
 def test_a_plan_serves_only_the_unchanged_tensors_it_was_made_from():
     """Plans are kept per weight; an in-place write (a NaN code) or a new tensor makes a new one."""
     s = SCHEMES["fp8_rowwise"]

@@ -438,8 +438,9 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
          * (the shuffle unit bounds these loops). Lane i's block is i / 2 in every vector, so each
          * lane sums its 8 products unscaled (even q, odd q: two sums of 4) and one scale vector
          * (a permute of 16 decoded scales) multiplies the two sums: s·Σ x·v for Σ x·(v·s), one
-         * rounding more per 4 products, no multiply per weight. x is in the same order, and
-         * |x| ≤ 2^100 (mf_gemv checks), so no unscaled sum overflows. */
+         * rounding more per 4 products, no multiply per weight (1-2 rows of x; more: the scaled
+         * values, a multiply shared by the rows). x is in the same order, and |x| ≤ 2^100
+         * (mf_gemv checks), so no unscaled sum overflows. */
         const uint8_t *sc = (const uint8_t *)a->scales + t0;
         const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
         const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -450,7 +451,16 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
                 const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * h)), S);
                 const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * h) / 2));
                 const float *xx = xp + j + 128 * h;
-                __m512 p0[4], p1[4];
+                if (R > 2) { /* 3-4 rows of x: the scaled values, each multiply shared by the rows (two
+                              * unscaled sums per row would not fit the registers beside their accumulators) */
+                    for (int q = 0; q < 8; q++) {
+                        const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4), sv);
+                        for (int r = 0; r < R; r++)
+                            acc[r][q & 3] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), v, acc[r][q & 3]);
+                    }
+                    continue;
+                }
+                __m512 p0[2], p1[2];
                 const __m512 v0 = _mm512_permutexvar_ps(b, t4), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t4);
                 for (int r = 0; r < R; r++) {
                     p0[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs), v0);

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -206,6 +207,24 @@ class Plan:
     def __call__(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         """`run` of a float (M ≤ MAX_ROWS, K) CPU `x` (the caller checks, as `supports` says)."""
         return _call(self.args, x, isa)
+
+    def bound(self, x: torch.Tensor, isa: str | None = None) -> Callable[[], torch.Tensor]:
+        """A call of the kernel alone on float32 `x`, its output `y` made once: what a benchmark
+        times beside another engine's kernel (the Python of a call, a few µs, and of a cold call,
+        up to a hundred, left out; a fused decode step has none)."""
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.args.N, dtype=torch.float32)
+        args = GemvArgs.from_buffer_copy(self.args)
+        args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(isa or best_isa())
+        args.nthreads = cpu.threads_for(self.args.N * self.args.K // 4)
+        lib = _library()
+
+        def call(parts=(x, y, args, self)) -> torch.Tensor:  # holds what the addresses point at
+            if lib.mf_gemv(ctypes.byref(args)) != 0:
+                raise MemoryError("mf_gemv: no memory for the input's scratch copy")
+            return y
+
+        return call
 
 
 def reference_matmul(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme) -> torch.Tensor:

@@ -350,8 +350,9 @@ GEMV_SCHEMES = ("nvfp4", "mxfp4", "fp8_rowwise")
 def gemv_peers(shapes: Sequence[tuple[int, int]] = ((2048, 8192),), schemes: Sequence[str] = GEMV_SCHEMES,
                reps: int = 30, echo: Callable[[str], None] = print) -> list[dict]:  # fmt: skip
     """One decode GEMV (1 × K · (N × K)ᵀ) per shape (K, N), interleaved: FP32 ``F.linear``, the
-    decode kernels per scheme, torch's int4 (group 32) and int8 weight-only CPU kernels with
-    bfloat16 and float32 activations. Median ms and the ratio to FP32."""
+    decode kernels per scheme (called from Python as a layer calls them, and the kernel alone:
+    `Plan.bound`), torch's int4 (group 32) and int8 weight-only CPU kernels with bfloat16 and
+    float32 activations. Median ms and the ratio to FP32."""
     import torch.nn.functional as F
 
     from minifloat.gemm import prepack
@@ -366,6 +367,8 @@ def gemv_peers(shapes: Sequence[tuple[int, int]] = ((2048, 8192),), schemes: Seq
         for name in schemes:
             packed = prepack(quantize(w, name))  # as a QuantizedLinear holds it
             fns[f"minifloat {name}"] = lambda p=packed, x=x: p(x)
+            if packed.plan is not None:  # the kernel alone, as a fused decode step calls it (no Python per call)
+                fns[f"minifloat {name} (kernel)"] = packed.plan.bound(x, packed.isa)
         if k % 32 == 0 and n % 16 == 0 and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
             packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
