@@ -559,21 +559,24 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
 
 /* Rows n0 … n1 - 1 of W against every row of x, by groups of ≤ 4 rows: each group's chunks decoded
  * once in registers and multiplied with each of its rows, every row summed as it would be alone.
- * More than 4 rows of x: row by row of W, every group in turn (the row of W then in L1). */
+ * More than 4 rows of x: the rows of W in blocks of RB (in L2), every group of x in turn. */
+#define RB 64
 T512 static void rows_range512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int64_t xs, int lb,
                                const uint8_t *scale_end, int wide) {
-    const int64_t step = a->M <= 4 ? n1 - n0 : 1;
-    for (int64_t n = n0; n < n1; n += step)
+    const int64_t step = a->M <= 4 ? n1 - n0 : RB;
+    for (int64_t n = n0; n < n1; n += step) {
+        const int64_t ne = n + step < n1 ? n + step : n1;
         for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
             const float *x = xp + m0 * xs;
             float *y = a->y + m0 * a->N;
             switch (a->M - m0 < 4 ? a->M - m0 : 4) {
-            case 1: rows_fused512(a, n, n + step, x, xs, y, lb, scale_end, wide, 1); break;
-            case 2: rows_fused512(a, n, n + step, x, xs, y, lb, scale_end, wide, 2); break;
-            case 3: rows_fused512(a, n, n + step, x, xs, y, lb, scale_end, wide, 3); break;
-            default: rows_fused512(a, n, n + step, x, xs, y, lb, scale_end, wide, 4); break;
+            case 1: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 1); break;
+            case 2: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 2); break;
+            case 3: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 3); break;
+            default: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 4); break;
             }
         }
+    }
 }
 #endif
 
