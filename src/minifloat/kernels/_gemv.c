@@ -14,8 +14,9 @@
  * weight), for inputs with |x| ≤ 2^100, where no such sum can overflow.
  *
  * Work per row n of W. AVX-512 (rows_fused512): whole chunks are decoded in registers and
- * multiplied at once with up to four rows of x (more rows: again per group of four, the row of W
- * then in L1), one loop per element kind and scale layout. Other paths (row_buffered): by
+ * multiplied at once with up to four rows of x (more rows: again per group of four, over blocks of
+ * 64 rows of W then in L2), one loop per element kind and scale layout; a thread's rows of W in one
+ * call, their setup made once. Other paths (row_buffered): by
  * segments of KC columns, the segment's codes decoded (scaled) into a float buffer in L1, then
  * every row of x multiplied with it. Either way each row of x is summed as it would be alone, so
  * y[m] does not depend on the other rows of the call (a speculative verification's rows equal
@@ -426,134 +427,134 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
     const int64_t nfull = a->K / CH * CH;
     const int nan_free = a->nan_free;
     for (int64_t n = n0; n < n1; n++) {
-    const uint8_t *row = a->data + n * a->row_bytes;
-    const int64_t t0 = (a->br == 1 ? n : n / a->br) * a->ngc;
-    __m512 acc[4][4]; /* row r of x: four partial sums, as one row alone has them (R ≤ 4) */
-    for (int r = 0; r < R; r++)
-        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
-    int64_t j = 0;
-    if (wide) {
-        /* NVFP4, 128 columns (64 bytes) at a time: shifting each 32-bit lane by 4q puts the code of
-         * column 8i + q in lane i's low nibble, which vpermps reads: 8 lookups, no byte unpacking
-         * (the shuffle unit bounds these loops). Lane i's block is i / 2 in every vector, so each
-         * lane sums its 8 products unscaled (even q, odd q: two sums of 4) and one scale vector
-         * (a permute of 16 decoded scales) multiplies the two sums: s·Σ x·v for Σ x·(v·s), one
-         * rounding more per 4 products, no multiply per weight (1-2 rows of x; more: the scaled
-         * values, a multiply shared by the rows). x is in the same order, and |x| ≤ 2^100
-         * (mf_gemv checks), so no unscaled sum overflows. */
-        const uint8_t *sc = (const uint8_t *)a->scales + t0;
-        const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
-        const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        const int64_t k128 = a->K / 128 * 128;
-        for (; j < k128; j += 256) {
-            const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
-            for (int h = 0; h < 2 && j + 128 * h < k128; h++) {
-                const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * h)), S);
-                const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * h) / 2));
-                const float *xx = xp + j + 128 * h;
-                if (R > 2) { /* 3-4 rows of x: the scaled values, each multiply shared by the rows (two
-                              * unscaled sums per row would not fit the registers beside their accumulators) */
-                    for (int q = 0; q < 8; q++) {
-                        const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4), sv);
-                        for (int r = 0; r < R; r++)
-                            acc[r][q & 3] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), v, acc[r][q & 3]);
-                    }
-                    continue;
-                }
-                __m512 p0[2], p1[2];
-                const __m512 v0 = _mm512_permutexvar_ps(b, t4), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t4);
-                for (int r = 0; r < R; r++) {
-                    p0[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs), v0);
-                    p1[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs + 16), v1);
-                }
-                for (int q = 2; q < 8; q += 2) {
-                    const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4);
-                    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q + 4), t4);
-                    for (int r = 0; r < R; r++) {
-                        p0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), w0, p0[r]);
-                        p1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q + 16), w1, p1[r]);
-                    }
-                }
-                for (int r = 0; r < R; r++) {
-                    acc[r][2 * h] = _mm512_fmadd_ps(p0[r], sv, acc[r][2 * h]);
-                    acc[r][2 * h + 1] = _mm512_fmadd_ps(p1[r], sv, acc[r][2 * h + 1]);
-                }
-            }
-        }
-        j = k128;
-    }
-    if (a->kind == K_FP4 && lb == 4) {
-        if (a->sfmt == SF_E4M3) {
-            /* NVFP4: 16 scale codes (256 columns) decoded at once, each chunk's pair picked by a permute;
-             * E4M3 × ts = (E4M3 × 2^-8) × (ts × 2^8), exact: ts ≤ FLT_MAX / 2688 by its definition */
+        const uint8_t *row = a->data + n * a->row_bytes;
+        const int64_t t0 = (a->br == 1 ? n : n / a->br) * a->ngc;
+        __m512 acc[4][4]; /* row r of x: four partial sums, as one row alone has them (R ≤ 4) */
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+        int64_t j = 0;
+        if (wide) {
+            /* NVFP4, 128 columns (64 bytes) at a time: shifting each 32-bit lane by 4q puts the code of
+             * column 8i + q in lane i's low nibble, which vpermps reads: 8 lookups, no byte unpacking
+             * (the shuffle unit bounds these loops). Lane i's block is i / 2 in every vector, so each
+             * lane sums its 8 products unscaled (even q, odd q: two sums of 4) and one scale vector
+             * (a permute of 16 decoded scales) multiplies the two sums: s·Σ x·v for Σ x·(v·s), one
+             * rounding more per 4 products, no multiply per weight (1-2 rows of x; more: the scaled
+             * values, a multiply shared by the rows). x is in the same order, and |x| ≤ 2^100
+             * (mf_gemv checks), so no unscaled sum overflows. */
             const uint8_t *sc = (const uint8_t *)a->scales + t0;
             const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
-            const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-            for (; j + 256 <= nfull; j += 256) {
-                const __m512 S = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 4))), 0), ts256);
-                for (int c = 0; c < 8; c += 2) {
-                    const __m512i i0 = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * c));
-                    const __m512i i1 = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * c + 2));
-                    __m512 v0, v1, v2, v3;
-                    fp4s_512(row, j + CH * c, _mm512_permutexvar_ps(i0, S), t4, &v0, &v1);
-                    fp4s_512(row, j + CH * (c + 1), _mm512_permutexvar_ps(i1, S), t4, &v2, &v3);
-                    FMA2(j + CH * c, v0, v1, 0, 1);
-                    FMA2(j + CH * c + CH, v2, v3, 2, 3);
-                }
-            }
-            if (j < nfull) { /* the last, partial group of chunks: its codes read within the scale grid */
+            const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+            const int64_t k128 = a->K / 128 * 128;
+            for (; j < k128; j += 256) {
                 const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
-                for (int c = 0; j < nfull; j += CH, c++) {
-                    __m512 v0, v1;
-                    fp4s_512(row, j, _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * c)), S), t4, &v0, &v1);
-                    FMA2(j, v0, v1, 0, 1);
+                for (int h = 0; h < 2 && j + 128 * h < k128; h++) {
+                    const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * h)), S);
+                    const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * h) / 2));
+                    const float *xx = xp + j + 128 * h;
+                    if (R > 2) { /* 3-4 rows of x: the scaled values, each multiply shared by the rows (two
+                                  * unscaled sums per row would not fit the registers beside their accumulators) */
+                        for (int q = 0; q < 8; q++) {
+                            const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4), sv);
+                            for (int r = 0; r < R; r++)
+                                acc[r][q & 3] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), v, acc[r][q & 3]);
+                        }
+                        continue;
+                    }
+                    __m512 p0[2], p1[2];
+                    const __m512 v0 = _mm512_permutexvar_ps(b, t4), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t4);
+                    for (int r = 0; r < R; r++) {
+                        p0[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs), v0);
+                        p1[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs + 16), v1);
+                    }
+                    for (int q = 2; q < 8; q += 2) {
+                        const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4);
+                        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q + 4), t4);
+                        for (int r = 0; r < R; r++) {
+                            p0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), w0, p0[r]);
+                            p1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q + 16), w1, p1[r]);
+                        }
+                    }
+                    for (int r = 0; r < R; r++) {
+                        acc[r][2 * h] = _mm512_fmadd_ps(p0[r], sv, acc[r][2 * h]);
+                        acc[r][2 * h + 1] = _mm512_fmadd_ps(p1[r], sv, acc[r][2 * h + 1]);
+                    }
                 }
             }
+            j = k128;
         }
-        FUSED_LOOP(DEC_FP4_BY16);
-    } else if (a->kind == K_FP4) {
-        if (a->sfmt == SF_E8M0 && lb == 5) {
-            /* MXFP4: 16 scale codes (512 columns) decoded at once, each chunk's broadcast by a permute */
-            const uint8_t *sc = (const uint8_t *)a->scales + t0;
-            float sf[16] __attribute__((aligned(64)));
-            for (; j + 512 <= nfull; j += 512) {
-                /* the scales through memory: each chunk's is a broadcast operand of its table's multiply */
-                _mm512_store_ps(sf, e8m0_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 5)))));
-                for (int c = 0; c < 16; c += 2) {
-                    const __m512 ts0 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
-                    const __m512 ts1 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c + 1]));
-                    const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c) / 2)));
-                    const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
-                    FMA2(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), 0, 1);
-                    FMA2(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), 2, 3);
+        if (a->kind == K_FP4 && lb == 4) {
+            if (a->sfmt == SF_E4M3) {
+                /* NVFP4: 16 scale codes (256 columns) decoded at once, each chunk's pair picked by a permute;
+                 * E4M3 × ts = (E4M3 × 2^-8) × (ts × 2^8), exact: ts ≤ FLT_MAX / 2688 by its definition */
+                const uint8_t *sc = (const uint8_t *)a->scales + t0;
+                const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
+                const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+                for (; j + 256 <= nfull; j += 256) {
+                    const __m512 S = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 4))), 0), ts256);
+                    for (int c = 0; c < 8; c += 2) {
+                        const __m512i i0 = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * c));
+                        const __m512i i1 = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * c + 2));
+                        __m512 v0, v1, v2, v3;
+                        fp4s_512(row, j + CH * c, _mm512_permutexvar_ps(i0, S), t4, &v0, &v1);
+                        fp4s_512(row, j + CH * (c + 1), _mm512_permutexvar_ps(i1, S), t4, &v2, &v3);
+                        FMA2(j + CH * c, v0, v1, 0, 1);
+                        FMA2(j + CH * c + CH, v2, v3, 2, 3);
+                    }
+                }
+                if (j < nfull) { /* the last, partial group of chunks: its codes read within the scale grid */
+                    const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
+                    for (int c = 0; j < nfull; j += CH, c++) {
+                        __m512 v0, v1;
+                        fp4s_512(row, j, _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * c)), S), t4, &v0, &v1);
+                        FMA2(j, v0, v1, 0, 1);
+                    }
                 }
             }
-            if (j < nfull) { /* the last, partial group of chunks */
-                _mm512_store_ps(sf, e8m0_512(load16(sc + (j >> 5), scale_end)));
-                for (int c = 0; j < nfull; j += CH, c++) {
-                    const __m512 ts = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
-                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + j / 2)));
-                    FMA2(j, _mm512_permutexvar_ps(b, ts), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), ts), 0, 1);
+            FUSED_LOOP(DEC_FP4_BY16);
+        } else if (a->kind == K_FP4) {
+            if (a->sfmt == SF_E8M0 && lb == 5) {
+                /* MXFP4: 16 scale codes (512 columns) decoded at once, each chunk's broadcast by a permute */
+                const uint8_t *sc = (const uint8_t *)a->scales + t0;
+                float sf[16] __attribute__((aligned(64)));
+                for (; j + 512 <= nfull; j += 512) {
+                    /* the scales through memory: each chunk's is a broadcast operand of its table's multiply */
+                    _mm512_store_ps(sf, e8m0_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 5)))));
+                    for (int c = 0; c < 16; c += 2) {
+                        const __m512 ts0 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
+                        const __m512 ts1 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c + 1]));
+                        const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c) / 2)));
+                        const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
+                        FMA2(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), 0, 1);
+                        FMA2(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), 2, 3);
+                    }
+                }
+                if (j < nfull) { /* the last, partial group of chunks */
+                    _mm512_store_ps(sf, e8m0_512(load16(sc + (j >> 5), scale_end)));
+                    for (int c = 0; j < nfull; j += CH, c++) {
+                        const __m512 ts = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
+                        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + j / 2)));
+                        FMA2(j, _mm512_permutexvar_ps(b, ts), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), ts), 0, 1);
+                    }
                 }
             }
+            FUSED_LOOP(DEC_FP4_ONE);
+        } else if (a->kind == K_FP6) {
+            FUSED_LOOP(DEC_FP6);
+        } else if (a->kind == K_E5M2) {
+            FUSED_LOOP(DEC_E5M2);
+        } else {
+            FUSED_LOOP(DEC_E4M3);
         }
-        FUSED_LOOP(DEC_FP4_ONE);
-    } else if (a->kind == K_FP6) {
-        FUSED_LOOP(DEC_FP6);
-    } else if (a->kind == K_E5M2) {
-        FUSED_LOOP(DEC_E5M2);
-    } else {
-        FUSED_LOOP(DEC_E4M3);
-    }
-    if (j < a->K) { /* the last, partial chunk */
-        float w[CH] __attribute__((aligned(64))), hs[2];
-        hs[0] = scale_at(a, t0 + (j >> lb));
-        hs[1] = a->K - j > 16 ? scale_at(a, t0 + ((j + 16) >> lb)) : hs[0];
-        decode_tail(a, row, j, 0, a->K - j, hs, w);
-        FMA2(j, _mm512_load_ps(w), _mm512_load_ps(w + 16), 0, 1);
-    }
-    for (int r = 0; r < R; r++)
-        y[r * a->N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+        if (j < a->K) { /* the last, partial chunk */
+            float w[CH] __attribute__((aligned(64))), hs[2];
+            hs[0] = scale_at(a, t0 + (j >> lb));
+            hs[1] = a->K - j > 16 ? scale_at(a, t0 + ((j + 16) >> lb)) : hs[0];
+            decode_tail(a, row, j, 0, a->K - j, hs, w);
+            FMA2(j, _mm512_load_ps(w), _mm512_load_ps(w + 16), 0, 1);
+        }
+        for (int r = 0; r < R; r++)
+            y[r * a->N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
     }
 }
 
