@@ -160,3 +160,20 @@ def test_a_layers_experts_quantized_unalike_are_refused_naming_the_tensor(folder
     with pytest.raises(MinifloatError, match=r"blk\.0\.ffn_(gate|up|down)_exps.weight: experts \[3\] of 8 are not quantized"):
         export(model, tmp_path / "m.gguf", format="gguf", gguf_source=folder)
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_experts_kept_in_high_precision_are_written_stacked_and_read_back(folder, tmp_path):
+    """Every expert kept (an ignore pattern naming them all): the stacked tensors in the rest type,
+    each expert read back as its slice, the attention layers in MXFP4 beside them."""
+    model = load_model(folder)
+    minifloat.quantize_model(model, "mxfp4-weight-only", ignore=["*.experts.*", "lm_head"])
+    out = export(model, tmp_path / "m.gguf", format="gguf", gguf_source=folder, gguf_rest="f32")
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert tensors["blk.1.ffn_down_exps.weight"].tensor_type.name == "F32"
+    assert tensors["blk.1.attn_q.weight"].tensor_type.name == "MXFP4"
+    back = load_model(out)
+    want = model.model.layers[1].mlp.experts[5].down_proj.weight
+    assert torch.equal(back.model.layers[1].mlp.experts[5].down_proj.weight, want)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)

@@ -650,6 +650,7 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
         weight = from_blocks(t, raw, k, qc.weight_scheme, ts, m.weight.dtype)
         swaps[name] = QuantizedLinear(weight, m.bias, qc)
     dense = {}
+    stacked: dict[str, np.ndarray] = {}  # a dense stacked tensor, dequantized once for all its experts
     for hf_name, p in model.state_dict().items():
         prefix = hf_name.rpartition(".")[0]
         if prefix in swaps and hf_name.endswith(".weight"):
@@ -661,8 +662,13 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
             continue
         shape = tuple(reversed(p.shape)) if transposed(arch, g) else tuple(p.shape)
         rt = tensor(g, hf_name, shape if e is None else (n_expert, *shape))
-        arr = gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(shape if e is None else (n_expert, *shape))
-        arr = file_rows(arr if e is None else arr[e], arch, config, g, reading=True)
+        if e is None:
+            arr = gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(shape)
+        else:
+            if g not in stacked:
+                stacked[g] = gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(n_expert, *shape)
+            arr = stacked[g][e]
+        arr = file_rows(arr, arch, config, g, reading=True)
         arr = file_values(arr, arch, g, reading=True)
         dense[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(p.dtype)
     by_old = {id(model.get_submodule(n)): q for n, q in swaps.items()}
