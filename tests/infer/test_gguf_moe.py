@@ -1,4 +1,5 @@
-"""GGUF files of a mixture-of-experts model (Qwen3-MoE, from a transformers folder): every expert
+"""GGUF files of mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert, from a
+transformers folder): every expert
 packed as ggml's MXFP4 / NVFP4 blocks in llama.cpp's stacked ``ffn_{gate,up,down}_exps`` tensors
 (NVFP4's per-expert tensor scales in one ``.scale`` of n_expert values). Oracles: `gguf`'s own
 dequantization of each expert's slice, transformers' GGUF reader (the file read as the model
@@ -23,16 +24,27 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
-CONFIGS = ("mxfp4-weight-only", "nvfp4-weight-only")
+# the FP4 configs each family's file is written in (llama.cpp's qwen2moe graph applies no NVFP4 tensor scale)
+FAMILIES = {"qwen3moe": ("mxfp4-weight-only", "nvfp4-weight-only"), "qwen2moe": ("mxfp4-weight-only",)}
+CASES = [(f, c) for f, configs in FAMILIES.items() for c in configs]
 PROJ = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}  # what llama.cpp's graph of each does with the top-k weights
 
 
-def qwen3moe_folder(path, **changes):
-    """A tiny random Qwen3-MoE (8 experts of 64, top 2, routing weights renormalized as llama.cpp's
-    graph computes them) with a byte-level BPE tokenizer."""
+def moe_folder(path, family: str = "qwen3moe", **changes):
+    """A tiny random Qwen3-MoE or Qwen2-MoE (8 experts of 64, top 2; Qwen2-MoE's shared expert of
+    128 and its gate; routing weights renormalized or not as llama.cpp's graph of each computes
+    them) with a byte-level BPE tokenizer."""
     tokenizer = bpe_tokenizer("qwen2")
-    cfg = moe_config("qwen3moe", len(tokenizer))
-    cfg.norm_topk_prob = True
+    if family == "qwen3moe":
+        cfg = moe_config("qwen3moe", len(tokenizer))
+    else:
+        cfg = transformers.Qwen2MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                                          num_experts_per_tok=2, num_experts=EXPERTS, moe_intermediate_size=64,
+                                          shared_expert_intermediate_size=128)  # fmt: skip
+    cfg.norm_topk_prob = NORM_TOPK[family]
     for k, v in changes.items():
         setattr(cfg, k, v)
     torch.manual_seed(0)
@@ -46,30 +58,47 @@ def qwen3moe_folder(path, **changes):
     return path
 
 
+_FOLDERS: dict = {}
+
+
+def _family_folder(family, tmp_path_factory):
+    if family not in _FOLDERS:
+        _FOLDERS[family] = moe_folder(tmp_path_factory.mktemp(family) / "model", family)
+    return _FOLDERS[family]
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return qwen3moe_folder(tmp_path_factory.mktemp("qwen3moe") / "model")
+    return _family_folder("qwen3moe", tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
-def written(request, folder, tmp_path_factory):
-    """(config, the model quantized in memory, the file `minifloat quantize` wrote from the folder)."""
-    out = tmp_path_factory.mktemp("qwen3moe-gguf") / "m.gguf"
-    assert main(["quantize", str(folder), "--scheme", request.param, "--format", "gguf", "--gguf-rest", "f32",
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
+def written(request, tmp_path_factory):
+    """(family, config, the model quantized in memory, the file `minifloat quantize` wrote from the folder)."""
+    family, config = request.param
+    src = _family_folder(family, tmp_path_factory)
+    out = tmp_path_factory.mktemp(f"{family}-gguf") / "m.gguf"
+    assert main(["quantize", str(src), "--scheme", config, "--format", "gguf", "--gguf-rest", "f32",
                  "--out", str(out)]) == 0  # fmt: skip
-    model = load_model(folder)
-    minifloat.quantize_model(model, request.param, export_format="gguf")
-    return request.param, model, out
+    model = load_model(src)
+    minifloat.quantize_model(model, config, export_format="gguf")
+    return family, config, model, out
 
 
 def test_every_expert_is_its_slice_of_the_stacked_tensor_as_gguf_dequantizes_it(written):
-    config, model, out = written
+    family, config, model, out = written
     reader = gguf.GGUFReader(out)
     tensors = {t.name: t for t in reader.tensors}
-    assert reader.fields["general.architecture"].contents() == "qwen3moe"
-    assert reader.fields["qwen3moe.expert_count"].contents() == EXPERTS
-    assert reader.fields["qwen3moe.expert_used_count"].contents() == 2
-    assert reader.fields["qwen3moe.expert_feed_forward_length"].contents() == 64
+    assert reader.fields["general.architecture"].contents() == family
+    assert reader.fields[f"{family}.expert_count"].contents() == EXPERTS
+    assert reader.fields[f"{family}.expert_used_count"].contents() == 2
+    assert reader.fields[f"{family}.expert_feed_forward_length"].contents() == 64
+    if family == "qwen2moe":  # the shared expert: its width, its Linears packed, its gate one row of F32
+        assert reader.fields["qwen2moe.expert_shared_feed_forward_length"].contents() == 128
+        assert tensors["blk.0.ffn_up_shexp.weight"].tensor_type.name == "MXFP4"
+        gate = model.model.layers[0].mlp.shared_expert_gate.weight.detach()
+        assert tuple(tensors["blk.0.ffn_gate_inp_shexp.weight"].shape) == (64,)
+        assert np.array_equal(np.asarray(tensors["blk.0.ffn_gate_inp_shexp.weight"].data), gate.reshape(-1).numpy())
     seen = 0
     for name, layer in model.named_modules():
         if not isinstance(layer, QuantizedLinear) or ".experts." not in name:
@@ -95,7 +124,7 @@ def test_every_expert_is_its_slice_of_the_stacked_tensor_as_gguf_dequantizes_it(
 
 
 def test_the_file_reads_back_with_every_experts_codes_intact(written):
-    config, model, out = written
+    _, config, model, out = written
     back = load_model(out)
     pairs = [(n, a, back.get_submodule(n)) for n, a in model.named_modules() if isinstance(a, QuantizedLinear)]
     assert sum(".experts." in n for n, _, _ in pairs) == 2 * EXPERTS * 3
@@ -115,7 +144,7 @@ def test_transformers_reads_the_file_as_the_model_quantized_in_memory(written):
     """transformers' own reader of the stacked experts (its Qwen-MoE tensor processor) with the
     config the file says (its reader takes no expert width: `gguf_config` reads it): MXFP4, where
     no tensor scale is left for transformers to drop."""
-    config, model, out = written
+    _, config, model, out = written
     if config != "mxfp4-weight-only":
         pytest.skip("transformers' reader does not apply NVFP4's .scale tensors")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out.parent, gguf_file=out.name,
@@ -126,13 +155,14 @@ def test_transformers_reads_the_file_as_the_model_quantized_in_memory(written):
 
 
 @pytest.mark.llamacpp
-def test_llama_cpp_computes_with_the_experts_minifloat_wrote(written, folder):
+def test_llama_cpp_computes_with_the_experts_minifloat_wrote(written, tmp_path_factory):
     """llama.cpp's logits of the file are the FP4 model's up to its 8-bit activations, position by
     position far closer to them than the FP4 model is to the float one — but where those 8 bits tip
     a token to another expert (routing is a top-k: a step, not a slope), as at one or two of these
     16 positions (seen: 0.39 there against 0.02–0.04 elsewhere)."""
     pytest.importorskip("llama_cpp")
-    config, model, out = written
+    family, _, model, out = written
+    folder = _family_folder(family, tmp_path_factory)
     ids = [5, 17, 100, 200, 33, 9, 250, 1, 64, 128, 7, 3, 77, 210, 40, 2]
     theirs = llama_cpp_logits(out, ids)
     with torch.no_grad():
@@ -143,12 +173,13 @@ def test_llama_cpp_computes_with_the_experts_minifloat_wrote(written, folder):
     assert (theirs.argmax(-1) == ours.argmax(-1)).sum() >= len(ids) - 2
 
 
-def test_what_llama_cpps_qwen3moe_graph_would_compute_otherwise_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_what_llama_cpps_moe_graph_would_compute_otherwise_is_refused(family, tmp_path, capsys):
     args = ["--scheme", "mxfp4-weight-only", "--format", "gguf", "--out", str(tmp_path / "x.gguf")]
-    plain = qwen3moe_folder(tmp_path / "plain", norm_topk_prob=False)
-    assert main(["quantize", str(plain), *args]) == 2
-    assert "norm_topk_prob is false" in capsys.readouterr().err
-    dense = qwen3moe_folder(tmp_path / "dense", mlp_only_layers=[1])
+    other = moe_folder(tmp_path / "other", family, norm_topk_prob=not NORM_TOPK[family])
+    assert main(["quantize", str(other), *args]) == 2
+    assert f"norm_topk_prob is {str(not NORM_TOPK[family]).lower()}" in capsys.readouterr().err
+    dense = moe_folder(tmp_path / "dense", family, mlp_only_layers=[1])
     assert main(["quantize", str(dense), *args]) == 2
     assert "dense MLP layers among the MoE ones" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()

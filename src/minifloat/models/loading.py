@@ -156,8 +156,8 @@ GGUF_MISSED_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate
                     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
                                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}}  # fmt: skip
 # What llama.cpp's graph of the architecture computes whatever the file says: Qwen3-MoE's renormalizes
-# the top-k routing weights (build_moe_ffn's norm_w), so a file of it is that model.
-GGUF_GRAPH_FIELDS = {"qwen3moe": {"norm_topk_prob": True}}
+# the top-k routing weights (build_moe_ffn's norm_w), Qwen2-MoE's does not, so a file of either is that model.
+GGUF_GRAPH_FIELDS = {"qwen3moe": {"norm_topk_prob": True}, "qwen2moe": {"norm_topk_prob": False}}
 
 
 def gguf_config(path: str | os.PathLike[str]):

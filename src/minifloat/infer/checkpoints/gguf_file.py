@@ -32,7 +32,7 @@ copied as they were. What llama.cpp's converter changes and transformers' reader
 put back: Llama's Q and K rows in RoPE's interleaved order, Gemma 2 / 3's norms stored as
 ``1 + w``, GPT-2's Conv1D weights as (out, in) rows (where FP4 blocks lie anyway). ``minifloat.quantization`` records each FP4
 tensor's config, so a file read back keeps them (a config that disagrees with the block type is
-refused). Mixture-of-experts layers (`MOE_ARCHS`: Qwen3-MoE) are written as llama.cpp's
+refused). Mixture-of-experts layers (`MOE_ARCHS`: Qwen3-MoE, Qwen2-MoE) are written as llama.cpp's
 converter stacks them: each layer's ``ffn_{gate,up,down}_exps`` of (n_expert, rows, columns), one
 block type for all experts, NVFP4's per-expert tensor scales as one ``.scale`` of n_expert values;
 read back, expert e is the e-th slice. Written beside the target and renamed into place.
@@ -77,7 +77,9 @@ NVFP4_ARCHS = ("llama", "qwen3moe")
 # Mixture-of-experts architectures whose experts the file holds stacked, as llama.cpp's converter writes
 # them: ``blk.L.ffn_{gate,up,down}_exps`` of (n_expert, rows, columns), NVFP4's tensor scales as one
 # ``.scale`` of n_expert values (llama.cpp multiplies expert e's product by the e-th).
-MOE_ARCHS = ("qwen3moe",)
+MOE_ARCHS = ("qwen3moe", "qwen2moe")
+# 1-D in the file, (1, n) in transformers (its reader adds the dimension): Qwen2-MoE's shared-expert gate
+ROW_VECTORS = {"qwen2moe": ("ffn_gate_inp_shexp.weight",)}
 EXPERT_LINEAR = re.compile(r"^(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)$")  # minifloat.models.experts' names
 RECORD_KEY = "minifloat.quantization"
 _FTYPE = {"MXFP4": 38, "NVFP4": 39}  # llama_ftype MOSTLY_MXFP4_MOE, MOSTLY_NVFP4
@@ -380,9 +382,17 @@ def transposed(arch: str, gguf_name: str) -> bool:
     return arch in CONV1D_ARCHS and gguf_name.endswith(CONV1D_TENSORS)
 
 
+def row_vector(arch: str, gguf_name: str) -> bool:
+    """Whether the file holds this (1, n) tensor of transformers' as n values (`ROW_VECTORS`)."""
+    return gguf_name.endswith(ROW_VECTORS.get(arch, ()))
+
+
 def file_values(arr: np.ndarray, arch: str, gguf_name: str, *, reading: bool = False) -> np.ndarray:
     """A dense tensor's values as the file holds them (`reading`: back as transformers holds them):
-    Gemma's norms offset by one, GPT-2's Conv1D weights transposed, anything else as it is."""
+    Gemma's norms offset by one, GPT-2's Conv1D weights transposed, Qwen2-MoE's shared-expert gate
+    one row, anything else as it is."""
+    if row_vector(arch, gguf_name):
+        return arr.reshape(1, -1) if reading else arr.reshape(-1)
     if arch in NORM_OFFSET_ARCHS and gguf_name.endswith("norm.weight"):
         return arr - 1 if reading else arr + 1
     if transposed(arch, gguf_name):
@@ -661,6 +671,7 @@ def load(path: str | os.PathLike[str]) -> torch.nn.Module:
         if g not in by_name and hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         shape = tuple(reversed(p.shape)) if transposed(arch, g) else tuple(p.shape)
+        shape = (p.numel(),) if row_vector(arch, g) else shape
         rt = tensor(g, hf_name, shape if e is None else (n_expert, *shape))
         if e is None:
             arr = gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(shape)

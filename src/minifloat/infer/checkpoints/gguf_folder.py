@@ -4,10 +4,10 @@
 What a file of these families carries, as the converter writes it:
 
 - the architecture (llama.cpp's name: ``llama`` for Llama and Mistral, ``qwen2``, ``qwen3``,
-  ``qwen3moe``, ``gpt2``) and its hyper-parameters under the architecture's keys (context, widths,
-  heads, the RMSNorm epsilon, RoPE's base; ``rope.dimension_count`` for llama, ``key_length`` /
-  ``value_length`` where a head is not hidden / heads wide; Qwen3-MoE's expert count, experts
-  per token and expert width);
+  ``qwen2moe``, ``qwen3moe``, ``gpt2``) and its hyper-parameters under the architecture's keys
+  (context, widths, heads, the RMSNorm epsilon, RoPE's base; ``rope.dimension_count`` for llama,
+  ``key_length`` / ``value_length`` where a head is not hidden / heads wide; the MoE models' expert
+  count, experts per token, expert width and Qwen2-MoE's shared expert's width);
 - a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``): every id below the model's
   vocabulary size with its text, ids the tokenizer lacks as ``[PAD<id>]`` (UNUSED), added tokens
   CONTROL when special and USER_DEFINED otherwise; the merges, special ids and the chat template
@@ -20,9 +20,9 @@ What a file of these families carries, as the converter writes it:
 What a file cannot say the same way is refused by name before any work: a SentencePiece or
 other non-byte-level tokenizer (Gemma, Phi-3, Llama 2: convert those with llama.cpp's converter),
 a pre-tokenizer llama.cpp has no name for here, RoPE scaling (llama.cpp holds Llama 3's as a
-``rope_freqs`` tensor that transformers' GGUF reader does not read back), a Qwen3-MoE that
-llama.cpp's graph would compute otherwise (routing weights not renormalized, dense layers among
-the MoE ones), an architecture outside `ARCHS`.
+``rope_freqs`` tensor that transformers' GGUF reader does not read back), a MoE model that
+llama.cpp's graph would compute otherwise (routing weights renormalized where it does not, or the
+other way round; dense layers among the MoE ones), an architecture outside `ARCHS`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ from pathlib import Path
 
 from minifloat.errors import MinifloatError
 
-ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-         "gpt2": "gpt2"}  # model_type → GGUF
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
+         "qwen3_moe": "qwen3moe", "gpt2": "gpt2"}  # model_type → GGUF
+# What llama.cpp's graph of each MoE architecture does with the top-k routing weights: Qwen3-MoE's
+# renormalizes them, Qwen2-MoE's does not (build_moe_ffn's norm_w): the model's norm_topk_prob must agree.
+MOE_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
 
 # The regular expressions of tokenizer.json's Split pre-tokenizers that llama.cpp names (the
 # "original regex from tokenizer.json" its llama-vocab.cpp records beside each adapted one).
@@ -115,8 +118,8 @@ def arch(folder: str | os.PathLike[str]) -> str:
         raise MinifloatError(f"{folder}: RoPE scaling {rope.get('rope_type', rope.get('type'))!r}; llama.cpp holds it as a "
                              f"rope_freqs tensor transformers' GGUF reader does not read back, so the writer does not make "
                              f"it from a folder: convert with llama.cpp's convert_hf_to_gguf.py --outtype f32")  # fmt: skip
-    if found == "qwen3moe":
-        _check_qwen3moe(folder, config)
+    if found in MOE_NORM_TOPK:
+        _check_moe(folder, config, found)
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise MinifloatError(f"{folder}: no tokenizer.json; a GGUF carries the tokenizer: save the model's fast "
@@ -125,17 +128,19 @@ def arch(folder: str | os.PathLike[str]) -> str:
     return found
 
 
-def _check_qwen3moe(folder: Path, config) -> None:
-    """What llama.cpp's qwen3moe graph computes one way only: every layer a MoE block whose top-k
-    routing weights are renormalized (transformers' ``norm_topk_prob``)."""
-    if not getattr(config, "norm_topk_prob", False):
-        raise MinifloatError(f"{folder}: norm_topk_prob is false, but llama.cpp's qwen3moe graph renormalizes the top-k "
-                             f"routing weights, so the file would compute another model; a GGUF is written for "
-                             f"Qwen3-MoE models with norm_topk_prob true (as Qwen3-30B-A3B's)")  # fmt: skip
+def _check_moe(folder: Path, config, arch: str) -> None:
+    """What llama.cpp's MoE graph of `arch` computes one way only: every layer a MoE block, the
+    top-k routing weights renormalized or not as `MOE_NORM_TOPK` says (transformers' ``norm_topk_prob``)."""
+    want = MOE_NORM_TOPK[arch]
+    if bool(getattr(config, "norm_topk_prob", False)) != want:
+        raise MinifloatError(f"{folder}: norm_topk_prob is {str(not want).lower()}, but llama.cpp's {arch} graph "
+                             f"{'renormalizes' if want else 'does not renormalize'} the top-k routing weights, so the "
+                             f"file would compute another model; a GGUF is written for these models with norm_topk_prob "
+                             f"{str(want).lower()}")  # fmt: skip
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
         raise MinifloatError(f"{folder}: dense MLP layers among the MoE ones (mlp_only_layers "
                              f"{getattr(config, 'mlp_only_layers', None)}, decoder_sparse_step "
-                             f"{getattr(config, 'decoder_sparse_step', 1)}); llama.cpp's qwen3moe graph makes every layer a "
+                             f"{getattr(config, 'decoder_sparse_step', 1)}); llama.cpp's {arch} graph makes every layer a "
                              f"MoE block")  # fmt: skip
 
 
@@ -187,10 +192,12 @@ def hyper_parameters(w, cfg, arch: str) -> None:
         w.add_value_length(head_dim)
     if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
-    if arch == "qwen3moe":  # the experts: how many, how many a token takes, each one's width
+    if arch in ("qwen3moe", "qwen2moe"):  # the experts: how many, how many a token takes, each one's width
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":  # and the shared expert's
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
 def _tokenizer(w, folder: Path, vocab_size: int) -> None:
