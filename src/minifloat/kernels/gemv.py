@@ -176,15 +176,26 @@ def run(x: torch.Tensor, data, scale, tensor_scale, shape, scheme: Scheme, *, is
     return Plan(data, scale, tensor_scale, shape, scheme)(x, isa)
 
 
-def _call(plan: GemvArgs, x: torch.Tensor, isa: str | None) -> torch.Tensor:
-    """mf_gemv with the weight's `plan` and the input `x` (float, M ≤ 16 rows, on the CPU)."""
-    args = GemvArgs.from_buffer_copy(plan)  # a copy: calls may run at once
+def _bind(plan: GemvArgs, x: torch.Tensor, isa: str | None) -> tuple[GemvArgs, torch.Tensor, torch.Tensor]:
+    """The arguments of one call of mf_gemv with the weight's `plan` on `x` (float, M ≤ 16 rows, on
+    the CPU): a copy of the plan (calls may run at once) pointing at float32 x and a new output y."""
+    args = GemvArgs.from_buffer_copy(plan)
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], plan.N, dtype=torch.float32)
     args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(isa or best_isa())
     args.nthreads = cpu.threads_for(plan.N * plan.K // 4)  # torch's thread count now
-    if plan.N and _library().mf_gemv(ctypes.byref(args)) != 0:
+    return args, x, y
+
+
+def _run(args: GemvArgs) -> None:
+    if args.N and _library().mf_gemv(ctypes.byref(args)) != 0:
         raise MemoryError("mf_gemv: no memory for the input's scratch copy")
+
+
+def _call(plan: GemvArgs, x: torch.Tensor, isa: str | None) -> torch.Tensor:
+    """mf_gemv with the weight's `plan` and the input `x` (float, M ≤ 16 rows, on the CPU)."""
+    args, x, y = _bind(plan, x, isa)
+    _run(args)
     return y
 
 
@@ -212,16 +223,10 @@ class Plan:
         """A call of the kernel alone on float32 `x`, its output `y` made once: what a benchmark
         times beside another engine's kernel (the Python of a call, a few µs, and of a cold call,
         up to a hundred, left out; a fused decode step has none)."""
-        x = x.float().contiguous()
-        y = torch.empty(x.shape[0], self.args.N, dtype=torch.float32)
-        args = GemvArgs.from_buffer_copy(self.args)
-        args.x, args.y, args.M, args.isa = x.data_ptr(), y.data_ptr(), x.shape[0], ISAS.index(isa or best_isa())
-        args.nthreads = cpu.threads_for(self.args.N * self.args.K // 4)
-        lib = _library()
+        args, x, y = _bind(self.args, x, isa)
 
-        def call(parts=(x, y, args, self)) -> torch.Tensor:  # holds what the addresses point at
-            if lib.mf_gemv(ctypes.byref(args)) != 0:
-                raise MemoryError("mf_gemv: no memory for the input's scratch copy")
+        def call(parts=(x, args, self)) -> torch.Tensor:  # holds what the addresses point at
+            _run(args)
             return y
 
         return call

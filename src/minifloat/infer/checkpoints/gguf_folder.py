@@ -32,12 +32,10 @@ import os
 from pathlib import Path
 
 from minifloat.errors import MinifloatError
+from minifloat.models.loading import GGUF_GRAPH_FIELDS
 
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
          "qwen3_moe": "qwen3moe", "gpt2": "gpt2"}  # model_type → GGUF
-# What llama.cpp's graph of each MoE architecture does with the top-k routing weights: Qwen3-MoE's
-# renormalizes them, Qwen2-MoE's does not (build_moe_ffn's norm_w): the model's norm_topk_prob must agree.
-MOE_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
 
 # The regular expressions of tokenizer.json's Split pre-tokenizers that llama.cpp names (the
 # "original regex from tokenizer.json" its llama-vocab.cpp records beside each adapted one).
@@ -118,7 +116,7 @@ def arch(folder: str | os.PathLike[str]) -> str:
         raise MinifloatError(f"{folder}: RoPE scaling {rope.get('rope_type', rope.get('type'))!r}; llama.cpp holds it as a "
                              f"rope_freqs tensor transformers' GGUF reader does not read back, so the writer does not make "
                              f"it from a folder: convert with llama.cpp's convert_hf_to_gguf.py --outtype f32")  # fmt: skip
-    if found in MOE_NORM_TOPK:
+    if found in GGUF_GRAPH_FIELDS:
         _check_moe(folder, config, found)
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -130,8 +128,8 @@ def arch(folder: str | os.PathLike[str]) -> str:
 
 def _check_moe(folder: Path, config, arch: str) -> None:
     """What llama.cpp's MoE graph of `arch` computes one way only: every layer a MoE block, the
-    top-k routing weights renormalized or not as `MOE_NORM_TOPK` says (transformers' ``norm_topk_prob``)."""
-    want = MOE_NORM_TOPK[arch]
+    top-k routing weights renormalized or not as `GGUF_GRAPH_FIELDS` says (``norm_topk_prob``)."""
+    want = GGUF_GRAPH_FIELDS[arch]["norm_topk_prob"]
     if bool(getattr(config, "norm_topk_prob", False)) != want:
         raise MinifloatError(f"{folder}: norm_topk_prob is {str(not want).lower()}, but llama.cpp's {arch} graph "
                              f"{'renormalizes' if want else 'does not renormalize'} the top-k routing weights, so the "
