@@ -262,30 +262,77 @@ def test_lora_on_a_packed_base_holds_it_packed_and_trains(base, llama, text, tmp
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_base_keep_holds_the_named_layers_of_a_packed_base_in_fp8(llama, text, tmp_path):
+def test_base_keep_and_base_policy_hold_the_named_layers_in_their_formats(llama, text, tmp_path):
     """--base-keep: the named layers packed in E4M3 (the dequantized weight on fp8-weight-only's
-    grid, ml_dtypes' E4M3 the oracle), every other one in NVFP4, the head too."""
+    grid, ml_dtypes' E4M3 the oracle); --base-policy: its layers in its formats (MXFP6: every block
+    of 32 on ml_dtypes' E2M3 grid times a power of two), the keep globs first; every other layer in
+    NVFP4, the head too."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     import numpy as np
 
     from minifloat.finetune.lora import effective_weight
     from minifloat.infer.modules.linear import QuantizedLinear
 
-    c = _cfg(llama, data=text, precision="nvfp4", lora_rank=4, quantize_head=True, base_keep=("*.k_proj", "*.v_proj"))
+    policy = {"model.layers.1.mlp.*": "mxfp6-weight-only", "model.layers.0.self_attn.k_proj": "mxfp4"}
+    c = _cfg(llama, data=text, precision="nvfp4", lora_rank=4, quantize_head=True, base_keep=("*.k_proj", "*.v_proj"),
+             base_policy=policy)  # fmt: skip
     task = PretrainedTask()
     task.prepare(c)
     model = task.build_model(c)
     packed = {n.removesuffix(".base_layer.layer"): m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     kept = {n for n in packed if n.endswith(("k_proj", "v_proj"))}
-    assert len(kept) == 4 and len(packed) == 15  # 7 Linears in each of 2 layers, and the head
+    mlp = {n for n in packed if n.startswith("model.layers.1.mlp.")}
+    assert len(kept) == 4 and len(mlp) == 3 and len(packed) == 15  # 7 Linears in each of 2 layers, and the head
     for name, layer in packed.items():
-        assert layer.config.name == ("fp8-weight-only" if name in kept else "nvfp4-weight-only"), name
+        want = "fp8-weight-only" if name in kept else "mxfp6-weight-only" if name in mlp else "nvfp4-weight-only"
+        assert layer.config.name == want, name
     w = effective_weight(packed["model.layers.0.self_attn.k_proj"]).numpy()
     row_scale = np.abs(w).max(axis=1, keepdims=True) / 448
     on_grid = (w / row_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * row_scale
     np.testing.assert_allclose(on_grid, w, rtol=1e-6, atol=0)
+    blocks = effective_weight(packed["model.layers.1.mlp.down_proj"]).numpy().reshape(-1, 32)
+    top = np.floor(np.log2(np.abs(blocks).max(axis=1, keepdims=True)))  # 2^top ≤ a block's largest value < 2^(top+1)
+    fits = np.zeros(len(blocks), dtype=bool)
+    for e in (2, 3):  # E2M3's largest binade is 2^2: the block scale is 2^(top - 2), or 2^(top - 3) when it rounded up
+        s = np.exp2(top - e)
+        fits |= np.all((blocks / s).astype(ml_dtypes.float6_e2m3fn).astype(np.float32) * s == blocks, axis=1)
+    assert fits.all()  # every block on the grid at one of its two possible scales
     with pytest.raises(minifloat.MinifloatError, match="--base-keep .* needs --lora RANK"):
         _cfg(llama, data=text, precision="bf16", base_keep=("*.k_proj",))
+    with pytest.raises(minifloat.MinifloatError, match="--base bf16 is not packed"):
+        _cfg(llama, data=text, precision="bf16", lora_rank=4, base_policy=policy)
+    with pytest.raises(minifloat.MinifloatError, match="'nvfp3' is not a packed base format"):
+        _cfg(llama, data=text, precision="nvfp4", lora_rank=4, base_policy={"*": "nvfp3"})
+
+
+def test_adapt_chooses_a_base_policy_that_train_reads(llama, text, tmp_path, capsys):
+    """`adapt` writes each budget's assignment as a policy file; `train --lora --base-policy` packs
+    the base by it, and a policy file that is not one is refused with its path."""
+    from minifloat.infer.modules.linear import QuantizedLinear
+
+    assert main(["adapt", str(llama), "--data", text, "--candidates", "mxfp6-weight-only,nvfp4-weight-only", "--budget-bits", "5",
+                 "--calib-batches", "1", "--eval-batches", "1", "--batch-size", "2", "--seq-len", "32", "--no-plots",
+                 "--out", str(tmp_path / "adapt")]) == 0  # fmt: skip
+    capsys.readouterr()
+    policy_file = tmp_path / "adapt" / "policy-auto-5.json"
+    policy = json.loads(policy_file.read_text())
+    assert set(policy.values()) == {"mxfp6-weight-only", "nvfp4-weight-only"}  # 5 bits: some of each
+    argv = ["train", str(llama), "--data", text, "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--eval-every", "0",
+            "--quiet", "--lora", "4", "--base", "nvfp4", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert main([*argv, "--base-policy", str(policy_file)]) == 0
+    capsys.readouterr()
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "ckpt-00000001" / "manifest.json").read_text())
+    c = TrainConfig(**manifest["config"])  # the run's config, as its checkpoint holds it
+    task = PretrainedTask()
+    task.prepare(c)
+    model = task.build_model(c)
+    packed = {n.removesuffix(".base_layer.layer"): m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert {n: m.config.name for n, m in packed.items()} == policy
+    (tmp_path / "bad.json").write_text('["model.layers.0.mlp.up_proj", "mxfp6"]')
+    assert main([*argv, "--overwrite", "--base-policy", str(tmp_path / "bad.json")]) == 2
+    assert f"--base-policy {tmp_path / 'bad.json'}: holds a list, not an object" in capsys.readouterr().err
+    assert main(["memory", str(llama), "--base-policy", str(policy_file)]) == 2  # a plan without a packed LoRA base
+    assert "--base-policy sets the formats of a LoRA run's packed base: add --lora RANK" in capsys.readouterr().err
 
 
 def test_the_command_line_fine_tunes_and_refuses_what_does_not_fit(llama, text, tmp_path, capsys):
@@ -335,11 +382,15 @@ def test_an_sft_model_answers_in_the_templates_format(llama, tmp_path, capsys):
 
 @pytest.mark.parametrize("options", [["--precision", "fp8"], ["--precision", "bf16", "--master", "bf16+remainder"],
                                      ["--lora", "8", "--base", "nvfp4", "--quantize-head"], ["--lora", "4", "--base", "fp8"],
-                                     ["--lora", "4", "--base", "mxfp4", "--base-keep", "*.k_proj,*.v_proj"]])  # fmt: skip
-def test_memory_plans_a_fine_tune_within_ten_percent_of_the_measured_state(options, llama, text, capsys):
+                                     ["--lora", "4", "--base", "mxfp4", "--base-keep", "*.k_proj,*.v_proj"],
+                                     ["--lora", "4", "--base", "nvfp4", "--base-policy", "POLICY"]])  # fmt: skip
+def test_memory_plans_a_fine_tune_within_ten_percent_of_the_measured_state(options, llama, text, tmp_path, capsys):
     """The plan from the shapes alone (meta device; the activations on a fake model) against one
     real training step's state and one real forward's saved tensors, counted by their storages:
     every category within 10 %, the activations among them."""
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"model.layers.1.mlp.*": "mxfp6", "*.k_proj": "fp8-weight-only"}))
+    options = [str(policy) if o == "POLICY" else o for o in options]
     assert main(["memory", str(llama), *options, "--measure", "--batch", "2", "--seq", "32", "--data", text, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     from minifloat.planner.finetune import MEASURED

@@ -121,6 +121,9 @@ def test_run_metrics_from_a_log():
     assert not _diverged(falling)
     assert _diverged(dict(falling, nonfinite_steps=1))  # one NaN step on the way is enough
     assert _diverged(dict(falling, final_val_loss=None))  # no validation loss: not a finished run
+    tuned = {"first_train_loss": 2.73, "final_train_loss": 2.83, "final_val_loss": 3.19, "base_val_loss": 3.40, "nonfinite_steps": 0}
+    assert not _diverged(tuned)  # a fine-tune whose first batch happened to be easy, its validation loss down
+    assert _diverged(dict(tuned, final_val_loss=3.41))  # a fine-tune that made the model worse
 
 
 def test_run_metrics_take_the_worst_telemetry_and_count_the_bad_steps():

@@ -37,7 +37,11 @@ def run(args: argparse.Namespace) -> int:
 
     precisions = parse_precisions(args.precisions)
     # the command line's options; each precision's own @options replace them for its runs
-    base = config_from_args(args, precision=run_fields(precisions[0])["precision"])
+    from minifloat.train.config import PACKED_FORMATS
+
+    packed = [p for p in precisions if run_fields(p)["precision"] in PACKED_FORMATS]
+    lead = packed[0] if packed and args.base_policy else precisions[0]  # --base-policy: what the packed bases hold
+    base = config_from_args(args, precision=run_fields(lead)["precision"])
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite, seeds=args.seeds,
                       peers=peers, peer_python=args.peer_python)  # fmt: skip

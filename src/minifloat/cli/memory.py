@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from minifloat.cli.train import globs_arg
+from minifloat.cli.train import globs_arg, policy_arg
 from minifloat.errors import MinifloatError
+from minifloat.train.config import BASE_FORMATS, PACKED_FORMATS, base_policy_pairs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,11 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --model or MODEL: build the real training state (MODEL: one training step) and compare")
     ft = p.add_argument_group("a fine-tune of MODEL")
     ft.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA adapters of this rank on a frozen base")
-    ft.add_argument("--base", default="bf16", choices=("fp32", "bf16", "fp8", "mxfp8", "nvfp4", "mxfp4"),
-                    help="with --lora: the frozen base's format (packed: fp8 … mxfp4)")
+    ft.add_argument("--base", default="bf16", choices=BASE_FORMATS, help="with --lora: the frozen base's format (packed: fp8 … mxfp4)")
     ft.add_argument("--quantize-head", action="store_true", help="with a packed base: the head (and a tied embedding) packed too")
     ft.add_argument("--adapter-dtype", default="fp32", choices=("fp32", "bf16"), help="the adapters' parameters")
     ft.add_argument("--base-keep", default=None, metavar="GLOBS", help="layers of a packed base held in FP8 (train's --base-keep)")
+    ft.add_argument("--base-policy", default=None, metavar="JSON", help="layers of a packed base in other formats (train's --base-policy)")
     ft.add_argument("--data", default=None, help="with --measure: text for the training step (default: the Python stdlib sources)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
@@ -116,9 +117,13 @@ def _finetune(args: argparse.Namespace) -> int:
     from minifloat.report.table import markdown_table
 
     full = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}[args.precision]
+    if args.base_policy is not None and not (args.lora and args.base in PACKED_FORMATS):
+        raise MinifloatError(f"--base-policy sets the formats of a LoRA run's packed base: add --lora RANK and --base "
+                             f"{' / '.join(PACKED_FORMATS)} (got --lora {args.lora} --base {args.base})")  # fmt: skip
     planned = plan_finetune(args.pretrained, precision=full, lora_rank=args.lora, base=args.base, quantize_head=args.quantize_head,
                             adapter_dtype=args.adapter_dtype, master=args.master, optimizer_states=args.optimizer_states,
-                            batch=args.batch, seq=args.seq, base_keep=globs_arg(args.base_keep))  # fmt: skip
+                            batch=args.batch, seq=args.seq, base_keep=globs_arg(args.base_keep),
+                            base_policy=None if args.base_policy is None else base_policy_pairs(policy_arg(args.base_policy)))  # fmt: skip
     what = f"LoRA rank {args.lora} on a {args.base} base" if args.lora else f"full fine-tune, {full}"
     result: dict = {"model": args.pretrained, "plan": what, "planned": planned}
     if args.measure:
@@ -152,7 +157,8 @@ def _measure(args: argparse.Namespace, precision: str) -> dict:
     c = TrainConfig(pretrained=args.pretrained, precision=args.base if args.lora else precision, lora_rank=args.lora,
                     quantize_head=args.quantize_head, adapter_dtype=args.adapter_dtype, master=args.master,
                     optimizer_states=args.optimizer_states, steps=1, batch_size=args.batch, seq_len=args.seq,
-                    eval_every=0, data=args.data, checkpoint_minutes=0, telemetry_every=0, base_keep=globs_arg(args.base_keep))  # fmt: skip
+                    eval_every=0, data=args.data, checkpoint_minutes=0, telemetry_every=0, base_keep=globs_arg(args.base_keep),
+                    base_policy=policy_arg(args.base_policy))  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         train(c, Path(tmp) / "run", progress=False, task=PretrainedTask())
         state = json.loads((Path(tmp) / "run" / "footprint.json").read_text())["state_bytes"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from minifloat.cli.defaults import keyword_defaults
 from minifloat.errors import MinifloatError
@@ -83,6 +84,9 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
     ft.add_argument("--base-keep", default=None, metavar="GLOBS",
                     help="comma-separated layer names or globs of a packed base held in FP8 (fp8-weight-only) instead, "
                          "e.g. '*.k_proj,*.v_proj'")  # fmt: skip
+    ft.add_argument("--base-policy", default=None, metavar="JSON",
+                    help="a JSON object of layer names or globs → packed formats (first match wins; --base for the rest), "
+                         "e.g. the policy-auto-*.json that `minifloat adapt` writes for a bit budget")  # fmt: skip
     ft.add_argument("--adapter-dtype", default=DEFAULTS["adapter_dtype"], choices=ADAPTER_DTYPES,
                     help="the adapters' parameters")
     ft.add_argument("--lora-init", default=DEFAULTS["lora_init"], choices=LORA_INITS,
@@ -136,6 +140,22 @@ def globs_arg(arg: str | None) -> tuple[str, ...] | None:
     return None if arg is None else tuple(t.strip() for t in arg.split(",") if t.strip())
 
 
+def policy_arg(path: str | None) -> dict | None:
+    """The JSON object in the file `path` (`--base-policy`), checked to be one; None stays None
+    (`TrainConfig` checks its formats)."""
+    if path is None:
+        return None
+    try:
+        policy = jsonio.loads(Path(path).read_text())
+    except OSError as err:
+        raise MinifloatError(f"--base-policy {path}: cannot read it ({err.strerror or err})") from None
+    except ValueError as err:
+        raise MinifloatError(f"--base-policy {path}: not JSON ({err})") from None
+    if not isinstance(policy, dict):
+        raise MinifloatError(f"--base-policy {path}: holds a {type(policy).__name__}, not an object of layer globs → formats")
+    return policy
+
+
 def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
     """The TrainConfig the flags describe (`override` sets fields the command fixes itself)."""
     if getattr(args, "config", None) is not None:
@@ -146,7 +166,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
         pretrained=args.pretrained, sft=args.sft, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        lora_targets=globs_arg(args.lora_targets), base_keep=globs_arg(args.base_keep),
+        lora_targets=globs_arg(args.lora_targets), base_keep=globs_arg(args.base_keep), base_policy=policy_arg(args.base_policy),
         base_method=args.base_method, adapter_dtype=args.adapter_dtype, lora_init=args.lora_init,
     )  # fmt: skip
     precision, base = getattr(args, "precision", None), getattr(args, "base", None)

@@ -5,10 +5,12 @@ A target Linear becomes a `LoRALinear`: ``y = base(x) + (α / r) · B(A(dropout(
 so training starts from the base model's own logits). The base is frozen and held
 
 - as plain weights (``fp32``, or ``bf16``: the whole frozen model in BF16), or
-- **packed** (``fp8``, ``mxfp8``, ``nvfp4``, ``mxfp4``): the PTQ `QuantizedLinear` of the
-  weight-only config of that format, quantized by round to nearest or GPTQ; the other frozen
+- **packed** (``fp8``, ``mxfp8``, ``mxfp6``, ``nvfp4``, ``mxfp4``): the PTQ `QuantizedLinear` of
+  the weight-only config of that format, quantized by round to nearest or GPTQ; the other frozen
   weights (embedding, norms) in BF16, the head too unless it is quantized as well (a tied table
-  then stays one packed table).
+  then stays one packed table). Layers may be packed in other formats than the base's
+  (`base_policy`: ``--base-keep`` globs in FP8, ``--base-policy`` a per-layer assignment such as
+  the one `minifloat adapt` chooses within a bit budget).
 
 A packed layer's forward is its own weight-only GEMM; its backward computes the input gradient
 ``g · W`` from the packed weight, dequantized for that product alone (`PackedMatmul`) — no
@@ -42,10 +44,20 @@ from minifloat.infer.ptq.rotation import HadamardRotation
 from minifloat.io.atomic import atomic_path
 from minifloat.nn.convert import matches
 from minifloat.quant.hadamard import hadamard_matrix
+from minifloat.train.config import PACKED_FORMATS
 
 # the weight-only PTQ config that holds a packed base of each format (`TrainConfig.precision` names it)
-PACKED_BASES = {"fp8": "fp8-weight-only", "mxfp8": "mxfp8-weight-only", "nvfp4": "nvfp4-weight-only",
-                "mxfp4": "mxfp4-weight-only"}  # fmt: skip
+PACKED_BASES = {f: f"{f}-weight-only" for f in PACKED_FORMATS}
+
+
+def base_policy(base: str, keep: Sequence[str] | None = None, policy: Sequence[tuple[str, str]] | None = None) -> dict[str, str]:
+    """The PTQ policy (glob → weight-only config, first match wins) of a packed base in format
+    `base`: the `keep` globs in FP8, then the `policy` pairs (glob, format), then every other layer
+    in `base`."""
+    rules = dict.fromkeys(keep or (), PACKED_BASES["fp8"])
+    for glob, fmt in policy or ():
+        rules.setdefault(glob, PACKED_BASES[fmt])
+    return {**rules, "*": PACKED_BASES[base]}
 ADAPTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

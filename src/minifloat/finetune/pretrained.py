@@ -41,6 +41,8 @@ from minifloat.recipes import RECIPES
 from minifloat.train.config import TrainConfig
 from minifloat.train.task import Task, cross_entropy
 
+CALIBRATION_BATCHES = 8  # training batches a GPTQ'd (or residual-initialized) packed base calibrates on
+
 
 def resolve(path: str | Path) -> Path:
     """The model file or folder `path` names: a fine-tune's output folder stands for its model, a
@@ -231,7 +233,7 @@ class PretrainedTask(Task):
 
             if c.base_method == "gptq" or c.lora_init == "residual":  # calibration windows of the training text
                 g = torch.Generator().manual_seed(20_000 + c.seed)
-                calibration = [self.batch(c, g)["input_ids"] for _ in range(8)]
+                calibration = [self.batch(c, g)["input_ids"] for _ in range(CALIBRATION_BATCHES)]
             if c.lora_init == "residual":  # what the packed base's error is measured against
                 originals = {n: model.get_submodule(n).weight.detach().clone() for n in names}
             # GPTQ's recommended pipeline, its Hadamard rotation kept online in the packed layers (the frozen
@@ -239,8 +241,8 @@ class PretrainedTask(Task):
             # SmolLM2's NVFP4 base with the head 3.476 → 3.458 before training, MXFP4 ≈3.60 → 3.532 (fp32: 3.369)
             config = lora.PACKED_BASES[c.precision]
             method = recommended(config) if c.base_method == "gptq" else "rtn"
-            if c.base_keep:  # first match wins: the kept globs in FP8, every other layer in the base's format
-                config = {**dict.fromkeys(c.base_keep, lora.PACKED_BASES["fp8"]), "*": config}
+            if c.base_keep or c.base_policy:  # first match wins: the kept globs in FP8, the policy's, then the base's format
+                config = lora.base_policy(c.precision, c.base_keep, c.base_policy)
             with torch.no_grad():
                 quantize_model(model, config, method=method, calibration=calibration, quantize_head=c.quantize_head)
         if c.precision != "fp32":

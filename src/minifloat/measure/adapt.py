@@ -61,7 +61,8 @@ def run_adapt(
     few_eval_batches: bool = False,
 ) -> dict:
     """Sensitivity, then (with `budgets`) automatic precision against the uniform candidates and
-    the rules of thumb; writes ``metrics.json`` and ``report.md`` (+ plots) under `out`.
+    the rules of thumb; writes ``metrics.json``, ``report.md`` (+ plots) and each budget's assignment
+    (``policy-auto-<bits>.json``: layer → config, as `train --base-policy` reads it) under `out`.
     `measure="close"` measures the KL of only the layers whose choice is close at each budget (the
     `most` nearest the margin, 12 by default); ``"auto"`` (the default) does so where the model has
     more than `MEASURE_ALL_UP_TO` quantizable layers (`AUTO_MEASURE_MOST` of them unless `most` is
@@ -118,8 +119,11 @@ def run_adapt(
                                 "assignment": r.assignment, "solver": r.solver, "optimality_gap": r.optimality_gap,
                                 **_q(r.metrics)})  # fmt: skip
         gap = "" if r.solver == "exact" else f" (Lagrangian: at most {r.optimality_gap:.2e} summed KL above the optimum)"
+        policy = out / f"policy-auto-{b:g}.json"  # the assignment as a policy: `train --lora --base-policy` reads it
+        with atomic_path(policy) as t:
+            t.write_text(jsonio.dumps(r.assignment, indent=1))
         echo(f"  auto ≤ {b:g} bits: {r.average_bits:.2f} bits, Δppl {r.metrics['delta_ppl_pct']:+.2f} %, "
-             f"KL {r.metrics['kl']:.2e}{gap}")  # fmt: skip
+             f"KL {r.metrics['kl']:.2e}{gap} → {policy}")  # fmt: skip
     for c in candidates:
         m = evaluate_policy(model, {n: c for n in s.layers}, val, calib=train, sens=s)
         metrics["uniform"].append({"name": c, "average_bits": average_bits({n: c for n in s.layers}, s), **_q(m)})

@@ -19,7 +19,8 @@ a diverged run's loss written as the string ``"nan"`` / ``"inf"``, see `minifloa
   ``master_weight_bytes`` the master copy (FP32: 4 bytes a parameter; ``bf16-sr`` 2,
   ``bf16+remainder`` 2 + 2);
 - ``peak_rss_bytes``: the child process's peak resident memory;
-- ``status``: ``ok``, ``diverged`` (a non-finite loss, or a final loss above the first step's)
+- ``status``: ``ok``, ``diverged`` (a non-finite loss, or a final loss above the first step's; a
+  fine-tune: a final validation loss above the base model's)
   or ``failed`` (the process exited with an error, whose last lines are in ``error``).
 
 A precision may name training options after ``@``: ``fp8@states=fp8-dre@master=bf16-sr`` trains
@@ -68,7 +69,7 @@ from minifloat.quant.api import quantize
 from minifloat.recipes import RECIPES
 from minifloat.report import require_matplotlib
 from minifloat.report.comparison import write_report
-from minifloat.train.config import PRECISIONS, TrainConfig
+from minifloat.train.config import PACKED_FORMATS, PRECISIONS, TrainConfig
 from minifloat.train.loop import build_model
 from minifloat.train.runlog import clear_previous, read_log
 
@@ -101,6 +102,8 @@ def run_fields(label: str, base: TrainConfig | None = None) -> dict:
         if field in _INT_FIELDS and not value.isdigit():
             raise MinifloatError(f"{label!r}: {key}= takes a whole number of blocks, got {value!r}")
         fields[field] = int(value) if field in _INT_FIELDS else value
+    if base is not None and base.base_policy and name not in PACKED_FORMATS:  # a LoRA base's policy: the packed bases'
+        fields["base_policy"] = None
     return fields
 
 
@@ -193,6 +196,9 @@ def _diverged(m: dict) -> bool:
     values = [m.get("final_train_loss"), m.get("final_val_loss")]
     if any(v is None or not math.isfinite(v) for v in values) or m.get("nonfinite_steps", 0) > 0:
         return True
+    base = m.get("base_val_loss")
+    if base is not None and math.isfinite(base):  # a fine-tune: worse than the model it started from (its first
+        return m["final_val_loss"] > base  # batch's loss may sit below later batches' by the text alone)
     return m["final_train_loss"] > m["first_train_loss"]
 
 

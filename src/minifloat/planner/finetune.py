@@ -32,9 +32,10 @@ import torch
 from minifloat import checkpoint
 from minifloat.errors import MinifloatError
 from minifloat.finetune.lora import PACKED_BASES
+from minifloat.finetune.lora import base_policy as base_policy_rules
 from minifloat.finetune.pretrained import decoder_layers
 from minifloat.infer.ptq.config import get_quant_config
-from minifloat.nn.convert import matches
+from minifloat.nn.convert import matches, rule_for
 from minifloat.quant.api import quantize
 
 MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1 + 4 / 128, "fp8-dre": 1 + 8 / 128}  # per weight, each moment
@@ -68,12 +69,13 @@ def _packed_bytes(shape: tuple[int, int], config: str, cache: dict) -> int:
 def plan_finetune(path: str | Path, *, precision: str = "bf16", lora_rank: int = 0, base: str = "bf16", quantize_head: bool = False,
                   lora_targets: tuple[str, ...] | None = None, adapter_dtype: str = "fp32", master: str = "fp32",
                   optimizer_states: str = "fp32", batch: int | None = None, seq: int | None = None,
-                  base_keep: tuple[str, ...] | None = None) -> dict[str, int]:  # fmt: skip
+                  base_keep: tuple[str, ...] | None = None, base_policy=None) -> dict[str, int]:  # fmt: skip
     """The planned bytes of each category (module docstring) and their ``total``; activations only
-    with `batch` and `seq`; `base_keep`: layers of a packed base held in FP8 (``--base-keep``)."""
+    with `batch` and `seq`; `base_keep`: layers of a packed base held in FP8 (``--base-keep``),
+    `base_policy`: (glob, format) pairs for others (``--base-policy``)."""
     plan = _state_plan(path, precision=precision, lora_rank=lora_rank, base=base, quantize_head=quantize_head,
                        lora_targets=lora_targets, adapter_dtype=adapter_dtype, master=master, optimizer_states=optimizer_states,
-                       base_keep=base_keep)  # fmt: skip
+                       base_keep=base_keep, base_policy=base_policy)  # fmt: skip
     if batch is not None and seq is not None:
         plan["activations"] = plan_activations(path, precision=precision, lora_rank=lora_rank, base=base, quantize_head=quantize_head,
                                                lora_targets=lora_targets, adapter_dtype=adapter_dtype, master=master,
@@ -83,7 +85,7 @@ def plan_finetune(path: str | Path, *, precision: str = "bf16", lora_rank: int =
 
 
 def _state_plan(path, *, precision, lora_rank, base, quantize_head, lora_targets, adapter_dtype, master, optimizer_states,
-                base_keep=None) -> dict[str, int]:  # fmt: skip
+                base_keep=None, base_policy=None) -> dict[str, int]:  # fmt: skip
     model = meta_model(path)
     prefix, _ = decoder_layers(model)
     params = {id(p): p for p in model.parameters()}  # a tied weight once
@@ -99,10 +101,11 @@ def _state_plan(path, *, precision, lora_rank, base, quantize_head, lora_targets
         rest_width = 4 if base == "fp32" else 2
         packed, cache, frozen = set(), {}, 0
         if base in PACKED_BASES:
+            policy = base_policy_rules(base, base_keep, base_policy)
             for name, m in linears.items():
                 if m is head and not quantize_head or min(m.in_features, m.out_features) < 16:
                     continue
-                config = PACKED_BASES["fp8"] if base_keep and matches(name, base_keep) else PACKED_BASES[base]
+                config = rule_for(name, policy)[1]
                 frozen += _packed_bytes(tuple(m.weight.shape), config, cache)
                 packed.add(id(m.weight))
         frozen += sum(p.numel() * rest_width for p in params.values() if id(p) not in packed)

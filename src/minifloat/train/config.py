@@ -18,12 +18,36 @@ from minifloat.recipes import RECIPES
 PRECISIONS = HIGH_PRECISIONS + tuple(RECIPES)
 # What the frozen base of a LoRA run is held in (`precision` names it): the high precisions as
 # plain weights, the others packed (weight-only, `minifloat.finetune.lora`)
-BASE_FORMATS = ("fp32", "bf16", "fp8", "mxfp8", "nvfp4", "mxfp4")
+BASE_FORMATS = ("fp32", "bf16", "fp8", "mxfp8", "mxfp6", "nvfp4", "mxfp4")
+PACKED_FORMATS = BASE_FORMATS[2:]  # a LoRA base held packed, weight-only (the PTQ configs `<format>-weight-only`)
 BASE_METHODS = ("rtn", "gptq")
 # How LoRA adapters start: PEFT's (B = 0: the run starts from the frozen base), or the calibrated
 # best rank-r correction of a packed base's quantization error (`minifloat.finetune.residual_init`)
 LORA_INITS = ("zero", "residual")
 ADAPTER_DTYPES = ("fp32", "bf16")
+
+
+def base_policy_pairs(policy) -> tuple[tuple[str, str], ...]:
+    """A LoRA base's policy (a mapping, or pairs as JSON gives them back) as (glob, format) pairs in
+    order; a format is one of `PACKED_FORMATS` or its PTQ config ``<format>-weight-only`` (as
+    `minifloat adapt` names them), given back as the format."""
+    items = list(policy.items()) if isinstance(policy, dict) else list(policy) if isinstance(policy, list | tuple) else [policy]
+    pairs = []
+    for item in items:
+        if not (isinstance(item, list | tuple) and len(item) == 2 and all(isinstance(v, str) for v in item)):
+            raise MinifloatError(f"--base-policy maps layer names or globs to formats, e.g. "
+                                 f'{{"model.layers.11.mlp.*": "mxfp6"}}; got the entry {item!r}')  # fmt: skip
+        glob, fmt = item
+        name = fmt.removesuffix("-weight-only")
+        if name not in PACKED_FORMATS:
+            raise MinifloatError(f"--base-policy: {glob!r} → {fmt!r} is not a packed base format; use one of "
+                                 f"{', '.join(PACKED_FORMATS)} (or its `-weight-only` config)")  # fmt: skip
+        pairs.append((glob, name))
+    if not pairs:
+        raise MinifloatError("--base-policy: the policy names no layer")
+    return tuple(pairs)
+
+
 DEFAULT_LRS = {"gpt": 1e-3, "full": 3e-5, "lora": 2e-4}  # the peak learning rate when --lr is not given
 
 
@@ -71,6 +95,9 @@ class TrainConfig:
     lora_targets: tuple[str, ...] | None = None  # module-name globs; None: every Linear of the decoder layers
     base_method: str = "rtn"  # how a packed base is quantized: rtn, gptq
     base_keep: tuple[str, ...] | None = None  # layer globs of a packed FP4 / MXFP8 base held in FP8 (fp8-weight-only) instead
+    # (layer name or glob, packed format) pairs, first match wins (after `base_keep`): the base's
+    # layers in other formats than `precision`, e.g. the assignment `minifloat adapt` chose
+    base_policy: tuple[tuple[str, str], ...] | None = None
     adapter_dtype: str = "fp32"  # the adapters' parameters: fp32, bf16
     lora_init: str = "zero"  # LORA_INITS
     merge: bool = False  # a LoRA run also writes the merged model (out/merged)
@@ -80,6 +107,8 @@ class TrainConfig:
             globs = getattr(self, name)
             if isinstance(globs, list | str):
                 object.__setattr__(self, name, tuple([globs] if isinstance(globs, str) else globs))
+        if self.base_policy is not None:
+            object.__setattr__(self, "base_policy", base_policy_pairs(self.base_policy))
         self._check_finetune()
         if self.lr is None:
             object.__setattr__(self, "lr", DEFAULT_LRS["lora" if self.lora_rank else "full" if self.pretrained else "gpt"])
@@ -120,11 +149,16 @@ class TrainConfig:
         if not self.lora_rank:
             if self.base_keep:
                 raise MinifloatError("--base-keep holds layers of a LoRA run's packed base in FP8: it needs --lora RANK")
+            if self.base_policy:
+                raise MinifloatError("--base-policy sets the formats of a LoRA run's packed base: it needs --lora RANK")
             if self.merge:
                 raise MinifloatError("--merge folds LoRA adapters into the base: it needs --lora RANK")
             return
         if self.precision not in BASE_FORMATS:
             raise MinifloatError(f"--base {self.precision!r}: a LoRA run holds its frozen base in one of {', '.join(BASE_FORMATS)}")
+        if self.base_policy and self.precision not in PACKED_FORMATS:
+            raise MinifloatError(f"--base-policy sets the formats of a packed base's layers; --base {self.precision} is not "
+                                 f"packed: pass --base {' / '.join(PACKED_FORMATS)} (the format of the layers it does not name)")  # fmt: skip
         if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise MinifloatError(f"--lora-alpha must be a number > 0, got {self.lora_alpha}")
         if not 0 <= self.lora_dropout < 1:
