@@ -97,6 +97,10 @@ def moe_config(family: str, vocab: int):
     if family == "qwen3moe":
         return transformers.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=64, num_experts=EXPERTS,
                                            decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    if family == "qwen2moe":  # a shared expert (its own width, a sigmoid gate), a dense layer of another width
+        return transformers.Qwen2MoeConfig(**common, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                           intermediate_size=80, num_experts=EXPERTS, decoder_sparse_step=1,
+                                           mlp_only_layers=[1], norm_topk_prob=False)  # fmt: skip
     if family == "gptoss":  # experts with biases, gate and up interleaved, a router with a bias
         return transformers.GptOssConfig(**common, head_dim=16, intermediate_size=64, num_local_experts=EXPERTS,
                                          layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)  # fmt: skip

@@ -420,12 +420,13 @@ def test_gemma3_runs_fused_with_its_sandwich_norms_geglu_and_two_rotary_tables(c
     assert "two rotary embeddings" in unsupported(model, KVSpec.parse("nvfp4+bf16@channel@pre-rope"))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3moe", "gptoss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe", "qwen2moe", "gptoss"])
 @pytest.mark.parametrize("experts", ["fused", "linears", "nvfp4-weight-only"])
 def test_mixtures_of_experts_run_fused(family, experts):
-    """Mixtral (weights renormalized over the top 2), Qwen3-MoE (not renormalized) and GPT-OSS (the
-    top 2 logits' softmax, a router bias, one gate-up product with a clamped SwiGLU, biases, attention
-    sinks, sliding and full layers), their experts as transformers' fused 3-D parameters, as
+    """Mixtral (weights renormalized over the top 2), Qwen3-MoE (not renormalized), Qwen2-MoE (a
+    sigmoid-gated shared expert of its own width, a dense layer of a third width, q/k/v biases) and
+    GPT-OSS (the top 2 logits' softmax, a router bias, one gate-up product with a clamped SwiGLU,
+    biases, attention sinks, sliding and full layers), their experts as transformers' fused 3-D parameters, as
     minifloat's per-expert Linears, or packed: every row's logits are transformers' forward's (40
     tokens: rows choose different experts), the greedy tokens eager's."""
     from minifloat.models.experts import unfuse_experts
@@ -435,7 +436,7 @@ def test_mixtures_of_experts_run_fused(family, experts):
     model = transformers.AutoModelForCausalLM.from_config(moe_config(family, VOCAB)).eval()
     with torch.no_grad():  # GPT-OSS's biases and sinks too: a missed one shows
         for p in model.parameters():
-            if p.dim() >= 2 or family == "gptoss":
+            if p.dim() >= 2 or family in ("gptoss", "qwen2moe"):
                 p.normal_(0, 0.08 if p.dim() >= 2 else 0.3)
     if experts == "fused" and family == "gptoss":  # held transposed and interleaved: load_model unfuses them
         assert "load the model with minifloat.load_model" in unsupported(model)

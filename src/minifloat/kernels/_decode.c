@@ -80,6 +80,9 @@ typedef struct {
     int64_t moe_kind;      /* MOE_*: how the router weighs the experts and what an expert computes */
     float swiglu_alpha, swiglu_limit; /* MOE_GPT_OSS's clamped SwiGLU */
     const float *sinks;    /* per query head, a learned logit in every row's softmax (GPT-OSS), or NULL */
+    /* Qwen2-MoE's shared expert, when its product is not LIN_ABSENT: one output per row, whose
+     * sigmoid weighs the dense SiLU-gated MLP in the layer's gate, up and down slots */
+    mf_lin_t shared_gate;
 } mf_layer_t;
 
 /* MOE_SOFTMAX_TOPK (Mixtral, Qwen-MoE): the softmax of the router's logits, the top_k of it,
@@ -386,18 +389,20 @@ static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_
  * to sum 1 with norm_topk; then, expert by expert in ascending order (transformers' loop over
  * experts), out[row] += weight · down(silu(gate(h)) · up(h)) for the rows that chose it — those
  * rows multiplied together, each summed as it would be alone. GPT-OSS's router and experts as
- * MOE_GPT_OSS says. Returns 0, -1 out of memory. */
+ * MOE_GPT_OSS says; a shared expert (Qwen2-MoE) added last. Returns 0, -1 out of memory. */
 static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t M, float *out) {
     const int64_t E = L->n_expert, K = L->top_k, H = m->hidden;
     const int64_t I = L->moe_kind == MOE_GPT_OSS ? L->experts[0].N / 2 : L->experts[0].N; /* one gate-up product: 2I rows */
-    float *buf = malloc((size_t)(M * E + M * K + 2 * M * H + 3 * M * I) * sizeof(float));
+    const int shared = L->shared_gate.kind != LIN_ABSENT;
+    const int64_t wide = shared && L->up.N > I ? L->up.N : I; /* the shared expert's width may differ */
+    float *buf = malloc((size_t)(M * E + M * K + 2 * M * H + 3 * M * wide + M) * sizeof(float));
     int64_t *pick = malloc((size_t)(M * K + M) * sizeof(int64_t));
     if (!buf || !pick) {
         free(buf);
         free(pick);
         return -1;
     }
-    float *p = buf, *w = p + M * E, *xs = w + M * K, *ys = xs + M * H, *g = ys + M * H, *u = g + M * I;
+    float *p = buf, *w = p + M * E, *xs = w + M * K, *ys = xs + M * H, *g = ys + M * H, *u = g + M * wide, *sg = u + 2 * M * wide;
     int64_t *rows = pick + M * K;
     int rc = linear(m, &L->router, h, M, p);
     const int oss = L->moe_kind == MOE_GPT_OSS;
@@ -464,6 +469,16 @@ static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t
             float *o = out + (rows[i] / K) * H;
             const float wt = w[rows[i]];
             for (int64_t c = 0; c < H; c++) o[c] = o[c] + ys[i * H + c] * wt;
+        }
+    }
+    if (shared && rc == 0) { /* out += sigmoid(shared_gate(h)) · down(silu(gate(h)) · up(h)), as Qwen2-MoE adds it */
+        const int64_t S = L->up.N;
+        if (linear(m, &L->gate, h, M, g) || linear(m, &L->up, h, M, u) || linear(m, &L->shared_gate, h, M, sg)) rc = -1;
+        for (int64_t i = 0; i < M * S && rc == 0; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        if (rc == 0 && linear(m, &L->down, g, M, ys)) rc = -1;
+        for (int64_t r = 0; r < M && rc == 0; r++) {
+            const float s = 1.0f / (1.0f + expf(-sg[r]));
+            for (int64_t c = 0; c < H; c++) out[r * H + c] = out[r * H + c] + s * ys[r * H + c];
         }
     }
     free(buf);
@@ -1177,7 +1192,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             break;
         }
         lap(m, &t0, T_GEMV);
-        const int64_t I = m->inter;
+        const int64_t I = m->gate_up ? L->up.N / 2 : L->up.N; /* this layer's width (a MoE model's dense layers may differ) */
         if (m->gate_up) /* one product [gate | up] per row: silu(gate) · up, into g */
             for (int64_t r = 0; r < M; r++)
                 for (int64_t i = 0; i < I; i++) {

@@ -1,8 +1,8 @@
 """A decode step without per-op overhead: a Llama-shaped transformers model (Llama, Mistral,
 Qwen2, Qwen3; Phi-3 with its one qkv and one gate-up product, and LongRoPE's short or long tables
 chosen per call as transformers chooses them; Gemma 2 and 3 with their (1 + w)
-norms around each sublayer and GeGLU, Gemma 2's capped scores and logits, Gemma 3's two rotary tables; Mixtral, Qwen3-MoE and GPT-OSS with their
-routers and experts, GPT-OSS's attention sinks), GPT-2 (its Conv1D layers held as
+norms around each sublayer and GeGLU, Gemma 2's capped scores and logits, Gemma 3's two rotary tables; Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS with
+their routers and experts, Qwen2-MoE's shared expert, GPT-OSS's attention sinks), GPT-2 (its Conv1D layers held as
 Linears, as `minifloat.load_model` holds them), OPT (the built-in GPT's export) or the built-in GPT
 run by one C call per step (``mf_decode`` in kernels/_decode.c) over its own
 weights — float32 Linears read as they are, weight-only packed ones by the decode kernels with
@@ -59,7 +59,7 @@ from minifloat.models.gpt import GPT
 from minifloat.quant.hadamard import hadamard_signs
 
 # model types whose decoder layer mf_decode computes
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 _MOE_SOFTMAX_TOPK, _MOE_GPT_OSS = 0, 1  # MOE_* of _decode.c
 FUSED_PROJECTIONS = {"phi3": ("qkv_proj", "gate_up_proj")}  # one product for q, k, v ([q | k | v]) and for gate, up
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3, "mxfp4": 4}  # KV_* of _decode.c: the formats it keeps
@@ -96,7 +96,7 @@ class Layer(ctypes.Structure):
                                     "attn_out_norm", "mlp_out_norm")),
                 ("window", _L), ("rope2", _L), ("router", Linear), ("experts", _P),
                 ("n_expert", _L), ("top_k", _L), ("norm_topk", _L), ("moe_kind", _L), ("swiglu_alpha", _F),
-                ("swiglu_limit", _F), ("sinks", _P)]  # fmt: skip
+                ("swiglu_limit", _F), ("sinks", _P), ("shared_gate", Linear)]  # fmt: skip
 
 
 class KV(ctypes.Structure):
@@ -308,6 +308,29 @@ def _moe_problem(name: str, mlp, act: str) -> str | None:
         act_fn = experts[0].act
     if ACT_MODULES.get(type(act_fn).__name__) != "silu" or act != "silu":
         return f"{name}'s experts' activation is a {type(act_fn).__name__} (the fused step computes SiLU experts)"
+    return _shared_expert_problem(name, mlp)
+
+
+def _shared_expert(mlp):
+    """Qwen2-MoE's shared expert (a SiLU-gated MLP) and its one-output gate, or None."""
+    shared, gate = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
+    return None if shared is None and gate is None else (shared, gate)
+
+
+def _shared_expert_problem(name: str, mlp) -> str | None:
+    """Why the fused step cannot add `mlp`'s shared expert (None: it can, or there is none)."""
+    if (pair := _shared_expert(mlp)) is None:
+        return None
+    shared, gate = pair
+    if shared is None or gate is None or getattr(gate, "out_features", None) != 1 or getattr(gate, "bias", None) is not None:
+        return f"{name}'s shared expert is not a gated MLP with a one-output gate without bias (Qwen2-MoE's)"
+    if ACT_MODULES.get(type(getattr(shared, "act_fn", None)).__name__) != "silu":
+        return f"{name}.shared_expert's activation is a {type(getattr(shared, 'act_fn', None)).__name__} (the fused step computes SiLU)"
+    for n, lin in (("gate_proj", getattr(shared, "gate_proj", None)), ("up_proj", getattr(shared, "up_proj", None)),
+                   ("down_proj", getattr(shared, "down_proj", None)), ("", gate)):  # fmt: skip
+        what = f"{name}.shared_expert.{n}" if n else f"{name}.shared_expert_gate"
+        if (why := _linear_problem(what, lin)) is not None:
+            return why
     return None
 
 
@@ -503,6 +526,10 @@ class FusedDecoder:
                 setattr(layers[i], slot, self._linear(mods[slot][1]) if here else Linear(kind=_ABSENT))
             if moe:
                 self._experts(layers[i], m, text)
+                if (pair := _shared_expert(m)) is not None:  # in the gate, up and down slots the experts leave empty
+                    shared, gate = pair
+                    layers[i].gate, layers[i].up, layers[i].down = (self._linear(x) for x in (shared.gate_proj, shared.up_proj, shared.down_proj))
+                    layers[i].shared_gate = self._linear(gate)
             layers[i].attn_norm = norm(layer.input_layernorm)
             layers[i].q_norm, layers[i].k_norm = norm(getattr(a, "q_norm", None)), norm(getattr(a, "k_norm", None))
             if sandwich:
