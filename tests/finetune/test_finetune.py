@@ -305,6 +305,17 @@ def test_base_keep_and_base_policy_hold_the_named_layers_in_their_formats(llama,
         _cfg(llama, data=text, precision="nvfp4", lora_rank=4, base_policy={"*": "nvfp3"})
 
 
+def test_a_base_policy_is_read_first_match_wins():
+    """The keep globs first, then the policy in its order, the base's format last — a policy's own
+    catch-all rule included (the base does not replace it)."""
+    from minifloat.finetune.lora import base_policy
+
+    assert list(base_policy("nvfp4", ("*.k_proj",), (("*.k_proj", "mxfp4"), ("*", "mxfp6"))).items()) == [
+        ("*.k_proj", "fp8-weight-only"), ("*", "mxfp6-weight-only")]  # fmt: skip
+    assert list(base_policy("mxfp4", None, (("lm_head", "mxfp6"),)).items()) == [
+        ("lm_head", "mxfp6-weight-only"), ("*", "mxfp4-weight-only")]  # fmt: skip
+
+
 def test_adapt_chooses_a_base_policy_that_train_reads(llama, text, tmp_path, capsys):
     """`adapt` writes each budget's assignment as a policy file; `train --lora --base-policy` packs
     the base by it, and a policy file that is not one is refused with its path."""

@@ -48,6 +48,7 @@ from minifloat.train.config import PACKED_FORMATS
 
 # the weight-only PTQ config that holds a packed base of each format (`TrainConfig.precision` names it)
 PACKED_BASES = {f: f"{f}-weight-only" for f in PACKED_FORMATS}
+ADAPTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def base_policy(base: str, keep: Sequence[str] | None = None, policy: Sequence[tuple[str, str]] | None = None) -> dict[str, str]:
@@ -55,10 +56,9 @@ def base_policy(base: str, keep: Sequence[str] | None = None, policy: Sequence[t
     `base`: the `keep` globs in FP8, then the `policy` pairs (glob, format), then every other layer
     in `base`."""
     rules = dict.fromkeys(keep or (), PACKED_BASES["fp8"])
-    for glob, fmt in policy or ():
+    for glob, fmt in [*(policy or ()), ("*", base)]:  # a glob already given keeps its first rule
         rules.setdefault(glob, PACKED_BASES[fmt])
-    return {**rules, "*": PACKED_BASES[base]}
-ADAPTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return rules
 
 
 def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
