@@ -32,9 +32,12 @@ import torch
 
 from minifloat.errors import MinifloatError
 from minifloat.formats.codec import decode, encode_with_bits
-from minifloat.quant import BlockScales, QuantizedTensor, quantize_with_scales
+from minifloat.formats.packing import pack
+from minifloat.quant import BlockScales, QuantizedTensor
 from minifloat.scaling.layout import layout_for
 from minifloat.scaling.schemes import Scheme, get_scheme
+
+ROWS_AT_ONCE = 4096  # weight rows rounded together (rounded down to whole scale blocks): bounds GPTQ's working memory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,10 +56,30 @@ class GPTQConfig:
             raise MinifloatError(f"GPTQ block_size is a number of columns ≥ 1 (default 128); got {self.block_size!r}")
 
 
-def _per_element(grid: torch.Tensor, n: int, k: int, scheme: Scheme) -> torch.Tensor:
-    """A per-block tensor (the scale grid) spread over the (n, k) elements its blocks cover."""
-    lay = layout_for((n, k), scheme)
+def _spread(grid: torch.Tensor, n: int, k: int, lay) -> torch.Tensor:
+    """Rows of a per-block tensor (the scale grid, from a block boundary) spread over the (n, k)
+    elements their blocks cover."""
     return grid.repeat_interleave(lay.block_rows, 0).repeat_interleave(lay.block_cols, 1)[:n, :k]
+
+
+def _round_rows(w: torch.Tensor, enc: torch.Tensor, dec: torch.Tensor, u: torch.Tensor, fmt, block_size: int) -> torch.Tensor:
+    """The codes of rows `w` (columns in GPTQ's order, `w` overwritten), `enc` / `dec` their
+    per-element scales in that order, `u` the upper Cholesky factor of ``H⁻¹`` in that order."""
+    n, k = w.shape
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
+        errors = torch.zeros(n, i2 - i1)
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            c = encode_with_bits(col * enc[:, i1 + i], fmt, saturate=True, canonical_nan=True)
+            codes[:, i1 + i] = c
+            err = (col - decode(c, fmt) * dec[:, i1 + i]) / u1[i, i]
+            w1[:, i:] -= err[:, None] * u1[i, i:][None, :]
+            errors[:, i] = err
+        w[:, i2:] -= errors @ u[i1:i2, i2:]
+    return codes
 
 
 def _inverse_factor(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
@@ -81,7 +104,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: str | Scheme, scal
     n, k = weight.shape
     if tuple(hessian.shape) != (k, k):
         raise MinifloatError(f"GPTQ: the Hessian of {name} is {tuple(hessian.shape)}, its weight takes {k} inputs")
-    w = weight.detach().float().clone()
+    w = weight.detach().float()  # read only: each chunk of rows is a reordered copy
     if not torch.isfinite(w).all():
         raise MinifloatError(f"GPTQ: the weight of {name} holds a NaN or inf; GPTQ spreads errors over the row, "
                              f"so it needs finite weights (keep the layer in high precision, or use method='rtn')")  # fmt: skip
@@ -89,29 +112,23 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: str | Scheme, scal
     if not torch.isfinite(h).all():
         raise MinifloatError(f"GPTQ: the Hessian of {name} holds a NaN or inf; check the calibration inputs")
     fmt = scheme.element_format
-    enc = _per_element(scales.encode.float(), n, k, scheme)
-    dec = _per_element(scales.decode(scheme).float(), n, k, scheme)
     diag = torch.diagonal(h)
     dead = diag == 0  # an input always zero: nothing to weigh its error by
     h[dead, dead] = 1.0
     order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if config.act_order else torch.arange(k)
-    w, enc, dec, h = w[:, order], enc[:, order], dec[:, order], h[order][:, order]
-    u = _inverse_factor(h, float(config.damp), name).float()
-    codes = torch.empty(n, k, dtype=torch.uint8)
-    for i1 in range(0, k, config.block_size):
-        i2 = min(i1 + config.block_size, k)
-        w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
-        errors = torch.zeros(n, i2 - i1)
-        for i in range(i2 - i1):
-            col = w1[:, i]
-            c = encode_with_bits(col * enc[:, i1 + i], fmt, saturate=True, canonical_nan=True)
-            codes[:, i1 + i] = c
-            err = (col - decode(c, fmt) * dec[:, i1 + i]) / u1[i, i]
-            w1[:, i:] -= err[:, None] * u1[i, i:][None, :]
-            errors[:, i] = err
-        w[:, i2:] -= errors @ u[i1:i2, i2:]
-    codes = codes[:, torch.argsort(order)]
-    values = decode(codes, fmt)  # on the element grid: re-encoded with multiplier 1 they give these codes
-    ones = torch.ones_like(scales.encode, dtype=torch.float32)
-    q = quantize_with_scales(values, scheme, BlockScales(ones, scales.scale, scales.tensor_scale))
-    return QuantizedTensor(q.data, q.scale, q.tensor_scale, weight.shape, scheme, weight.dtype)
+    u = _inverse_factor(h[order][:, order], float(config.damp), name).float()
+    # rows are independent (each row's errors go to its own later columns): round them in chunks of
+    # whole scale blocks, so the working copies hold ROWS_AT_ONCE rows, not the whole weight (an LM head)
+    lay = layout_for((n, k), scheme)
+    step = max(1, ROWS_AT_ONCE // lay.block_rows) * lay.block_rows
+    enc_grid, dec_grid = scales.encode.float(), scales.decode(scheme).float()
+    codes = torch.zeros(lay.rows_pad, lay.cols_pad, dtype=torch.uint8)  # the layout's padding: code 0, +0
+    back = torch.argsort(order)
+    for r in range(0, n, step):
+        rows = min(step, n - r)
+        grid = slice(r // lay.block_rows, -(-(r + rows) // lay.block_rows))
+        enc = _spread(enc_grid[grid], rows, k, lay)[:, order]
+        dec = _spread(dec_grid[grid], rows, k, lay)[:, order]
+        codes[r : r + rows, :k] = _round_rows(w[r : r + rows, order], enc, dec, u, fmt, config.block_size)[:, back]
+    data = pack(codes, fmt).view(lay.rows_pad, lay.cols_pad * fmt.bits // 8)  # as `quantize` packs its codes
+    return QuantizedTensor(data, scales.scale, scales.tensor_scale, weight.shape, scheme, weight.dtype)

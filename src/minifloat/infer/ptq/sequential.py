@@ -119,9 +119,12 @@ def _run(block: torch.nn.Module, inputs: list[Inputs], hooks: Callable[[], list]
     return outs
 
 
-def find_groups(block: torch.nn.Module, inp: Inputs, targets: Mapping[torch.nn.Module, str]) -> list[Group]:
+def find_groups(block: torch.nn.Module, inp: Inputs, targets: Mapping[torch.nn.Module, str],
+                opaque: Iterable[torch.nn.Module] = ()) -> list[Group]:  # fmt: skip
     """The groups of `block`'s Linears among `targets` (module → name), from one run on `inp`. A
-    group's producer is kept only when no module outside the group (and its parents) reads it."""
+    group's producer is kept only when no module outside the group (and its parents) reads it.
+    The modules inside `opaque` ones (which hold no target) are not watched: the run keeps every
+    tensor it watches, so a whole model's run watches its decoder layers as wholes."""
     inputs: dict[int, Group] = {}
     keep = []  # the tensors seen, so that no id is reused during the run
     produced: dict[int, torch.nn.Module] = {}
@@ -148,7 +151,8 @@ def find_groups(block: torch.nn.Module, inp: Inputs, targets: Mapping[torch.nn.M
             produced[id(out)] = module
 
     def hooks():
-        mods = [m for m in block.modules() if m is not block]
+        hidden = {id(m) for o in opaque for m in o.modules() if m is not o}
+        mods = [m for m in block.modules() if m is not block and id(m) not in hidden]
         return [m.register_forward_pre_hook(pre) for m in mods] + [m.register_forward_hook(post) for m in mods]
 
     _run(block, [inp], hooks)
@@ -224,7 +228,9 @@ def run_sequential(model: torch.nn.Module, batches: Iterable, targets: Mapping[s
         rest = {m: n for n, m in todo.items()}
         if rest:  # outside the blocks (or a model without blocks): the whole model is the block
             whole = [_as_inputs(model, b) for b in batches]
-            for group in find_groups(model, whole[0], rest):
+            held = set() if blocks is None else {id(m) for m in blocks.modules()}
+            opaque = () if blocks is None or any(id(m) in held for m in rest) else blocks
+            for group in find_groups(model, whole[0], rest, opaque):
                 _quantize_group(model, whole, group, kinds, before, prepare, quantize, swap, todo)
     return set(todo)
 
