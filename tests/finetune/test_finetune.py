@@ -184,10 +184,14 @@ def test_a_fine_tune_resumes_bit_identically(kind, llama, text, tmp_path):
         assert wa and all(".lora_A." in k or ".lora_B." in k for k in wa)
 
 
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotation", [None, 16])
-def test_the_packed_base_passes_the_input_gradient_of_its_dequantized_weight(rotation):
+def test_the_packed_base_passes_the_input_gradient_of_its_dequantized_weight(rotation, compute):
     """The input gradient of a packed layer (behind a Hadamard rotation T or not) is float64
-    autograd's through ``x ↦ (x T) Q_Tᵀ``; the merged weight is ``Q_T Tᵀ``."""
+    autograd's through ``x ↦ (x T) Q_Tᵀ``; the merged weight is ``Q_T Tᵀ``. Computing in BF16
+    (QLoRA's compute dtype) is the float64 product of the BF16-rounded operands (torch's rounding
+    of the float64 values, not minifloat's kernels), rounded to BF16 as a BF16 GEMM returns it
+    (to within one BF16 step: the GEMM sums in FP32)."""
     from minifloat.finetune.lora import effective_weight
     from minifloat.infer.modules.linear import QuantizedLinear
     from minifloat.infer.ptq.rotation import HadamardRotation
@@ -198,11 +202,23 @@ def test_the_packed_base_passes_the_input_gradient_of_its_dequantized_weight(rot
     layer = QuantizedLinear.from_linear(torch.nn.Linear(64, 48), "nvfp4-weight-only", transform=transform)
     x = torch.randn(5, 64, requires_grad=True)
     g = torch.randn(5, 48)
-    y = PackedMatmul.apply(x, layer)
+    y = PackedMatmul.apply(x, layer, compute)
     (gx,) = torch.autograd.grad(y, x, g)
     w = layer.weight.dequantize(torch.float64)  # the weight the forward multiplies by, in float64
     # T as the forward applies it (the rotation of the identity's rows); the backward builds Tᵀ its own way
     t = rot(torch.eye(64)).double() if rot else torch.eye(64, dtype=torch.float64)
+    if compute == torch.bfloat16:
+        def r(v):
+            return v.to(torch.bfloat16).double()
+
+        xt = r((x.detach().double() @ t).float())  # the input rotated in FP32, then rounded
+        step = 2.0**-8  # one BF16 step, relative
+        assert torch.allclose(y.double(), r(xt @ r(w).T) + layer.bias.double(), rtol=step, atol=1e-3)
+        assert torch.allclose(gx.double(), r(r(g.double()) @ r(w)) @ t.T, rtol=step, atol=1e-3)
+        assert not torch.equal(r(w), w)  # NVFP4 values times an FP32 tensor scale: rounded, so this tests the path
+        if rot is None:  # the GEMM's own output: BF16 values (an FP32 GEMM's would not be)
+            assert torch.equal(gx, gx.bfloat16().float())
+        return
     ref = x.detach().double().requires_grad_()
     (gref,) = torch.autograd.grad(torch.nn.functional.linear(ref @ t, w), ref, g.double())
     assert torch.allclose(gx.double(), gref, rtol=1e-5, atol=1e-5)

@@ -57,9 +57,17 @@ def test_a_precision_carries_training_options_and_the_rest_keep_their_defaults()
     label = "mxfp4-tseng@states=fp8-dre@master=bf16-sr@last=1"
     assert parse_precisions(f"fp8,{label}") == ["fp8", label]
     assert run_fields(label) == {"precision": "mxfp4-tseng", "optimizer_states": "fp8-dre", "master": "bf16-sr",
-                                 "high_precision_first": 0, "high_precision_last": 1, "lora_init": "zero"}  # fmt: skip
+                                 "high_precision_first": 0, "high_precision_last": 1, "lora_init": "zero",
+                                 "base_compute": "auto"}  # fmt: skip
     assert run_fields("fp8") == {"precision": "fp8", "optimizer_states": "fp32", "master": "fp32",
-                                 "high_precision_first": 0, "high_precision_last": 0, "lora_init": "zero"}  # fmt: skip
+                                 "high_precision_first": 0, "high_precision_last": 0, "lora_init": "zero",
+                                 "base_compute": "auto"}  # fmt: skip
+    # a packed LoRA base's compute dtype reaches the packed bases; the BF16 reference keeps its own
+    lora = TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="nvfp4", base_compute="fp32")
+    assert run_fields("nvfp4", lora)["base_compute"] == "fp32" and run_fields("bf16", lora)["base_compute"] == "auto"
+    assert run_fields("nvfp4@compute=bf16", lora)["base_compute"] == "bf16"
+    with pytest.raises(minifloat.MinifloatError, match="--base-compute sets the products of a packed base; --base bf16"):
+        TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="bf16", base_compute="bf16")
     # options the command line gave reach every precision that does not name its own
     cli = TrainConfig(model="tiny", steps=1, high_precision_last=1, optimizer_states="bf16")
     assert run_fields("fp8", cli)["high_precision_last"] == 1 and run_fields("fp8@states=fp8", cli)["optimizer_states"] == "fp8"

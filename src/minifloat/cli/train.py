@@ -15,6 +15,7 @@ from minifloat.models.gpt import GPT_SIZES
 from minifloat.optim.states import MASTERS, STATE_FORMATS
 from minifloat.train.config import (
     ADAPTER_DTYPES,
+    BASE_COMPUTES,
     BASE_FORMATS,
     BASE_METHODS,
     LORA_INITS,
@@ -89,6 +90,9 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
                          "e.g. the policy-auto-*.json that `minifloat adapt` writes for a bit budget")  # fmt: skip
     ft.add_argument("--adapter-dtype", default=DEFAULTS["adapter_dtype"], choices=ADAPTER_DTYPES,
                     help="the adapters' parameters")
+    ft.add_argument("--base-compute", default=DEFAULTS["base_compute"], choices=BASE_COMPUTES,
+                    help="the dtype a packed base's weight is dequantized to for each product (QLoRA's compute dtype; "
+                         "auto: bf16 where the CPU multiplies BF16 natively, as `minifloat info` says, else fp32)")  # fmt: skip
     ft.add_argument("--lora-init", default=DEFAULTS["lora_init"], choices=LORA_INITS,
                     help="how the adapters start: zero (PEFT's: from the frozen base) or residual (a packed base: the "
                          "best rank-r correction of its quantization error on calibration windows of the text, CLoQ's)")  # fmt: skip
@@ -167,7 +171,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
         pretrained=args.pretrained, sft=args.sft, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=globs_arg(args.lora_targets), base_keep=globs_arg(args.base_keep), base_policy=policy_arg(args.base_policy),
-        base_method=args.base_method, adapter_dtype=args.adapter_dtype, lora_init=args.lora_init,
+        base_method=args.base_method, adapter_dtype=args.adapter_dtype, lora_init=args.lora_init, base_compute=args.base_compute,
     )  # fmt: skip
     precision, base = getattr(args, "precision", None), getattr(args, "base", None)
     if base is not None and not args.lora_rank:

@@ -247,7 +247,8 @@ class PretrainedTask(Task):
                 quantize_model(model, config, method=method, calibration=calibration, quantize_head=c.quantize_head)
         if c.precision != "fp32":
             model.to(torch.bfloat16)  # the frozen rest: BF16 (a packed layer keeps its codes and FP32 scales)
-        adapters = lora.attach(model, names, c.lora_rank, c.lora_alpha, c.lora_dropout, lora.ADAPTER_DTYPES[c.adapter_dtype])
+        adapters = lora.attach(model, names, c.lora_rank, c.lora_alpha, c.lora_dropout, lora.ADAPTER_DTYPES[c.adapter_dtype],
+                               lora.compute_dtype(c.base_compute))  # fmt: skip
         if originals is not None:
             from minifloat.finetune.residual_init import init_from_residual
 

@@ -79,7 +79,7 @@ HALF_PRECISIONS = ("bf16", "fp16")
 
 # A precision's ``@key=value`` options → the TrainConfig fields they set (unnamed ones: the defaults).
 VARIANT_OPTIONS = {"states": "optimizer_states", "master": "master", "first": "high_precision_first",
-                   "last": "high_precision_last", "init": "lora_init"}  # fmt: skip
+                   "last": "high_precision_last", "init": "lora_init", "compute": "base_compute"}  # fmt: skip
 _INT_FIELDS = ("high_precision_first", "high_precision_last")
 
 
@@ -89,7 +89,7 @@ def run_fields(label: str, base: TrainConfig | None = None) -> dict:
 
     Example:
         >>> run_fields("fp8@states=fp8-dre@master=bf16-sr@last=1")
-        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr', 'high_precision_first': 0, 'high_precision_last': 1, 'lora_init': 'zero'}
+        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr', 'high_precision_first': 0, 'high_precision_last': 1, 'lora_init': 'zero', 'base_compute': 'auto'}
     """
     name, *options = label.split("@")
     fields = {"precision": name, **{f: getattr(base if base is not None else TrainConfig, f) for f in VARIANT_OPTIONS.values()}}
@@ -104,6 +104,8 @@ def run_fields(label: str, base: TrainConfig | None = None) -> dict:
         fields[field] = int(value) if field in _INT_FIELDS else value
     if base is not None and base.base_policy and name not in PACKED_FORMATS:  # a LoRA base's policy: the packed bases'
         fields["base_policy"] = None
+    if name not in PACKED_FORMATS and "compute=" not in label:  # a packed base's compute dtype: the packed bases'
+        fields["base_compute"] = "auto"
     return fields
 
 

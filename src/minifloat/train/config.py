@@ -25,6 +25,7 @@ BASE_METHODS = ("rtn", "gptq")
 # best rank-r correction of a packed base's quantization error (`minifloat.finetune.residual_init`)
 LORA_INITS = ("zero", "residual")
 ADAPTER_DTYPES = ("fp32", "bf16")
+BASE_COMPUTES = ("auto", "fp32", "bf16")  # a packed base's products: auto = bf16 where the CPU multiplies BF16 natively
 
 
 def base_policy_pairs(policy) -> tuple[tuple[str, str], ...]:
@@ -99,6 +100,7 @@ class TrainConfig:
     # layers in other formats than `precision`, e.g. the assignment `minifloat adapt` chose
     base_policy: tuple[tuple[str, str], ...] | None = None
     adapter_dtype: str = "fp32"  # the adapters' parameters: fp32, bf16
+    base_compute: str = "auto"  # BASE_COMPUTES: the dtype a packed base's weight is dequantized to per product (QLoRA's compute dtype)
     lora_init: str = "zero"  # LORA_INITS
     merge: bool = False  # a LoRA run also writes the merged model (out/merged)
 
@@ -153,6 +155,8 @@ class TrainConfig:
                 raise MinifloatError("--base-policy sets the formats of a LoRA run's packed base: it needs --lora RANK")
             if self.merge:
                 raise MinifloatError("--merge folds LoRA adapters into the base: it needs --lora RANK")
+            if self.base_compute != "auto":
+                raise MinifloatError("--base-compute sets the products of a LoRA run's packed base: it needs --lora RANK")
             return
         if self.precision not in BASE_FORMATS:
             raise MinifloatError(f"--base {self.precision!r}: a LoRA run holds its frozen base in one of {', '.join(BASE_FORMATS)}")
@@ -167,6 +171,11 @@ class TrainConfig:
             raise MinifloatError(f"--base-method {self.base_method!r}: use one of {', '.join(BASE_METHODS)}")
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise MinifloatError(f"--adapter-dtype {self.adapter_dtype!r}: use one of {', '.join(ADAPTER_DTYPES)}")
+        if self.base_compute not in BASE_COMPUTES:
+            raise MinifloatError(f"--base-compute {self.base_compute!r}: use one of {', '.join(BASE_COMPUTES)}")
+        if self.base_compute != "auto" and self.precision not in PACKED_FORMATS:
+            raise MinifloatError(f"--base-compute sets the products of a packed base; --base {self.precision} is not packed "
+                                 f"(pass --base {' / '.join(PACKED_FORMATS)}, or leave --base-compute auto)")  # fmt: skip
         if self.lora_init not in LORA_INITS:
             raise MinifloatError(f"--lora-init {self.lora_init!r}: use one of {', '.join(LORA_INITS)}")
         if self.lora_init == "residual" and self.precision in ("fp32", "bf16"):
