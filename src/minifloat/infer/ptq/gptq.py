@@ -34,7 +34,7 @@ from minifloat.errors import MinifloatError
 from minifloat.formats.codec import decode, encode_with_bits
 from minifloat.formats.packing import pack
 from minifloat.quant import BlockScales, QuantizedTensor
-from minifloat.scaling.layout import layout_for
+from minifloat.scaling.layout import Layout, layout_for
 from minifloat.scaling.schemes import Scheme, get_scheme
 
 ROWS_AT_ONCE = 4096  # weight rows rounded together (rounded down to whole scale blocks): bounds GPTQ's working memory
@@ -56,7 +56,7 @@ class GPTQConfig:
             raise MinifloatError(f"GPTQ block_size is a number of columns ≥ 1 (default 128); got {self.block_size!r}")
 
 
-def _spread(grid: torch.Tensor, n: int, k: int, lay) -> torch.Tensor:
+def _spread(grid: torch.Tensor, n: int, k: int, lay: Layout) -> torch.Tensor:
     """Rows of a per-block tensor (the scale grid, from a block boundary) spread over the (n, k)
     elements their blocks cover."""
     return grid.repeat_interleave(lay.block_rows, 0).repeat_interleave(lay.block_cols, 1)[:n, :k]
