@@ -66,6 +66,8 @@ def test_a_precision_carries_training_options_and_the_rest_keep_their_defaults()
     lora = TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="nvfp4", base_compute="fp32")
     assert run_fields("nvfp4", lora)["base_compute"] == "fp32" and run_fields("bf16", lora)["base_compute"] == "auto"
     assert run_fields("nvfp4@compute=bf16", lora)["base_compute"] == "bf16"
+    with pytest.raises(minifloat.MinifloatError, match="--base-compute fine-tune a pretrained model: name it"):
+        TrainConfig(model="tiny", steps=1, base_compute="bf16")  # the built-in GPT has no packed base
     with pytest.raises(minifloat.MinifloatError, match="--base-compute sets the products of a packed base; --base bf16"):
         TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="bf16", base_compute="bf16")
     # options the command line gave reach every precision that does not name its own

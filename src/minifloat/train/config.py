@@ -139,8 +139,9 @@ class TrainConfig:
 
     def _check_finetune(self) -> None:
         """The fine-tuning fields: only with `pretrained`, LoRA's within their ranges."""
-        if self.pretrained is None:
-            used = [f"--{n.replace('_', '-')}" for n in ("sft", "lora_rank") if getattr(self, n)]
+        if self.pretrained is None:  # and the LoRA options, which would otherwise go unused
+            used = [f"--{n.replace('_', '-')}" for n in ("sft", "lora_rank", "base_keep", "base_policy", "merge") if getattr(self, n)]
+            used += ["--base-compute"] if self.base_compute != "auto" else []
             if used:
                 raise MinifloatError(f"{' and '.join(used)} fine-tune a pretrained model: name it (minifloat train MODEL ...)")
             return
