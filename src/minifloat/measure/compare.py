@@ -93,6 +93,8 @@ def run_fields(label: str, base: TrainConfig | None = None) -> dict:
     """
     name, *options = label.split("@")
     fields = {"precision": name, **{f: getattr(base if base is not None else TrainConfig, f) for f in VARIANT_OPTIONS.values()}}
+    if name not in PACKED_FORMATS:  # the command line's compute dtype is the packed bases' (an @compute= still names its own)
+        fields["base_compute"] = "auto"
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or key not in VARIANT_OPTIONS or not value:
@@ -104,8 +106,6 @@ def run_fields(label: str, base: TrainConfig | None = None) -> dict:
         fields[field] = int(value) if field in _INT_FIELDS else value
     if base is not None and base.base_policy and name not in PACKED_FORMATS:  # a LoRA base's policy: the packed bases'
         fields["base_policy"] = None
-    if name not in PACKED_FORMATS and "compute=" not in label:  # a packed base's compute dtype: the packed bases'
-        fields["base_compute"] = "auto"
     return fields
 
 
