@@ -438,6 +438,49 @@ def test_high_precision_last_blocks_and_head_stay_unquantized():
     assert kinds[0] == kinds[1] and kinds[0]["blocks.0.attn.qkv"] is torch.nn.Linear and kinds[0]["blocks.1.attn.qkv"] is minifloat.nn.Linear
 
 
+def test_a_precision_switch_trains_and_validates_its_last_steps_in_bf16(tmp_path, monkeypatch):
+    import minifloat.nn.linear as linear_module
+    from minifloat.models.gpt import get_config
+    from minifloat.train.task import GPTTask
+
+    calls = []
+    real = linear_module.quantize
+    monkeypatch.setattr(linear_module, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    switched, plain = tmp_path / "switched", tmp_path / "plain"
+    c = _cfg(precision="nvfp4", precision_switch=0.5, checkpoint_every=0)
+    assert c.switch_step() == 3
+    train(c, switched, progress=False)
+    in_switched = len(calls)
+    train(_cfg(precision="nvfp4", checkpoint_every=0), plain, progress=False)
+    log, plain_log = read_log(switched / "log.jsonl"), read_log(plain / "log.jsonl")
+    # the same run up to the switch; then BF16 steps, said in the log, that quantize nothing
+    assert [r["loss"] for r in log[:3]] == [r["loss"] for r in plain_log[:3]] and log[3]["loss"] != plain_log[3]["loss"]
+    assert [r.get("computed_in") for r in log] == [None] * 3 + ["bf16"] * 3
+    assert log[2]["val_loss"] == plain_log[2]["val_loss"]  # validation before the switch: in NVFP4, as the plain run's
+    # as much quantized as 3 NVFP4 steps and their evaluations before the first step and after the third
+    calls.clear()
+    train(_cfg(precision="nvfp4", checkpoint_every=0, steps=3), tmp_path / "three", progress=False)
+    assert in_switched == len(calls) > 0
+    # the final validation is the trained weights' BF16 loss, computed here without minifloat's layers
+    _, weights, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(switched / "checkpoints"))
+    model = GPT(get_config("tiny"))
+    model.load_state_dict(weights, strict=False)
+    task = GPTTask()
+    task.prepare(c)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = sum(task.loss(model.eval(), b).item() for b in task.val_batches(c)) / c.eval_batches
+    assert log[-1]["val_loss"] == pytest.approx(bf16, rel=1e-6)
+    for value in (1.0, -0.1, float("nan")):
+        with pytest.raises(minifloat.MinifloatError, match=r"--precision-switch is the fraction of the steps trained in BF16"):
+            _cfg(precision="nvfp4", precision_switch=value)
+    with pytest.raises(minifloat.MinifloatError, match="--precision bf16 is not a recipe"):
+        _cfg(precision="bf16", precision_switch=0.1)
+    with pytest.raises(minifloat.MinifloatError, match="--precision-switch trains its last steps on the BF16 weights"):
+        _cfg(precision="fp8-current", precision_switch=0.1, fsdp=True, fp8_all_gather=True)
+    with pytest.raises(minifloat.MinifloatError, match="a LoRA run's base is frozen"):
+        TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="nvfp4", precision_switch=0.1)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [("lr", -1.0, "--lr must be a positive number, got -1.0"), ("lr", float("nan"), "--lr must be a positive number"),

@@ -68,6 +68,11 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
         help="keep the last N transformer blocks in high precision (the NVFP4 recipe's advice)",
     )  # fmt: skip
     p.add_argument(
+        "--precision-switch", type=float, default=DEFAULTS["precision_switch"], metavar="FRACTION",
+        help="train the last FRACTION of the steps in BF16 (a recipe's every GEMM), as NVIDIA's NVFP4 recipe closes "
+             "what is left of its gap; validation after the switch is in BF16 too (default 0: off)",
+    )  # fmt: skip
+    p.add_argument(
         "--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)"
     )
     ft = p.add_argument_group("fine-tuning a pretrained MODEL")
@@ -168,7 +173,8 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup=args.warmup, grad_accum=args.grad_accum, grad_clip=args.grad_clip, seed=args.seed,
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
-        data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last, telemetry_every=args.telemetry_every,
+        data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last,
+        precision_switch=args.precision_switch, telemetry_every=args.telemetry_every,
         pretrained=args.pretrained, sft=args.sft, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=globs_arg(args.lora_targets), base_keep=globs_arg(args.base_keep), base_policy=policy_arg(args.base_policy),
         base_method=args.base_method, adapter_dtype=args.adapter_dtype, lora_init=args.lora_init, base_compute=args.base_compute,

@@ -82,6 +82,9 @@ class TrainConfig:
     quantize_head: bool = False
     high_precision_first: int = 0  # keep the Linears of the first N blocks unquantized
     high_precision_last: int = 0  # keep the Linears of the last N blocks unquantized (NVFP4's advice)
+    # The last fraction of the steps trained in BF16 (every GEMM of a recipe's Linears), as NVIDIA's
+    # NVFP4 pretraining closes what is left of its gap ("precision switching"); 0: the recipe throughout
+    precision_switch: float = 0.0
     fsdp: bool = False
     fp8_all_gather: bool = False  # FSDP2 gathers the quantized Linear weights as codes and scales (fp8-current, mxfp8)
     telemetry_every: int = 10  # steps between amax/scale/saturation records (0: off)
@@ -116,6 +119,7 @@ class TrainConfig:
             object.__setattr__(self, "lr", DEFAULT_LRS["lora" if self.lora_rank else "full" if self.pretrained else "gpt"])
         if self.precision not in PRECISIONS and not (self.lora_rank and self.precision in BASE_FORMATS):
             raise MinifloatError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        self._check_switch()
         if self.pretrained is not None:  # the model's own context bounds seq_len, checked where it is loaded
             if self.seq_len is None:
                 object.__setattr__(self, "seq_len", 128)
@@ -185,6 +189,25 @@ class TrainConfig:
         if self.optimizer_states != "fp32" or self.master != "fp32" or self.fsdp:
             raise MinifloatError("a LoRA run trains a few million adapter weights at most: it keeps FP32 optimizer states "
                                  "and masters and runs in one process (drop --optimizer-states, --master and --fsdp)")  # fmt: skip
+
+    def _check_switch(self) -> None:
+        f = self.precision_switch
+        if not (isinstance(f, int | float) and math.isfinite(f) and 0 <= f < 1):
+            raise MinifloatError(f"--precision-switch is the fraction of the steps trained in BF16 at the end, in [0, 1), got {f!r}")
+        if f and self.lora_rank:
+            raise MinifloatError("--precision-switch moves a recipe's training to BF16 for its last steps; a LoRA run's "
+                                 "base is frozen and its adapters train in high precision: drop it, or fine-tune fully")  # fmt: skip
+        if f and self.precision not in RECIPES:
+            raise MinifloatError(f"--precision-switch moves a low-precision recipe's training to BF16 for its last steps; "
+                                 f"--precision {self.precision} is not a recipe (use it with fp8, mxfp8, nvfp4, mxfp4, …)")  # fmt: skip
+        if f and self.fp8_all_gather:
+            raise MinifloatError("--precision-switch trains its last steps on the BF16 weights, which --fp8-all-gather "
+                                 "gathers as FP8 codes: pass one of them")  # fmt: skip
+
+    def switch_step(self) -> int:
+        """The first step trained in BF16 under `precision_switch` (`steps` when there is none): the
+        last ``round(precision_switch · steps)`` steps switch."""
+        return self.steps - round(self.precision_switch * self.steps)
 
     def _check_common(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):

@@ -20,6 +20,7 @@ every recipe of `minifloat.RECIPES`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,6 +36,7 @@ from minifloat.errors import MinifloatError
 from minifloat.io.atomic import atomic_path
 from minifloat.models.gpt import GPT
 from minifloat.nn import rounded
+from minifloat.nn.autocast import autocast as recipe_autocast
 from minifloat.nn.loss_scaling import LossScaler
 from minifloat.nn.monitor import Monitor
 from minifloat.optim import AdamW
@@ -50,18 +52,31 @@ def build_model(c: TrainConfig) -> GPT:
     return build_gpt(c)
 
 
+def computing(c: TrainConfig, step: int):
+    """The context step `step` of `c` computes in: the precision's, or from `c.switch_step()` on
+    BF16 — a recipe's Linears in high precision (`minifloat.autocast(enabled=False)`) under
+    torch.autocast, the GEMMs a GPU switched to BF16 runs."""
+    if step < c.switch_step():
+        return rounded.autocast(c.precision)
+    both = contextlib.ExitStack()
+    both.enter_context(recipe_autocast(enabled=False))
+    both.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    return both
+
+
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor | list[dict], c: TrainConfig, task: Task | None = None) -> float:
+def evaluate(model, data: torch.Tensor | list[dict], c: TrainConfig, task: Task | None = None, *, step: int = 0) -> float:
     """Mean loss over the fixed held-out batches: `data` itself (a task's `val_batches`), or
     `eval_batches` windows of the built-in GPT's validation split `data` (the same for every
-    precision and step)."""
+    precision and step), computed as step `step` trains (`computing`: after a precision switch,
+    in BF16)."""
     if isinstance(data, torch.Tensor):
         task = GPTTask()
         task.data = Corpus(data[:0], data, "validation split", "")
         data = task.val_batches(c)
     model.eval()
     total = 0.0
-    with rounded.autocast(c.precision):
+    with computing(c, step):
         for batch in data:
             total += task.loss(model, batch).item()
     model.train()
@@ -162,7 +177,7 @@ def train(
         lr = lr_at(step, c)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss, grad_norm, stepped = _step(task, model, opt, scaler, data_gen, c, rank, world)
+        loss, grad_norm, stepped = _step(task, model, opt, scaler, data_gen, c, rank, world, step)
         if step == start and main:
             footprint(out, state_bytes=state_bytes(_unwrap(model), opt), rss_after_first_step=resident_bytes())
         dt = time.perf_counter() - t0
@@ -171,11 +186,13 @@ def train(
             "tokens_per_s": c.batch_size * c.seq_len * c.grad_accum / dt, "skipped": not stepped,
             "skipped_steps": scaler.skipped_steps, "nonfinite": not math.isfinite(loss),
         }  # fmt: skip
+        if step >= c.switch_step():  # a precision switch's steps say so (validation after them is in BF16 too)
+            last["computed_in"] = "bf16"
         if mon is not None:
             last["telemetry"] = _telemetry(mon)
             mon.records.clear()
         if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == c.steps):
-            last["val_loss"] = evaluate(model, val, c, task)
+            last["val_loss"] = evaluate(model, val, c, task, step=step)
         if main:
             append_record(log_path, last)
         bar(last)
@@ -268,7 +285,7 @@ def _optimizer(model: torch.nn.Module, c: TrainConfig) -> torch.optim.Optimizer:
 
 
 def _step(task: Task, model, opt, scaler: LossScaler, data_gen: torch.Generator, c: TrainConfig,
-          rank: int, world: int) -> tuple[float, float, bool]:  # fmt: skip
+          rank: int, world: int, step: int) -> tuple[float, float, bool]:  # fmt: skip
     """One optimizer step over `grad_accum` micro-batches: (mean loss, gradient norm before
     clipping, whether the optimizer stepped)."""
     loss_sum = 0.0
@@ -277,7 +294,7 @@ def _step(task: Task, model, opt, scaler: LossScaler, data_gen: torch.Generator,
         if world > 1:  # every rank drew the same global batch: take this rank's rows
             per = c.batch_size // world
             batch = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
-        with rounded.autocast(c.precision):
+        with computing(c, step):
             loss = task.loss(model, batch)
         scaler.scale(loss / c.grad_accum).backward()
         loss_sum += loss.item() / c.grad_accum
