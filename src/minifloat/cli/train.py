@@ -70,7 +70,7 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
     p.add_argument(
         "--precision-switch", type=float, default=DEFAULTS["precision_switch"], metavar="FRACTION",
         help="train the last FRACTION of the steps in BF16 (a recipe's every GEMM), as NVIDIA's NVFP4 recipe closes "
-             "what is left of its gap; validation after the switch is in BF16 too (default 0: off)",
+             "what is left of its gap; validation after the switch is in BF16 too; 0: off",
     )  # fmt: skip
     p.add_argument(
         "--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)"
