@@ -52,16 +52,17 @@ def build_model(c: TrainConfig) -> GPT:
     return build_gpt(c)
 
 
+@contextlib.contextmanager
 def computing(c: TrainConfig, step: int):
     """The context step `step` of `c` computes in: the precision's, or from `c.switch_step()` on
     BF16 — a recipe's Linears in high precision (`minifloat.autocast(enabled=False)`) under
     torch.autocast, the GEMMs a GPU switched to BF16 runs."""
     if step < c.switch_step():
-        return rounded.autocast(c.precision)
-    both = contextlib.ExitStack()
-    both.enter_context(recipe_autocast(enabled=False))
-    both.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
-    return both
+        with rounded.autocast(c.precision):
+            yield
+    else:
+        with recipe_autocast(enabled=False), torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
 
 
 @torch.no_grad()
