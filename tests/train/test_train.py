@@ -477,6 +477,10 @@ def test_a_precision_switch_trains_and_validates_its_last_steps_in_bf16(tmp_path
         _cfg(precision="bf16", precision_switch=0.1)
     with pytest.raises(minifloat.MinifloatError, match="--precision-switch trains its last steps on the BF16 weights"):
         _cfg(precision="fp8-current", precision_switch=0.1, fsdp=True, fp8_all_gather=True)
+    for steps, value in ((6, 0.05), (2, 0.9)):  # no step switched, or every one
+        with pytest.raises(minifloat.MinifloatError, match=rf"--precision-switch {value} of --steps {steps} switches"):
+            _cfg(precision="nvfp4", precision_switch=value, steps=steps)
+    assert _cfg(precision="nvfp4", precision_switch=0.1, steps=6).switch_step() == 5  # round(0.6): one step
     with pytest.raises(minifloat.MinifloatError, match="a LoRA run's base is frozen"):
         TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="nvfp4", precision_switch=0.1)
 

@@ -200,13 +200,18 @@ class TrainConfig:
         if f and self.precision not in RECIPES:
             raise MinifloatError(f"--precision-switch moves a low-precision recipe's training to BF16 for its last steps; "
                                  f"--precision {self.precision} is not a recipe (use it with fp8, mxfp8, nvfp4, mxfp4, …)")  # fmt: skip
+        switched = round(f * self.steps)
+        if f and self.steps >= 1 and not 0 < switched < self.steps:
+            raise MinifloatError(f"--precision-switch {f} of --steps {self.steps} switches {switched} steps to BF16; it must "
+                                 f"leave at least one step of each: pass a fraction between {1 / self.steps:.3g} and "
+                                 f"{1 - 1 / self.steps:.3g}, or 0 for none")  # fmt: skip
         if f and self.fp8_all_gather:
             raise MinifloatError("--precision-switch trains its last steps on the BF16 weights, which --fp8-all-gather "
                                  "gathers as FP8 codes: pass one of them")  # fmt: skip
 
     def switch_step(self) -> int:
         """The first step trained in BF16 under `precision_switch` (`steps` when there is none): the
-        last ``round(precision_switch · steps)`` steps switch."""
+        last ``round(precision_switch · steps)`` steps switch (at least one, never all: checked)."""
         return self.steps - round(self.precision_switch * self.steps)
 
     def _check_common(self) -> None:
