@@ -58,10 +58,10 @@ def test_a_precision_carries_training_options_and_the_rest_keep_their_defaults()
     assert parse_precisions(f"fp8,{label}") == ["fp8", label]
     assert run_fields(label) == {"precision": "mxfp4-tseng", "optimizer_states": "fp8-dre", "master": "bf16-sr",
                                  "high_precision_first": 0, "high_precision_last": 1, "lora_init": "zero",
-                                 "base_compute": "auto", "precision_switch": 0.0}  # fmt: skip
+                                 "base_compute": "auto", "precision_switch": 0.0, "outlier_channels": 0}  # fmt: skip
     assert run_fields("fp8") == {"precision": "fp8", "optimizer_states": "fp32", "master": "fp32",
                                  "high_precision_first": 0, "high_precision_last": 0, "lora_init": "zero",
-                                 "base_compute": "auto", "precision_switch": 0.0}  # fmt: skip
+                                 "base_compute": "auto", "precision_switch": 0.0, "outlier_channels": 0}  # fmt: skip
     # a packed LoRA base's compute dtype reaches the packed bases; the BF16 reference keeps its own
     lora = TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="nvfp4", base_compute="fp32")
     assert run_fields("nvfp4", lora)["base_compute"] == "fp32" and run_fields("bf16", lora)["base_compute"] == "auto"
@@ -83,6 +83,12 @@ def test_a_precision_carries_training_options_and_the_rest_keep_their_defaults()
     assert run_fields("mxfp4", cli)["precision_switch"] == 0.2 and run_fields("bf16", cli)["precision_switch"] == 0.0
     with pytest.raises(minifloat.MinifloatError, match="switch= takes a fraction of the steps, e.g. 0.1; got 'ten'"):
         run_fields("nvfp4@switch=ten")
+    # outlier channels: a recipe's own, or the command line's for the recipes only
+    assert run_fields("nvfp4@outliers=8@switch=0.1")["outlier_channels"] == 8
+    cli = TrainConfig(model="tiny", steps=10, precision="nvfp4", outlier_channels=4)
+    assert run_fields("mxfp4", cli)["outlier_channels"] == 4 and run_fields("bf16", cli)["outlier_channels"] == 0
+    with pytest.raises(minifloat.MinifloatError, match="outliers= takes a whole number of channels, got '-2'"):
+        run_fields("nvfp4@outliers=-2")
     with pytest.raises(minifloat.MinifloatError, match="--master bf16-sr keeps the weights in BF16"):  # checked before any run
         compare(["fp32", "fp32@master=bf16-sr"], TrainConfig(model="tiny", steps=1), "/nonexistent/never", plots=False)
 

@@ -185,3 +185,6 @@ def test_a_wrapped_weight_is_its_value_under_every_op():
     rotated = minifloat.recipes.MXScaling(element="e4m3", forward_rht=True)  # its forward quantizes the rotated weight
     with pytest.raises(minifloat.MinifloatError, match="forward_rht recipe quantizes the rotated weight"):
         gather_quantized(minifloat.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)), rotated))
+    split = minifloat.get_recipe("mxfp8").replace(outlier_channels=4)  # its forward multiplies 4 channels of the BF16 weight
+    with pytest.raises(minifloat.MinifloatError, match="recipe with outlier_channels multiplies those channels"):
+        gather_quantized(minifloat.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)), split))

@@ -485,6 +485,28 @@ def test_a_precision_switch_trains_and_validates_its_last_steps_in_bf16(tmp_path
         TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="nvfp4", precision_switch=0.1)
 
 
+def test_outlier_channels_reach_every_converted_layer_and_change_its_forward(tmp_path):
+    from minifloat.train.task import build_gpt
+
+    model = build_gpt(_cfg(precision="nvfp4", outlier_channels=4, high_precision_last=1))
+    converted = {n: m.recipe for n, m in model.named_modules() if isinstance(m, minifloat.nn.Linear)}
+    assert converted and all(n.startswith("blocks.0.") for n in converted)  # the kept block and the head stay plain
+    assert {r.outlier_channels for r in converted.values()} == {4} and {r.kind for r in converted.values()} == {"nvfp4"}
+    plain, split = tmp_path / "plain", tmp_path / "split"
+    train(_cfg(precision="nvfp4", steps=2, checkpoint_every=0), plain, progress=False)
+    train(_cfg(precision="nvfp4", steps=2, checkpoint_every=0, outlier_channels=4), split, progress=False)
+    a, b = _losses(plain), _losses(split)
+    assert all(math.isfinite(x) for x in b) and a[0] != b[0]  # the first forward already differs
+    with pytest.raises(minifloat.MinifloatError, match="--precision bf16 trains no recipe's GEMMs"):
+        _cfg(precision="bf16", outlier_channels=4)
+    with pytest.raises(minifloat.MinifloatError, match="--outlier-channels is a whole number of input channels ≥ 0, got -1"):
+        _cfg(precision="nvfp4", outlier_channels=-1)
+    with pytest.raises(minifloat.MinifloatError, match="which --fp8-all-gather gathers as FP8 codes"):
+        _cfg(precision="fp8-current", outlier_channels=4, fsdp=True, fp8_all_gather=True)
+    with pytest.raises(minifloat.MinifloatError, match="--precision nvfp4 with --lora trains no recipe's GEMMs"):
+        TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="nvfp4", outlier_channels=4)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [("lr", -1.0, "--lr must be a positive number, got -1.0"), ("lr", float("nan"), "--lr must be a positive number"),

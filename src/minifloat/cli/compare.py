@@ -40,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
     from minifloat.recipes import RECIPES
     from minifloat.train.config import PACKED_FORMATS
 
-    # the precision the command line's options are checked against: --base-policy is the packed bases', --precision-switch the recipes'
+    # the precision the command line's options are checked against: --base-policy is the packed bases', --precision-switch
+    # and --outlier-channels the recipes'
     packed = [p for p in precisions if run_fields(p)["precision"] in PACKED_FORMATS]
     recipes = [p for p in precisions if run_fields(p)["precision"] in RECIPES]
-    lead = packed[0] if packed and args.base_policy else recipes[0] if recipes and args.precision_switch else precisions[0]
+    lead = packed[0] if packed and args.base_policy else recipes[0] if recipes and (args.precision_switch or args.outlier_channels) else precisions[0]
     base = config_from_args(args, precision=run_fields(lead)["precision"])
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     metrics = compare(precisions, base, args.out, plots=not args.no_plots, overwrite=args.overwrite, seeds=args.seeds,

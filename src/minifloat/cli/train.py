@@ -73,6 +73,11 @@ def add_training_arguments(p: argparse.ArgumentParser, eval_zero: str) -> None:
              "what is left of its gap; validation after the switch is in BF16 too; 0: off",
     )  # fmt: skip
     p.add_argument(
+        "--outlier-channels", type=int, default=DEFAULTS["outlier_channels"], metavar="K",
+        help="in each forward GEMM of a recipe's Linears, multiply the K input channels of largest magnitude in BF16 "
+             "(TetraJet-v2's OutControl): an outlier no longer sets the scale of the FP4 block it shares",
+    )  # fmt: skip
+    p.add_argument(
         "--data", default=None, help="UTF-8 text file or folder (default: the Python stdlib sources)"
     )
     ft = p.add_argument_group("fine-tuning a pretrained MODEL")
@@ -174,7 +179,7 @@ def config_from_args(args: argparse.Namespace, **override) -> TrainConfig:
         warmup=args.warmup, grad_accum=args.grad_accum, grad_clip=args.grad_clip, seed=args.seed,
         eval_every=args.eval_every, eval_batches=args.eval_batches, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         data=args.data, quantize_head=args.quantize_head, high_precision_first=args.high_precision_first, high_precision_last=args.high_precision_last,
-        precision_switch=args.precision_switch, telemetry_every=args.telemetry_every,
+        precision_switch=args.precision_switch, outlier_channels=args.outlier_channels, telemetry_every=args.telemetry_every,
         pretrained=args.pretrained, sft=args.sft, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=globs_arg(args.lora_targets), base_keep=globs_arg(args.base_keep), base_policy=policy_arg(args.base_policy),
         base_method=args.base_method, adapter_dtype=args.adapter_dtype, lora_init=args.lora_init, base_compute=args.base_compute,

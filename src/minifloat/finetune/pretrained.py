@@ -219,7 +219,7 @@ class PretrainedTask(Task):
             return fqn.startswith(self.layers_prefix + ".") and not any(fqn.startswith(h) for h in high)
 
         if c.precision in RECIPES:
-            convert(model, c.precision, filter=keep)
+            convert(model, c.recipe(), filter=keep)
         else:
             rounded.to_high_precision(model, c.precision, keep)
         return bf16_parameters(model) if c.master != "fp32" else model

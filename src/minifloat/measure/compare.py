@@ -79,8 +79,9 @@ HALF_PRECISIONS = ("bf16", "fp16")
 
 # A precision's ``@key=value`` options → the TrainConfig fields they set (unnamed ones: the defaults).
 VARIANT_OPTIONS = {"states": "optimizer_states", "master": "master", "first": "high_precision_first",
-                   "last": "high_precision_last", "init": "lora_init", "compute": "base_compute", "switch": "precision_switch"}  # fmt: skip
-_INT_FIELDS = ("high_precision_first", "high_precision_last")
+                   "last": "high_precision_last", "init": "lora_init", "compute": "base_compute", "switch": "precision_switch",
+                   "outliers": "outlier_channels"}  # fmt: skip
+_INT_FIELDS = ("high_precision_first", "high_precision_last", "outlier_channels")
 _FLOAT_FIELDS = ("precision_switch",)
 
 
@@ -90,14 +91,14 @@ def run_fields(label: str, base: TrainConfig | None = None) -> dict:
 
     Example:
         >>> run_fields("fp8@states=fp8-dre@master=bf16-sr@last=1")
-        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr', 'high_precision_first': 0, 'high_precision_last': 1, 'lora_init': 'zero', 'base_compute': 'auto', 'precision_switch': 0.0}
+        {'precision': 'fp8', 'optimizer_states': 'fp8-dre', 'master': 'bf16-sr', 'high_precision_first': 0, 'high_precision_last': 1, 'lora_init': 'zero', 'base_compute': 'auto', 'precision_switch': 0.0, 'outlier_channels': 0}
     """
     name, *options = label.split("@")
     fields = {"precision": name, **{f: getattr(base if base is not None else TrainConfig, f) for f in VARIANT_OPTIONS.values()}}
     if name not in PACKED_FORMATS:  # the command line's compute dtype is the packed bases' (an @compute= still names its own)
         fields["base_compute"] = "auto"
     if name not in RECIPES:  # and its precision switch the recipes' (the high precisions have nothing to switch)
-        fields["precision_switch"] = 0.0
+        fields["precision_switch"], fields["outlier_channels"] = 0.0, 0
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or key not in VARIANT_OPTIONS or not value:
@@ -105,7 +106,7 @@ def run_fields(label: str, base: TrainConfig | None = None) -> dict:
                                  "(e.g. fp8@states=fp8-dre@master=bf16-sr)")  # fmt: skip
         field = VARIANT_OPTIONS[key]
         if field in _INT_FIELDS and not value.isdigit():
-            raise MinifloatError(f"{label!r}: {key}= takes a whole number of blocks, got {value!r}")
+            raise MinifloatError(f"{label!r}: {key}= takes a whole number of {'channels' if key == 'outliers' else 'blocks'}, got {value!r}")
         if field in _FLOAT_FIELDS:
             try:
                 value = float(value)
@@ -344,6 +345,8 @@ def _run(c: TrainConfig, run_dir: Path, echo: Callable[[str], None], label: str)
          "recipe": recipe_description(c.precision)}  # fmt: skip
     if c.switch_step() < c.steps:
         m["recipe"]["precision_switch"] = f"steps {c.switch_step() + 1}–{c.steps} and the validation after them in BF16"
+    if c.outlier_channels:
+        m["recipe"]["outlier_channels"] = c.outlier_channels  # the field of the recipe the run trained with
     if code != 0 or m["steps_completed"] < c.steps:
         m["status"], m["error"] = "failed", "\n".join(last[-8:]) or f"exit code {code}"
     else:

@@ -161,6 +161,10 @@ def gather_quantized(model: torch.nn.Module) -> int:
             if getattr(m.recipe, "forward_rht", False):
                 raise MinifloatError(f"{m}: the forward GEMM of a forward_rht recipe quantizes the rotated weight, which the "
                                      "gathered codes are not; train it without --fp8-all-gather, or with forward_rht=False")  # fmt: skip
+            if m.recipe.outlier_channels:
+                raise MinifloatError(f"{m}: the forward GEMM of a recipe with outlier_channels multiplies those channels of "
+                                     "the high-precision weight, which the gathered codes are not; train it without "
+                                     "--fp8-all-gather, or with outlier_channels=0")  # fmt: skip
             if m.in_features % max(_block_k(m.recipe.scheme("weight")), 32):  # 32: the MX blocks the codes are laid out in
                 raise MinifloatError(f"an all-gathered quantized weight needs in_features a multiple of "
                                      f"{max(_block_k(m.recipe.scheme('weight')), 32)} (whole blocks); {m} has {m.in_features}")  # fmt: skip

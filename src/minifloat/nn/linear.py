@@ -85,6 +85,17 @@ class _Plan:
         return q
 
 
+def _outlier_split(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward GEMM's outlier channels (`Recipe.outlier_channels`): the `k` input channels of
+    largest amax in this call. Returns x (M, K) and W (N, K) with those channels zeroed — what the
+    recipe quantizes, so they set no block's scale — and their product from BF16-rounded operands
+    with FP32 accumulation, (M, N): x Wᵀ = x₀ W₀ᵀ + x_k W_kᵀ exactly. A NaN in x makes its
+    channel's amax NaN, which `topk` ranks first: it reaches the output through the BF16 product."""
+    idx = x.abs().amax(0).topk(k).indices
+    high = x[:, idx].bfloat16().float() @ weight[:, idx].bfloat16().float().t()
+    return x.index_fill(1, idx, 0), weight.index_fill(1, idx, 0), high
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _Plan):
@@ -98,14 +109,20 @@ class _LinearFunction(torch.autograd.Function):
     def _forward(ctx, x, weight, bias, plan: _Plan, out_dtype: torch.dtype):
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)
+        k = min(plan.recipe.outlier_channels, in_features) if x2.shape[0] else 0
+        xf, wf, high = (x2, weight, None) if not k else _outlier_split(x2, weight, k)
         if plan.forward_rht:  # both along K by the same orthogonal T: (x T)(W T)ᵀ = x Wᵀ
-            xq = plan.quantize("input", plan.transform(x2))
-            wq = plan.quantize("weight", plan.transform(weight))
+            xq = plan.quantize("input", plan.transform(xf))
+            wq = plan.quantize("weight", plan.transform(wf))
         else:
-            xq = plan.quantize("input", x2)
+            xq = plan.quantize("input", xf)
+            if isinstance(weight, GatheredWeight) and k:
+                raise MinifloatError("outlier_channels needs the high-precision weight; FSDP2's FP8 all-gather holds codes only")
             # FSDP2 gathered it as codes and scales (`minifloat.nn.all_gather`): those are the packed weight
-            wq = weight.quantized() if isinstance(weight, GatheredWeight) else plan.quantize("weight", weight)
+            wq = weight.quantized() if isinstance(weight, GatheredWeight) else plan.quantize("weight", wf)
         out = scaled_mm(xq, wq, backend=plan.backend)
+        if high is not None:
+            out += high
         if bias is not None:
             out += bias.float()
         # _unsafe_view: the result owns its storage, so it is not reported as a view (FSDP2
@@ -118,8 +135,8 @@ class _LinearFunction(torch.autograd.Function):
         # The weight-gradient GEMM needs the input quantized along the tokens: keep it packed.
         if not ctx.needs_input_grad[1]:
             ctx.xt = None
-        elif plan.per_tensor:
-            ctx.xt = xq
+        elif plan.per_tensor:  # the whole input (the forward's held the outlier channels out)
+            ctx.xt = plan.quantize("input", x2, record=False) if k else xq
         else:
             xt = kernels.contiguous(x2.t())
             if plan.rht:
@@ -127,7 +144,8 @@ class _LinearFunction(torch.autograd.Function):
             ctx.xt = plan.quantize("input", xt, record=False)
         # The input-gradient GEMM needs the weight along out_features: reuse it when the
         # quantization does not depend on the orientation, else requantize in backward.
-        ctx.wq = wq if (plan.per_tensor or plan.recipe.weight_2d) and not plan.forward_rht else None
+        # (not when outlier channels were taken out of it: the backward quantizes the whole weight)
+        ctx.wq = wq if (plan.per_tensor or plan.recipe.weight_2d) and not plan.forward_rht and not k else None
         ctx.save_for_backward(weight)
         return out
 
@@ -218,8 +236,10 @@ class Linear(torch.nn.Linear):
         return (_OPAQUE or _opaque())(self, x)  # _opaque(): a Linear unpickled in a fresh process
 
     def extra_repr(self) -> str:
-        name = next((k for k, v in RECIPES.items() if v == self.recipe), type(self.recipe).__name__)
-        return f"{super().extra_repr()}, recipe={name}"
+        k = self.recipe.outlier_channels
+        plain = self.recipe.replace(outlier_channels=0) if k else self.recipe
+        name = next((n for n, v in RECIPES.items() if v == plain), type(self.recipe).__name__)
+        return f"{super().extra_repr()}, recipe={name}" + (f", outlier_channels={k}" if k else "")
 
     def _apply(self, fn, recurse=True):
         # The delayed-scaling state stays float32 whatever dtype the model is cast to (as TE's

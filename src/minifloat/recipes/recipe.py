@@ -28,6 +28,13 @@ A recipe is a frozen value, built by name (`get_recipe("mxfp8")`) or by hand, JS
   random Hadamard transform on the weight-gradient GEMM's operands and stochastic rounding of
   gradients; each switchable.
 
+Every recipe takes `outlier_channels` (k, default 0): in each forward GEMM the k input channels of
+largest magnitude are taken out of both operands' quantization and multiplied in BF16 (TetraJet-v2's
+OutControl, arXiv 2510.27527; OSC, arXiv 2604.12782): an outlier channel no longer sets the scale
+of the block it shares with 15 (NVFP4) or 31 (MX) ordinary values. The backward GEMMs quantize along
+out_features and the tokens, where a channel's values share no block with other channels, and are
+unchanged.
+
 Example:
     >>> r = get_recipe("fp8")
     >>> r.scheme("input").element, r.scheme("grad_output").element, r.amax_history_len
@@ -61,6 +68,12 @@ class Recipe:
     """Base of every recipe: the scheme per operand role, and how it is applied."""
 
     kind: ClassVar[str] = ""
+    outlier_channels: int = 0  # the forward GEMM's input channels multiplied in BF16 (module docstring)
+
+    def __post_init__(self) -> None:
+        k = self.outlier_channels
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise MinifloatError(f"{type(self).__name__}(outlier_channels=...) takes a whole number of channels ≥ 0, got {k!r}")
 
     def scheme(self, role: str) -> Scheme:
         """The scheme that quantizes operand `role` along a GEMM's reduction dimension
@@ -126,6 +139,7 @@ class DelayedScaling(Recipe):
     interval: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _fp8_schemes(self.format, "input", self.margin)  # validates both
         if self.amax_history_len < 1:
             raise MinifloatError(f"amax_history_len must be ≥ 1, got {self.amax_history_len}")
@@ -153,6 +167,7 @@ class CurrentScaling(Recipe):
     margin: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _fp8_schemes(self.format, "input", self.margin)  # validates both
 
     def _scheme(self, role: str) -> Scheme:
@@ -167,6 +182,7 @@ class Float8BlockScaling(Recipe):
     format: str = "e4m3"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _fp8_schemes(self.format, "input", 0)
 
     def _scheme(self, role: str) -> Scheme:
@@ -207,6 +223,7 @@ class MXScaling(Recipe):
     high_precision_last: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("rht", "forward_rht", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise MinifloatError(f"MXScaling({name}=...) takes True or False, got {getattr(self, name)!r}")
@@ -246,6 +263,7 @@ class NVFP4BlockScaling(Recipe):
     four_over_six: bool = False  # per block, scale the amax to 6 or 4, whichever errs less (Scheme.scale_rule)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("rht", "stochastic_rounding", "weight_2d_blocks", "four_over_six"):
             if not isinstance(getattr(self, name), bool):
                 raise MinifloatError(f"NVFP4BlockScaling({name}=...) takes True or False, got {getattr(self, name)!r}")

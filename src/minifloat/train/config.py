@@ -13,7 +13,7 @@ from minifloat.errors import MinifloatError
 from minifloat.models.gpt import get_config
 from minifloat.nn.rounded import HIGH_PRECISIONS
 from minifloat.optim.states import MASTERS, STATE_FORMATS
-from minifloat.recipes import RECIPES
+from minifloat.recipes import RECIPES, Recipe, get_recipe
 
 PRECISIONS = HIGH_PRECISIONS + tuple(RECIPES)
 # What the frozen base of a LoRA run is held in (`precision` names it): the high precisions as
@@ -85,6 +85,9 @@ class TrainConfig:
     # The last fraction of the steps trained in BF16 (every GEMM of a recipe's Linears), as NVIDIA's
     # NVFP4 pretraining closes what is left of its gap ("precision switching"); 0: the recipe throughout
     precision_switch: float = 0.0
+    # In each forward GEMM of a recipe's Linears, this many input channels of largest magnitude are
+    # multiplied in BF16 instead of the recipe's format (`Recipe.outlier_channels`; 0: off)
+    outlier_channels: int = 0
     fsdp: bool = False
     fp8_all_gather: bool = False  # FSDP2 gathers the quantized Linear weights as codes and scales (fp8-current, mxfp8)
     telemetry_every: int = 10  # steps between amax/scale/saturation records (0: off)
@@ -120,6 +123,7 @@ class TrainConfig:
         if self.precision not in PRECISIONS and not (self.lora_rank and self.precision in BASE_FORMATS):
             raise MinifloatError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         self._check_switch()
+        self._check_outliers()
         if self.pretrained is not None:  # the model's own context bounds seq_len, checked where it is loaded
             if self.seq_len is None:
                 object.__setattr__(self, "seq_len", 128)
@@ -208,6 +212,23 @@ class TrainConfig:
         if f and self.fp8_all_gather:
             raise MinifloatError("--precision-switch trains its last steps on the BF16 weights, which --fp8-all-gather "
                                  "gathers as FP8 codes: pass one of them")  # fmt: skip
+
+    def _check_outliers(self) -> None:
+        k = self.outlier_channels
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise MinifloatError(f"--outlier-channels is a whole number of input channels ≥ 0, got {k!r}")
+        if k and (self.lora_rank or self.precision not in RECIPES):
+            raise MinifloatError(f"--outlier-channels takes input channels out of a low-precision recipe's forward GEMMs; "
+                                 f"--precision {self.precision}{' with --lora' if self.lora_rank else ''} trains no "
+                                 f"recipe's GEMMs (use it with a full fine-tune in nvfp4, mxfp4, …)")  # fmt: skip
+        if k and self.fp8_all_gather:
+            raise MinifloatError("--outlier-channels multiplies its channels from the BF16 weights, which --fp8-all-gather "
+                                 "gathers as FP8 codes: pass one of them")  # fmt: skip
+
+    def recipe(self) -> Recipe:
+        """The recipe that `precision` names, with `outlier_channels` (a recipe precision only)."""
+        recipe = get_recipe(self.precision)
+        return recipe.replace(outlier_channels=self.outlier_channels) if self.outlier_channels else recipe
 
     def switch_step(self) -> int:
         """The first step trained in BF16 under `precision_switch` (`steps` when there is none): the

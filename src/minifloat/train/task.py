@@ -95,7 +95,7 @@ def build_gpt(c: TrainConfig) -> GPT:
         return (c.quantize_head or fqn != "lm_head") and not any(fqn.startswith(h) for h in high)
 
     if c.precision in RECIPES:
-        convert(model, c.precision, filter=keep)
+        convert(model, c.recipe(), filter=keep)
     else:
         rounded.to_high_precision(model, c.precision, keep)
     return bf16_parameters(model) if c.master != "fp32" else model
