@@ -110,14 +110,14 @@ class _LinearFunction(torch.autograd.Function):
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)
         k = min(plan.recipe.outlier_channels, in_features) if x2.shape[0] else 0
+        if k and isinstance(weight, GatheredWeight):
+            raise MinifloatError("outlier_channels needs the high-precision weight; FSDP2's FP8 all-gather holds codes only")
         xf, wf, high = (x2, weight, None) if not k else _outlier_split(x2, weight, k)
         if plan.forward_rht:  # both along K by the same orthogonal T: (x T)(W T)ᵀ = x Wᵀ
             xq = plan.quantize("input", plan.transform(xf))
             wq = plan.quantize("weight", plan.transform(wf))
         else:
             xq = plan.quantize("input", xf)
-            if isinstance(weight, GatheredWeight) and k:
-                raise MinifloatError("outlier_channels needs the high-precision weight; FSDP2's FP8 all-gather holds codes only")
             # FSDP2 gathered it as codes and scales (`minifloat.nn.all_gather`): those are the packed weight
             wq = weight.quantized() if isinstance(weight, GatheredWeight) else plan.quantize("weight", wf)
         out = scaled_mm(xq, wq, backend=plan.backend)
