@@ -473,7 +473,7 @@ def test_a_precision_switch_trains_and_validates_its_last_steps_in_bf16(tmp_path
     for value in (1.0, -0.1, float("nan")):
         with pytest.raises(minifloat.MinifloatError, match=r"--precision-switch is the fraction of the steps trained in BF16"):
             _cfg(precision="nvfp4", precision_switch=value)
-    with pytest.raises(minifloat.MinifloatError, match="--precision bf16 is not a recipe"):
+    with pytest.raises(minifloat.MinifloatError, match="--precision bf16 trains no recipe's GEMMs"):
         _cfg(precision="bf16", precision_switch=0.1)
     with pytest.raises(minifloat.MinifloatError, match="--precision-switch trains its last steps on the BF16 weights"):
         _cfg(precision="fp8-current", precision_switch=0.1, fsdp=True, fp8_all_gather=True)
@@ -481,7 +481,7 @@ def test_a_precision_switch_trains_and_validates_its_last_steps_in_bf16(tmp_path
         with pytest.raises(minifloat.MinifloatError, match=rf"--precision-switch {value} of --steps {steps} switches"):
             _cfg(precision="nvfp4", precision_switch=value, steps=steps)
     assert _cfg(precision="nvfp4", precision_switch=0.1, steps=6).switch_step() == 5  # round(0.6): one step
-    with pytest.raises(minifloat.MinifloatError, match="a LoRA run's base is frozen"):
+    with pytest.raises(minifloat.MinifloatError, match="--precision nvfp4 with --lora trains no recipe's GEMMs"):
         TrainConfig(pretrained="m", steps=1, lora_rank=4, precision="nvfp4", precision_switch=0.1)
 
 

@@ -198,32 +198,33 @@ class TrainConfig:
         f = self.precision_switch
         if not (isinstance(f, int | float) and math.isfinite(f) and 0 <= f < 1):
             raise MinifloatError(f"--precision-switch is the fraction of the steps trained in BF16 at the end, in [0, 1), got {f!r}")
-        if f and self.lora_rank:
-            raise MinifloatError("--precision-switch moves a recipe's training to BF16 for its last steps; a LoRA run's "
-                                 "base is frozen and its adapters train in high precision: drop it, or fine-tune fully")  # fmt: skip
-        if f and self.precision not in RECIPES:
-            raise MinifloatError(f"--precision-switch moves a low-precision recipe's training to BF16 for its last steps; "
-                                 f"--precision {self.precision} is not a recipe (use it with fp8, mxfp8, nvfp4, mxfp4, …)")  # fmt: skip
+        if f:
+            self._check_recipe_option("--precision-switch", "moves a recipe's training to BF16 for its last steps",
+                                      "trains its last steps on")  # fmt: skip
         switched = round(f * self.steps)
         if f and self.steps >= 1 and not 0 < switched < self.steps:
             raise MinifloatError(f"--precision-switch {f} of --steps {self.steps} switches {switched} steps to BF16; it must "
                                  f"leave at least one step of each: pass a fraction between {1 / self.steps:.3g} and "
                                  f"{1 - 1 / self.steps:.3g}, or 0 for none")  # fmt: skip
-        if f and self.fp8_all_gather:
-            raise MinifloatError("--precision-switch trains its last steps on the BF16 weights, which --fp8-all-gather "
-                                 "gathers as FP8 codes: pass one of them")  # fmt: skip
 
     def _check_outliers(self) -> None:
         k = self.outlier_channels
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise MinifloatError(f"--outlier-channels is a whole number of input channels ≥ 0, got {k!r}")
-        if k and (self.lora_rank or self.precision not in RECIPES):
-            raise MinifloatError(f"--outlier-channels takes input channels out of a low-precision recipe's forward GEMMs; "
-                                 f"--precision {self.precision}{' with --lora' if self.lora_rank else ''} trains no "
-                                 f"recipe's GEMMs (use it with a full fine-tune in nvfp4, mxfp4, …)")  # fmt: skip
-        if k and self.fp8_all_gather:
-            raise MinifloatError("--outlier-channels multiplies its channels from the BF16 weights, which --fp8-all-gather "
-                                 "gathers as FP8 codes: pass one of them")  # fmt: skip
+        if k:
+            self._check_recipe_option("--outlier-channels", "takes input channels out of a recipe's forward GEMMs",
+                                      "multiplies its channels from")  # fmt: skip
+
+    def _check_recipe_option(self, option: str, does: str, reads: str) -> None:
+        """An `option` that changes how a recipe's GEMMs compute, set: a LoRA run (whose base is frozen and
+        whose adapters train in high precision) and a high precision have no such GEMMs, and
+        `fp8_all_gather` gathers the weights it `reads` from the BF16 copy of as FP8 codes."""
+        if self.lora_rank or self.precision not in RECIPES:
+            raise MinifloatError(f"{option} {does}; --precision {self.precision}{' with --lora' if self.lora_rank else ''} "
+                                 f"trains no recipe's GEMMs (use it in a full fine-tune with fp8, mxfp8, nvfp4, mxfp4, …)")  # fmt: skip
+        if self.fp8_all_gather:
+            raise MinifloatError(f"{option} {reads} the BF16 weights, which --fp8-all-gather gathers as FP8 codes: "
+                                 "pass one of them")  # fmt: skip
 
     def recipe(self) -> Recipe:
         """The recipe that `precision` names, with `outlier_channels` (a recipe precision only)."""
