@@ -221,7 +221,7 @@ class TrainConfig:
         `fp8_all_gather` gathers the weights it `reads` from the BF16 copy of as FP8 codes."""
         if self.lora_rank or self.precision not in RECIPES:
             raise MinifloatError(f"{option} {does}; --precision {self.precision}{' with --lora' if self.lora_rank else ''} "
-                                 f"trains no recipe's GEMMs (use it in a full fine-tune with fp8, mxfp8, nvfp4, mxfp4, …)")  # fmt: skip
+                                 f"trains no recipe's GEMMs (use it with a recipe, fully trained: fp8, mxfp8, nvfp4, mxfp4, …)")  # fmt: skip
         if self.fp8_all_gather:
             raise MinifloatError(f"{option} {reads} the BF16 weights, which --fp8-all-gather gathers as FP8 codes: "
                                  "pass one of them")  # fmt: skip
