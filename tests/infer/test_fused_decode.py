@@ -212,8 +212,17 @@ def test_bench_decode_times_both_steps_and_profiles_them(tmp_path, capsys):
         assert set(r["ms"]) == {"gemv", "attention", "norms_rope_activations", "python_dispatch"}
         assert r["ms"]["gemv"] > 0 and r["ms"]["attention"] > 0
         assert sum(r["ms"].values()) == pytest.approx(r["ms_per_token"], rel=1e-9)  # the kinds add up to the wall time
+    verify = out["weights"]["verify"]  # --verify-rows' default: 1, 2, 4, 8, 16 rows in one forward per run
+    assert [(r["of"], r["rows"]) for r in verify] == [(f"{c} {s}", m) for c, s in runs for m in (1, 2, 4, 8, 16)]
+    for r in verify:
+        one = next(o for o in verify if o["of"] == r["of"] and o["rows"] == 1)
+        assert r["ms"] > 0 and r["vs_one_row"] == pytest.approx(r["ms"] / one["ms"])
     assert main(["bench", "decode", str(tmp_path / "tiny.gguf"), "--decode-steps", "compiled"]) == 2
     assert "--decode-steps 'compiled': use some of auto, fused, eager" in capsys.readouterr().err
+    for bad, says in [("0,2", "--verify-rows takes comma-separated positive integers"),
+                      ("4096", "--verify-rows 4096: a 16-token prompt and 4096 rows pass the model's context")]:  # fmt: skip
+        assert main(["bench", "decode", str(tmp_path / "tiny.gguf"), "--verify-rows", bad]) == 2
+        assert says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (2, 1)])  # head_dim 16, and 32 (AVX-512's attention in registers)

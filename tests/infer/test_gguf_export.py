@@ -368,13 +368,17 @@ def test_bench_decode_times_llama_cpp_beside_minifloat(tiny, tmp_path, capsys):
     pytest.importorskip("llama_cpp")
     assert main(["bench", "decode", str(tiny), "--llamacpp", "--llamacpp-python", sys.executable, "--out", str(tmp_path / "b"),
                  "--weights", "fp32,nvfp4-weight-only", "--decode-steps", "fused", "--drafts", "", "--kv-formats", "",
-                 "--gemv", "", "--windows", "2", "--new-tokens", "6", "--reps", "1", "--json"]) == 0  # fmt: skip
+                 "--gemv", "", "--windows", "2", "--new-tokens", "6", "--reps", "1", "--verify-rows", "1,4",
+                 "--json"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)["weights"]
     assert [r["file"] for r in out["llamacpp"]] == ["F32", "Q4_0"] and all(r["tokens_per_s"] > 0 for r in out["llamacpp"])
     fp32, fp4 = out["runs"]
     assert (fp32["llamacpp_file"], fp4["llamacpp_file"]) == ("F32", "Q4_0")
     assert fp32["vs_llamacpp"] == fp32["tokens_per_s"] / out["llamacpp"][0]["tokens_per_s"]
     assert fp4["decode_step"] == "fused" and fp4["vs_llamacpp"] > 0
+    rows = {(r["of"], r["rows"]) for r in out["verify"]}  # the same verification forward in llama.cpp's files
+    assert {("llama.cpp F32", 4), ("llama.cpp Q4_0", 4), ("nvfp4-weight-only fused", 4)} <= rows
+    assert all(r["ms"] > 0 for r in out["verify"])
 
 
 @pytest.mark.parametrize("package", ["gguf", "transformers"])

@@ -31,6 +31,17 @@ def _dims(example: str, what: str):
     return parse
 
 
+def _counts(text: str, option: str) -> list[int]:
+    """Comma-separated positive integers, in the order given ('' or spaces alone: none)."""
+    try:
+        counts = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        counts = [0]
+    if any(c < 1 for c in counts):
+        raise MinifloatError(f"{option} takes comma-separated positive integers, e.g. 1,2,4; got {text!r}")
+    return counts
+
+
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
     """A terminal table cell (`minifloat.report.table.cell`), '-' when there is no figure."""
     return cell(v, spec, missing="-", suffix=suffix)
@@ -60,6 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode: llama.cpp's own F32 / Q8_0 / Q4_0 files of the .gguf MODEL decode the same prompts in the "
                         "same interleaved rounds (llama-cpp-python's venv: --llamacpp-python, --build-venv; files in --out; "
                         "--threads for both)")
+    p.add_argument("--verify-rows", default="1,2,4,8,16",
+                   help="decode: comma-separated M: one forward of M tokens after a prompt, every row's logits (a speculative "
+                        "verification of M − 1 drafted tokens), timed for each of --weights (and llama.cpp's files with "
+                        "--llamacpp) against one row ('' for none)")
     p.add_argument("--gemv", default="2048x8192", help="decode: comma-separated KxN decode GEMVs to time against torch's int4 / int8 kernels ('' for none)")
     p.add_argument("--kv-formats", default=None,
                    help="decode: comma-separated KV caches, FORMAT[+RECENT][@OPTION…] with OPTION hadamard, hadamard-kv, "
@@ -256,7 +271,13 @@ def _decode(args: argparse.Namespace) -> int:
             raise MinifloatError(f"--llamacpp makes llama.cpp's files from a .gguf model; {args.model} is not one")
         python = llamacpp.build_venv(progress=print) if args.build_venv else llamacpp.llamacpp_python(args.llamacpp_python)
         llama = (python, args.out)
-    gemvs = [_gemv_shape(s.strip()) for s in args.gemv.split(",") if s.strip()]
+    try:
+        gemvs = [_gemv_shape(s.strip()) for s in args.gemv.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as err:
+        raise MinifloatError(f"--gemv: {err}") from None
+    counts = sorted(set(_counts(args.verify_rows, "--verify-rows")) | {1})
+    contexts = _counts(args.contexts, "--contexts")
+    ks = _counts(args.draft_tokens, "--draft-tokens")
     import torch
 
     device = torch.device(args.device or "cpu")
@@ -269,11 +290,9 @@ def _decode(args: argparse.Namespace) -> int:
 
     for f in formats:  # a bad name fails before the model runs
         parse_kv_spec(f)
-    contexts = [int(c) for c in args.contexts.split(",")]
     bad = [c for c in contexts if not 17 < c <= context]
     if bad:
         raise MinifloatError(f"--contexts {bad[0]}: each must be in (17, {context}] (the model's context)")
-    ks = [int(k) for k in args.draft_tokens.split(",") if k.strip()]
     drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
     for d in drafts:  # a bad name fails before the model runs
         check_draft(d)
@@ -282,13 +301,18 @@ def _decode(args: argparse.Namespace) -> int:
     echo = (lambda s: None) if args.json else print
     out = {}
     prompts = [text[s : s + 16].reshape(1, -1).to(device) for s in range(0, len(text) - 16, max((len(text) - 16) // args.windows, 1))][: args.windows]
+    verify = None
+    if args.verify_rows.strip():
+        if 16 + counts[-1] > context:
+            raise MinifloatError(f"--verify-rows {counts[-1]}: a 16-token prompt and {counts[-1]} rows pass the model's context of {context}")
+        verify = (text[16 : 16 + counts[-1]].reshape(1, -1).to(device), counts)
     if weights:
         new = min(args.new_tokens, context - 16)
         echo(f"greedy decoding per weight format, {len(prompts)} prompts × {new} tokens, "
              f"{'head quantized too' if args.quantize_head else 'head in float'}, FP32 KV cache:")  # fmt: skip
         out["weights"] = decode.weight_speed(args.model, prompts, weights, new_tokens=new, quantize_head=args.quantize_head,
                                              device=device, decode_steps=steps, repeats=args.reps or 3, llamacpp=llama,
-                                             threads=args.threads if args.llamacpp else None, echo=echo)  # fmt: skip
+                                             threads=args.threads if args.llamacpp else None, verify=verify, echo=echo)  # fmt: skip
     if args.profile:
         from minifloat.infer import quantize_model
 

@@ -418,6 +418,32 @@ T512 static inline __attribute__((always_inline)) __m512 e8m0_512(__m128i raw) {
     return _mm512_castsi512_ps(bits);
 }
 
+/* One 128-column NVFP4 chunk (rows_fused512's wide loop) against RN ≤ 2 rows of x: per row, each
+ * lane's 8 products summed unscaled (even q, odd q: two sums of 4) and the two sums multiplied by
+ * the lane's block scale `sv` into acc[r][2h], acc[r][2h + 1] — the same operations in the same
+ * order for every row, whatever rows share the call. */
+T512 static inline __attribute__((always_inline)) void
+nvfp4_rows128(const float *xx, int64_t xs, __m512i b, __m512 t4, __m512 v0, __m512 v1, __m512 sv, __m512 acc[][4],
+              int h, const int RN) {
+    __m512 p0[2], p1[2];
+    for (int r = 0; r < RN; r++) {
+        p0[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs), v0);
+        p1[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs + 16), v1);
+    }
+    for (int q = 2; q < 8; q += 2) {
+        const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q + 4), t4);
+        for (int r = 0; r < RN; r++) {
+            p0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), w0, p0[r]);
+            p1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q + 16), w1, p1[r]);
+        }
+    }
+    for (int r = 0; r < RN; r++) {
+        acc[r][2 * h] = _mm512_fmadd_ps(p0[r], sv, acc[r][2 * h]);
+        acc[r][2 * h + 1] = _mm512_fmadd_ps(p1[r], sv, acc[r][2 * h + 1]);
+    }
+}
+
 /* Rows n0 … n1 - 1 of W against R rows of x: what does not depend on the row made once (a row
  * of a small layer is a few hundred cycles of work; its setup cost about as much again). */
 T512 static inline __attribute__((always_inline)) void
@@ -439,9 +465,9 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
              * (the shuffle unit bounds these loops). Lane i's block is i / 2 in every vector, so each
              * lane sums its 8 products unscaled (even q, odd q: two sums of 4) and one scale vector
              * (a permute of 16 decoded scales) multiplies the two sums: s·Σ x·v for Σ x·(v·s), one
-             * rounding more per 4 products, no multiply per weight (1-2 rows of x; more: the scaled
-             * values, a multiply shared by the rows). x is in the same order, and |x| ≤ 2^100
-             * (mf_gemv checks), so no unscaled sum overflows. */
+             * rounding more per 4 products, no multiply per weight (`nvfp4_rows128`, two rows of x at a
+             * time). x is in the same order, and
+             * |x| ≤ 2^100 (mf_gemv checks), so no unscaled sum overflows. */
             const uint8_t *sc = (const uint8_t *)a->scales + t0;
             const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
             const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -452,33 +478,10 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
                     const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * h)), S);
                     const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * h) / 2));
                     const float *xx = xp + j + 128 * h;
-                    if (R > 2) { /* 3-4 rows of x: the scaled values, each multiply shared by the rows (two
-                                  * unscaled sums per row would not fit the registers beside their accumulators) */
-                        for (int q = 0; q < 8; q++) {
-                            const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4), sv);
-                            for (int r = 0; r < R; r++)
-                                acc[r][q & 3] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), v, acc[r][q & 3]);
-                        }
-                        continue;
-                    }
-                    __m512 p0[2], p1[2];
                     const __m512 v0 = _mm512_permutexvar_ps(b, t4), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t4);
-                    for (int r = 0; r < R; r++) {
-                        p0[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs), v0);
-                        p1[r] = _mm512_mul_ps(_mm512_loadu_ps(xx + r * xs + 16), v1);
-                    }
-                    for (int q = 2; q < 8; q += 2) {
-                        const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q), t4);
-                        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * q + 4), t4);
-                        for (int r = 0; r < R; r++) {
-                            p0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q), w0, p0[r]);
-                            p1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xx + r * xs + 16 * q + 16), w1, p1[r]);
-                        }
-                    }
-                    for (int r = 0; r < R; r++) {
-                        acc[r][2 * h] = _mm512_fmadd_ps(p0[r], sv, acc[r][2 * h]);
-                        acc[r][2 * h + 1] = _mm512_fmadd_ps(p1[r], sv, acc[r][2 * h + 1]);
-                    }
+                    nvfp4_rows128(xx, xs, b, t4, v0, v1, sv, acc, h, R < 2 ? R : 2);
+                    if (R > 2) /* rows 3-4: the lookups made again (their sums would not fit beside the first two's) */
+                        nvfp4_rows128(xx + 2 * xs, xs, b, t4, v0, v1, sv, acc + 2, h, R - 2);
                 }
             }
             j = k128;
@@ -593,7 +596,9 @@ int mf_gemv(const gemv_args_t *a) {
     /* NVFP4 (16-column blocks, E4M3 scales) decoding one row of x on AVX-512: whole 128-column
      * chunks by shifts of 64 loaded bytes (see rows_fused512), x in their order */
     int wide = MF_X86 && a->isa == ISA_AVX512 && a->kind == K_FP4 && lb == 4 && a->sfmt == SF_E4M3;
-    if (wide) { /* its unscaled block sums need |x| ≤ 2^100 (a NaN or inf fails too): the bits, as integers */
+    if (wide) { /* its unscaled block sums need |x| ≤ 2^100 (a NaN or inf fails too): the bits, as integers; a
+                 * call with such a row takes the scaled path for all its rows (the one case where a row's
+                 * result depends on the others: a single step of another row would have summed unscaled) */
         const uint32_t *xb = (const uint32_t *)a->x;
         uint32_t over = 0;
         for (int64_t i = 0; i < M * K; i++) over |= (xb[i] & 0x7FFFFFFFu) > 0x71800000u;

@@ -4,7 +4,9 @@ costs, and what an FP4 draft buys.
 Weight formats (`weight_speed`): per PTQ config, the model quantized in memory (the LM head too,
 by default) generates greedily from held-out prompts; tokens/s, the weight bytes one token reads
 (every Linear's codes and scales once, a tied table once), the bound those bytes set at the read
-bandwidth measured in the same run (`read_bandwidth`), and the ratio to FP32 tokens/s.
+bandwidth measured in the same run (`read_bandwidth`), and the ratio to FP32 tokens/s. With verification rows, the same rounds also time one forward of M
+tokens after a prompt, every row's logits computed (a speculative verification of M − 1 drafted
+tokens), against one row: what k drafted tokens cost the target, here and in llama.cpp.
 `gemv_peers` times one decode GEMV per shape, interleaved: FP32, minifloat's decode kernels
 and torch's own int4 / int8 weight-only CPU kernels (the peer; bfloat16 activations, the
 dtype their fast paths take, and float32).
@@ -34,8 +36,9 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.infer import generate, load_model, quantize_model
 from minifloat.infer.evaluation.metrics import Quality
-from minifloat.infer.generation.decoding import device_of, draft_model
+from minifloat.infer.generation.decoding import decode_cache, device_of, draft_model, forward
 from minifloat.infer.generation.kvcache import parse_kv_spec
+from minifloat.infer.generation.kvspec import KVSpec
 
 WEIGHT_CONFIGS = ("fp32", "fp8-weight-only", "mxfp4-weight-only", "nvfp4-weight-only")
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
@@ -265,6 +268,36 @@ def profile_decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int = 32
             "share": {k: v / (1e3 * wall / steps) for k, v in per.items()}}  # fmt: skip
 
 
+@torch.no_grad()
+def verify_seconds(model, prompt: torch.Tensor, following: torch.Tensor, rows: Sequence[int], *,
+                   decode_step: str = "auto", kv_cache: str = "fp32") -> dict[int, float]:  # fmt: skip
+    """Per M in `rows`, the seconds of one forward of the first M tokens of `following` (1, ≥ M)
+    after `prompt` (1, P), every row's logits computed — what a speculative verification of M − 1
+    drafted tokens costs the target —, the cache cut back to the prompt before each."""
+    name, options = parse_kv_spec(kv_cache)
+    cache = decode_cache(model, KVSpec(format=name, **options), prompt.shape[1] + max(rows), decode_step=decode_step,
+                         slack=max(rows))  # fmt: skip
+    forward(model, prompt, cache, last=1)
+    start, seconds = cache.length(), {}
+    for m in rows:
+        cache.truncate(start)
+        t0 = time.perf_counter()
+        forward(model, following[:, :m], cache, last=m)
+        seconds[m] = time.perf_counter() - t0
+    return seconds
+
+
+def _ids(t: torch.Tensor) -> str:
+    """Token ids as `llamacpp_peer.py` takes them: ``1,2,3``."""
+    return ",".join(str(int(x)) for x in t.reshape(-1).tolist())
+
+
+def _rows_table(label: str, best: dict[int, float]) -> list[dict]:
+    """`best` seconds per row count as rows of the verification table (× one row's time)."""
+    one = best[min(best)]
+    return [{"rows": m, "ms": 1e3 * s, "vs_one_row": s / one, "of": label} for m, s in sorted(best.items())]
+
+
 LLAMACPP_PAIRS = {"fp32": "F32", "fp8-weight-only": "Q8_0", "mxfp4-weight-only": "Q4_0", "nvfp4-weight-only": "Q4_0"}
 
 
@@ -272,7 +305,7 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
                  new_tokens: int = 32, quantize_head: bool = True, kv_cache: str = "fp32",
                  device: torch.device | str = "cpu", decode_steps: Sequence[str] = ("auto",), repeats: int = 3,
                  llamacpp: tuple[str, str] | None = None, threads: int | None = None,
-                 echo: Callable[[str], None] = print) -> dict:  # fmt: skip
+                 verify: tuple[torch.Tensor, Sequence[int]] | None = None, echo: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Greedy decoding speed per weight config (see the module docstring); ``"fp32"`` is the
     unquantized model, the ratios' baseline. Decode tokens/s count the decode steps alone (the
     tokens after the first over the time after the prefill, as engines report decode speed), the
@@ -280,7 +313,10 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
     llama.cpp file decodes every prompt once. `llamacpp` (the Python of a venv with
     llama-cpp-python, a folder): llama.cpp's own F32 / Q8_0 / Q4_0 files of the .gguf `path`,
     made there by its quantizer, decode the same prompts in the same rounds (`llamacpp_peer.py`),
-    and each config's row gets its ratio to its pair (`LLAMACPP_PAIRS`)."""
+    and each config's row gets its ratio to its pair (`LLAMACPP_PAIRS`). `verify` (the tokens that
+    follow the first prompt, row counts with 1 among them): in the same rounds, `verify_seconds` of
+    every config and step and the same forward in each llama.cpp file (the best of 3 each round),
+    in ``verify`` rows with each count's time over one row's."""
     from minifloat.measure import llamacpp as lc
 
     threads = threads or torch.get_num_threads()
@@ -304,7 +340,8 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
     for cfg, step in runs:  # warm: first calls build plans and tables
         steps_taken[cfg, step] = generate(models[cfg], prompts[0], 4, kv_cache=kv_cache, decode_step=step).decode_step
     best: dict = {}
-    prompt_arg = ";".join(",".join(str(int(t)) for t in p.reshape(-1).tolist()) for p in prompts)
+    verified: dict = {}  # (config, step) or a llama.cpp type -> {rows: best seconds}
+    prompt_arg = ";".join(_ids(p) for p in prompts)
     try:
         for rnd in range(repeats):  # interleaved: a noisy machine slows every run of a round alike
             for cfg, step in runs:
@@ -318,6 +355,17 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
                 r = lc.peer(llamacpp[0], "decode", f, "--prompt", prompt_arg, "--tokens", str(new_tokens), "--repeats", "1",
                             "--threads", str(threads))  # fmt: skip
                 best[t] = max(best.get(t, 0.0), r["tokens_per_s"])
+            if verify is not None:
+                following, counts = verify
+                for cfg, step in runs:
+                    for _ in range(3):
+                        took = verify_seconds(models[cfg], prompts[0], following, counts, decode_step=step, kv_cache=kv_cache)
+                        verified[cfg, step] = {m: min(s, verified.get((cfg, step), {}).get(m, s)) for m, s in took.items()}
+                for t, f in files.items():
+                    r = lc.peer(llamacpp[0], "rows", f, "--prompt", _ids(prompts[0]), "--next", _ids(following[:, : max(counts)]),
+                                "--rows", ",".join(map(str, counts)), "--threads", str(threads))  # fmt: skip
+                    took = {int(m): s for m, s in r["seconds"].items()}
+                    verified[t] = {m: min(s, verified.get(t, {}).get(m, s)) for m, s in took.items()}
             echo(f"  round {rnd + 1}/{repeats} done")
     finally:
         torch.set_num_threads(was_threads)
@@ -339,9 +387,18 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
              f"bound {r['bound_tokens_per_s']:7.1f} tok/s  " + (f"×{r['vs_fp32']:.2f} FP32" if base else "")
              + (f"  llama.cpp {r['llamacpp_file']} {r['llamacpp_tokens_per_s']:.1f} tok/s: ×{r['vs_llamacpp']:.2f}" if "vs_llamacpp" in r else ""))  # fmt: skip
     llama_rows = [{"file": t, "tokens_per_s": best[t], "path": f} for t, f in files.items()]
+    table = []
+    if verify is not None:
+        echo(f"  one forward of M tokens after a {prompts[0].shape[1]}-token prompt, every row's logits (a speculative "
+             "verification of M − 1 drafted tokens), best of 3 a round; ms and × one row:")  # fmt: skip
+        labels = {(cfg, step): f"{cfg} {steps_taken[cfg, step]}" for cfg, step in runs} | {t: f"llama.cpp {t}" for t in files}
+        for key, label in labels.items():
+            part = _rows_table(label, verified[key])
+            table += part
+            echo(f"    {label:<28} " + "  ".join(f"{r['rows']:>2}: {r['ms']:7.2f} ms ×{r['vs_one_row']:.2f}" for r in part))
     return {"read_bandwidth_bytes_per_s": bandwidth, "quantize_head": quantize_head, "new_tokens": new_tokens,
             "prompts": len(prompts), "threads": threads, "repeats": repeats, "kv_cache": kv_cache, "runs": rows,
-            "llamacpp": llama_rows}  # fmt: skip
+            "llamacpp": llama_rows, "verify": table}  # fmt: skip
 
 
 GEMV_SCHEMES = ("nvfp4", "mxfp4", "fp8_rowwise")

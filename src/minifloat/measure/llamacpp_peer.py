@@ -4,12 +4,15 @@ minifloat: `minifloat bench llamacpp` runs this file as a script with that venv'
     PYTHON llamacpp_peer.py quantize SRC DST FTYPE [--threads N]
     PYTHON llamacpp_peer.py ppl FILE --windows windows.npy [--threads N]
     PYTHON llamacpp_peer.py decode FILE --prompt 1,2,3[;4,5,6…] [--tokens 64] [--repeats 3] [--threads N]
+    PYTHON llamacpp_peer.py rows FILE --prompt 1,2,3 --next 4,5,6… --rows 1,2,4 [--repeats 3] [--threads N]
 
 ``quantize``: llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed) to the
 llama_ftype number FTYPE. ``ppl``: the windows of ``windows.npy`` (rows of T + 1 token ids), each
 evaluated from an empty context, every next token scored (llama.cpp's logits, a float64 log-softmax
 here). ``decode``: greedy decoding of ``--tokens`` tokens after each prompt (``;`` between prompts), the
-decode steps timed (the prompts' evaluation not), the best of ``--repeats`` passes over all prompts. Each prints one JSON line. This file imports
+decode steps timed (the prompts' evaluation not), the best of ``--repeats`` passes over all prompts. ``rows``: after the prompt, the first M tokens of ``--next`` in one batch
+with every row's logits (a speculative verification of M − 1 drafted tokens), the cache cut back to
+the prompt before each; the best seconds of ``--repeats`` per M. Each prints one JSON line. This file imports
 nothing from minifloat.
 """
 
@@ -83,6 +86,21 @@ def decode(a) -> dict:
     return {"tokens_per_s": a.tokens * len(prompts) / best, "tokens": tokens}
 
 
+def rows(a) -> dict:
+    prompt, following = ([int(x) for x in s.split(",")] for s in (a.prompt, a.next))
+    counts = [int(m) for m in a.rows.split(",")]
+    llm = _llama(a.file, len(prompt) + max(counts) + 8, a.threads, logits_all=True)
+    llm.eval(prompt)
+    start, best = llm.n_tokens, {}
+    for _ in range(a.repeats):
+        for m in counts:
+            llm.n_tokens = start  # eval drops the cache's positions from n_tokens on first
+            t0 = time.perf_counter()
+            llm.eval(following[:m])
+            best[m] = min(best.get(m, float("inf")), time.perf_counter() - t0)
+    return {"seconds": {str(m): s for m, s in best.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -98,10 +116,16 @@ def main() -> None:
     d.add_argument("--prompt", required=True)
     d.add_argument("--tokens", type=int, default=64)
     d.add_argument("--repeats", type=int, default=3)
-    for s in (q, e, d):
+    r = sub.add_parser("rows")
+    r.add_argument("file")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--next", required=True)
+    r.add_argument("--rows", required=True)
+    r.add_argument("--repeats", type=int, default=3)
+    for s in (q, e, d, r):
         s.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
-    print(json.dumps({"quantize": quantize, "ppl": ppl, "decode": decode}[a.cmd](a)))
+    print(json.dumps({"quantize": quantize, "ppl": ppl, "decode": decode, "rows": rows}[a.cmd](a)))
 
 
 if __name__ == "__main__":
