@@ -20,7 +20,8 @@
  * segments of KC columns, the segment's codes decoded (scaled) into a float buffer in L1, then
  * every row of x multiplied with it. Either way each row of x is summed as it would be alone, so
  * y[m] does not depend on the other rows of the call (a speculative verification's rows equal
- * single steps bit for bit). Within a 32-column chunk a decoder
+ * single steps bit for bit; tests/kernels/test_gemv.py checks every scheme — but a call with a
+ * row beyond 2^100 under NVFP4, which takes the scaled path for all its rows). Within a 32-column chunk a decoder
  * may take the columns in its own order (FP4: even columns, then odd: the two nibbles of a byte;
  * NVFP4 in rows_fused512: 128-column chunks, column 8i + q in lane i of the q-th vector); x is
  * copied once per call into the same order, zero beyond K, so the products pair up. Columns past
