@@ -4,9 +4,10 @@ costs, and what an FP4 draft buys.
 Weight formats (`weight_speed`): per PTQ config, the model quantized in memory (the LM head too,
 by default) generates greedily from held-out prompts; tokens/s, the weight bytes one token reads
 (every Linear's codes and scales once, a tied table once), the bound those bytes set at the read
-bandwidth measured in the same run (`read_bandwidth`), and the ratio to FP32 tokens/s. With verification rows, the same rounds also time one forward of M
-tokens after a prompt, every row's logits computed (a speculative verification of M − 1 drafted
-tokens), against one row: what k drafted tokens cost the target, here and in llama.cpp.
+bandwidth measured in the same run (`read_bandwidth`), and the ratio to FP32 tokens/s. With
+verification rows, the same rounds also time one forward of M tokens after a prompt, every row's
+logits computed (a speculative verification of M − 1 drafted tokens), against one row: what
+drafted tokens cost the target, here and in llama.cpp.
 `gemv_peers` times one decode GEMV per shape, interleaved: FP32, minifloat's decode kernels
 and torch's own int4 / int8 weight-only CPU kernels (the peer; bfloat16 activations, the
 dtype their fast paths take, and float32).

@@ -10,10 +10,11 @@ minifloat: `minifloat bench llamacpp` runs this file as a script with that venv'
 llama_ftype number FTYPE. ``ppl``: the windows of ``windows.npy`` (rows of T + 1 token ids), each
 evaluated from an empty context, every next token scored (llama.cpp's logits, a float64 log-softmax
 here). ``decode``: greedy decoding of ``--tokens`` tokens after each prompt (``;`` between prompts), the
-decode steps timed (the prompts' evaluation not), the best of ``--repeats`` passes over all prompts. ``rows``: after the prompt, the first M tokens of ``--next`` in one batch
-with every row's logits (a speculative verification of M − 1 drafted tokens), the cache cut back to
-the prompt before each; the best seconds of ``--repeats`` per M. Each prints one JSON line. This file imports
-nothing from minifloat.
+decode steps timed (the prompts' evaluation not), the best of ``--repeats`` passes over all prompts.
+``rows``: after the prompt, the first M tokens of ``--next`` in one batch with every row's logits (a
+speculative verification of M − 1 drafted tokens), the cache cut back to the prompt before each; the
+best seconds of ``--repeats`` per M. Each prints one JSON line. This file imports nothing from
+minifloat.
 """
 
 from __future__ import annotations
