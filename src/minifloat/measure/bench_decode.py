@@ -271,20 +271,22 @@ def profile_decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int = 32
 
 @torch.no_grad()
 def verify_seconds(model, prompt: torch.Tensor, following: torch.Tensor, rows: Sequence[int], *,
-                   decode_step: str = "auto", kv_cache: str = "fp32") -> dict[int, float]:  # fmt: skip
-    """Per M in `rows`, the seconds of one forward of the first M tokens of `following` (1, ≥ M)
-    after `prompt` (1, P), every row's logits computed — what a speculative verification of M − 1
-    drafted tokens costs the target —, the cache cut back to the prompt before each."""
+                   decode_step: str = "auto", kv_cache: str = "fp32", repeats: int = 3) -> dict[int, float]:  # fmt: skip
+    """Per M in `rows`, the best of `repeats` seconds of one forward of the first M tokens of
+    `following` (1, ≥ M) after `prompt` (1, P), every row's logits computed — what a speculative
+    verification of M − 1 drafted tokens costs the target —, the cache cut back to the prompt
+    before each."""
     name, options = parse_kv_spec(kv_cache)
     cache = decode_cache(model, KVSpec(format=name, **options), prompt.shape[1] + max(rows), decode_step=decode_step,
                          slack=max(rows))  # fmt: skip
     forward(model, prompt, cache, last=1)
     start, seconds = cache.length(), {}
-    for m in rows:
-        cache.truncate(start)
-        t0 = time.perf_counter()
-        forward(model, following[:, :m], cache, last=m)
-        seconds[m] = time.perf_counter() - t0
+    for _ in range(repeats):
+        for m in rows:
+            cache.truncate(start)
+            t0 = time.perf_counter()
+            forward(model, following[:, :m], cache, last=m)
+            seconds[m] = min(seconds.get(m, float("inf")), time.perf_counter() - t0)
     return seconds
 
 
@@ -358,15 +360,14 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
                 best[t] = max(best.get(t, 0.0), r["tokens_per_s"])
             if verify is not None:
                 following, counts = verify
-                for cfg, step in runs:
-                    for _ in range(3):
-                        took = verify_seconds(models[cfg], prompts[0], following, counts, decode_step=step, kv_cache=kv_cache)
-                        verified[cfg, step] = {m: min(s, verified.get((cfg, step), {}).get(m, s)) for m, s in took.items()}
+                took = {(cfg, step): verify_seconds(models[cfg], prompts[0], following, counts, decode_step=step, kv_cache=kv_cache)
+                        for cfg, step in runs}  # fmt: skip
                 for t, f in files.items():
                     r = lc.peer(llamacpp[0], "rows", f, "--prompt", _ids(prompts[0]), "--next", _ids(following[:, : max(counts)]),
                                 "--rows", ",".join(map(str, counts)), "--threads", str(threads))  # fmt: skip
-                    took = {int(m): s for m, s in r["seconds"].items()}
-                    verified[t] = {m: min(s, verified.get(t, {}).get(m, s)) for m, s in took.items()}
+                    took[t] = {int(m): s for m, s in r["seconds"].items()}
+                for key, secs in took.items():
+                    verified[key] = {m: min(s, verified.get(key, {}).get(m, s)) for m, s in secs.items()}
             echo(f"  round {rnd + 1}/{repeats} done")
     finally:
         torch.set_num_threads(was_threads)
