@@ -21,8 +21,8 @@
  * every row of x multiplied with it. Either way each row of x is summed as it would be alone, so
  * y[m] does not depend on the other rows of the call (a speculative verification's rows equal
  * single steps bit for bit; tests/kernels/test_gemv.py checks every scheme — but a call with a
- * row beyond 2^100 under NVFP4, which takes the scaled path for all its rows). Within a 32-column chunk a decoder
- * may take the columns in its own order (FP4: even columns, then odd: the two nibbles of a byte;
+ * row beyond 2^100 under NVFP4, which takes the scaled path for all its rows). Within a 32-column
+ * chunk a decoder may take the columns in its own order (FP4: even columns, then odd: the two nibbles of a byte;
  * NVFP4 in rows_fused512: 128-column chunks, column 8i + q in lane i of the q-th vector); x is
  * copied once per call into the same order, zero beyond K, so the products pair up. Columns past
  * the last whole chunk are decoded one by one from the value table.
@@ -467,8 +467,8 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
              * lane sums its 8 products unscaled (even q, odd q: two sums of 4) and one scale vector
              * (a permute of 16 decoded scales) multiplies the two sums: s·Σ x·v for Σ x·(v·s), one
              * rounding more per 4 products, no multiply per weight (`nvfp4_rows128`, two rows of x at a
-             * time). x is in the same order, and
-             * |x| ≤ 2^100 (mf_gemv checks), so no unscaled sum overflows. */
+             * time). x is in the same order, and |x| ≤ 2^100 (mf_gemv checks), so no unscaled sum
+             * overflows. */
             const uint8_t *sc = (const uint8_t *)a->scales + t0;
             const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
             const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
