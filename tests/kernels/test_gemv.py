@@ -57,13 +57,13 @@ def test_kernel_equals_the_float64_product_for_every_row_count(name, isa, n, k):
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_each_row_of_a_call_equals_that_row_alone(name, isa):
     """A speculative verification's M rows equal M single decode steps bit for bit: no row's
-    sums depend on the rows beside it (K = 1040 takes NVFP4's 128-column loop with 3-4 rows of
-    x in a group, which once summed them otherwise)."""
+    sums depend on the rows beside it (K = 1168 takes NVFP4's 128-column loop, nine chunks: pairs
+    and a last one, with 3-4 rows of x in a group, which once summed them otherwise)."""
     scheme = SCHEMES[name]
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(70, 1040, generator=g) * torch.exp(torch.randn(70, 1, generator=g))
+    w = torch.randn(70, 1168, generator=g) * torch.exp(torch.randn(70, 1, generator=g))
     parts = quantize_parts(w, scheme)
-    x = torch.randn(16, 1040, generator=g)
+    x = torch.randn(16, 1168, generator=g)
     alone = torch.cat([gemv.matmul(x[i : i + 1], *parts, w.shape, scheme, isa=isa) for i in range(16)])
     for m in range(2, 17):
         assert torch.equal(gemv.matmul(x[:m], *parts, w.shape, scheme, isa=isa), alone[:m]), f"{m} rows"

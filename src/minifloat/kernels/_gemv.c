@@ -473,18 +473,28 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
             const __m512 ts256 = _mm512_set1_ps(a->ts * 256.0f);
             const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
             const int64_t k128 = a->K / 128 * 128;
-            for (; j < k128; j += 256) {
+            /* one 128-column chunk, the H-th of the 256 whose scales S holds (H a constant: each half's
+             * sums, acc[r][2H] and acc[r][2H + 1], stay in registers) */
+#define NVFP4_CHUNK128(H)                                                                                           \
+    do {                                                                                                            \
+        const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * (H))), S);            \
+        const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * (H)) / 2));                            \
+        const float *xx = xp + j + 128 * (H);                                                                       \
+        const __m512 v0 = _mm512_permutexvar_ps(b, t4), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t4);     \
+        nvfp4_rows128(xx, xs, b, t4, v0, v1, sv, acc, (H), R < 2 ? R : 2);                                          \
+        if (R > 2) /* rows 3-4: the lookups made again (their sums would not fit beside the first two's) */         \
+            nvfp4_rows128(xx + 2 * xs, xs, b, t4, v0, v1, sv, acc + 2, (H), R - 2);                                 \
+    } while (0)
+            for (; j + 256 <= k128; j += 256) {
                 const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
-                for (int h = 0; h < 2 && j + 128 * h < k128; h++) {
-                    const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * h)), S);
-                    const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * h) / 2));
-                    const float *xx = xp + j + 128 * h;
-                    const __m512 v0 = _mm512_permutexvar_ps(b, t4), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t4);
-                    nvfp4_rows128(xx, xs, b, t4, v0, v1, sv, acc, h, R < 2 ? R : 2);
-                    if (R > 2) /* rows 3-4: the lookups made again (their sums would not fit beside the first two's) */
-                        nvfp4_rows128(xx + 2 * xs, xs, b, t4, v0, v1, sv, acc + 2, h, R - 2);
-                }
+                NVFP4_CHUNK128(0);
+                NVFP4_CHUNK128(1);
             }
+            if (j < k128) {
+                const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
+                NVFP4_CHUNK128(0);
+            }
+#undef NVFP4_CHUNK128
             j = k128;
         }
         if (a->kind == K_FP4 && lb == 4) {
