@@ -216,7 +216,10 @@ D512 static float dot512(const float *a, const float *b, int64_t n) {
 
 /* Rows n … n + NR − 1 of W (K columns) against R rows of x, NR, R ≤ 4: one accumulator per pair,
  * the columns in order, so a product does not depend on how many rows came with it (a speculative
- * verification's logits equal single steps'). Each 16 columns: NR + R loads for NR · R FMAs. */
+ * verification's logits equal single steps'). Each 16 columns: NR + R loads for NR · R FMAs, and
+ * the same columns of the rows two tiles on asked for ahead (the hardware prefetcher alone left
+ * 2-16 rows of x waiting on memory: SmolLM2's FP32 GEMVs of 16 rows 25 ms against 17.5 with this,
+ * one row 12.3 either way; a prefetch past the end of W is a hint that never faults). */
 D512 static inline __attribute__((always_inline)) void tile512(const float *x, int64_t K, const float *w, float *y,
                                                                int64_t N, const int R, const int NR) {
     __m512 acc[4][4];
@@ -225,6 +228,7 @@ D512 static inline __attribute__((always_inline)) void tile512(const float *x, i
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 wv[4];
+        for (int q = 0; q < NR; q++) _mm_prefetch((const char *)(w + (8 + q) * K + k), _MM_HINT_T0);
         for (int q = 0; q < NR; q++) wv[q] = _mm512_loadu_ps(w + q * K + k);
         for (int r = 0; r < R; r++) {
             const __m512 xv = _mm512_loadu_ps(x + r * K + k);
