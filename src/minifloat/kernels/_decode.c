@@ -326,7 +326,7 @@ static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_
     const int nt = threads_for(m, N * K);
     float *rx = NULL;
     if (l->rot_signs) {
-        if (!(rx = malloc((size_t)(M * K) * sizeof(float)))) return -1;
+        if (!(rx = mf_alloc64((size_t)(M * K) * sizeof(float)))) return -1;
         rotate(l, x, M, rx);
         x = rx;
     }
@@ -1089,7 +1089,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
     (void)fast512;
     const int64_t per_thread = group * PART + d; /* one attention task's scores and row buffer */
     const int64_t np_max = (span + PART - 1) / PART, part_floats = group * (d + 2);
-    float *buf = malloc((size_t)(scratch_floats(m, M) + nt * per_thread + M * nkv * np_max * part_floats) * sizeof(float));
+    float *buf = mf_alloc64((size_t)(scratch_floats(m, M) + nt * per_thread + M * nkv * np_max * part_floats) * sizeof(float));
     if (!buf) return -1;
     float *x = buf, *h = x + M * H, *q = h + M * H, *k = q + M * qd, *v = k + M * kd, *att = v + M * kd;
     float *g = att + M * qd, *u = g + M * big, *sc = u + M * big, *parts = sc + nt * per_thread;

@@ -599,7 +599,7 @@ T512 static void rows_range512(const gemv_args_t *a, int64_t n0, int64_t n1, con
  * per row, `isa` one that mf_gemv_isas reports. Returns 0, or -1 when scratch memory ran out. */
 int mf_gemv(const gemv_args_t *a) {
     const int64_t M = a->M, K = a->K, Kc = (K + CH - 1) / CH * CH;
-    float *xp = malloc((size_t)(M * Kc) * sizeof(float));
+    float *xp = mf_alloc64((size_t)(M * Kc) * sizeof(float));
     if (!xp) return -1;
     int lb = -1; /* blocks 2^lb columns wide, 62 for one per row; -1: neither */
     if (a->ngc == 1) lb = 62;
