@@ -300,6 +300,11 @@ static axpy_t axpy_for(int isa) {
 
 /* ---- the operations ------------------------------------------------------------------------- */
 static int threads_for(const mf_model_t *m, int64_t n) { return n < m->serial_below ? 1 : m->nthreads; }
+/* Threads for each row's own work (norms, RoPE, activations: the same operations on each row, so a
+ * row's results do not depend on the thread): split by rows from 4 rows on. SmolLM2, 2 threads, one
+ * process: 4-16 rows 2-6 % faster (16 rows of FP32 22.0 → 20.7 ms), 1 row unchanged; at 2 rows the
+ * split measured within ±3 % either way. */
+static int row_threads(const mf_model_t *m, int64_t M) { return M < 4 ? 1 : m->nthreads; }
 
 /* Each rot_n-wide group of x (M × K) times T = diag(s) · H / sqrt(rot_n), into out: v ⊙ s, then
  * the butterflies (v[i], v[i + h]) → (v[i] + v[i + h], v[i] − v[i + h]) for h = 1, 2, …, then
@@ -493,6 +498,7 @@ static int moe(const mf_model_t *m, const mf_layer_t *L, const float *h, int64_t
 
 /* the model's norm of each of M rows of x (hidden values) */
 static void norm_rows(const mf_model_t *m, const float *x, const float *w, const float *b, int64_t M, float *out) {
+#pragma omp parallel for num_threads(row_threads(m, M)) schedule(static)
     for (int64_t r = 0; r < M; r++) {
         if (m->norm == NORM_LAYER) layer_norm(x + r * m->hidden, w, b, m->eps, m->hidden, out + r * m->hidden);
         else rms_norm(x + r * m->hidden, w, m->eps, m->hidden, out + r * m->hidden);
@@ -1115,6 +1121,7 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
             break;
         }
         lap(m, &t0, T_GEMV);
+#pragma omp parallel for num_threads(row_threads(m, M)) schedule(static)
         for (int64_t r = 0; r < M; r++) {
             const int64_t p = pos + r;
             const float *tc = rope_cos(m, li), *ts = rope_sin(m, li);
@@ -1198,22 +1205,24 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         }
         lap(m, &t0, T_GEMV);
         const int64_t I = m->gate_up ? L->up.N / 2 : L->up.N; /* this layer's width (a MoE model's dense layers may differ) */
-        if (m->gate_up) /* one product [gate | up] per row: silu(gate) · up, into g */
-            for (int64_t r = 0; r < M; r++)
-                for (int64_t i = 0; i < I; i++) {
-                    const float gt = u[r * 2 * I + i];
-                    g[r * I + i] = gt / (1.0f + expf(-gt)) * u[r * 2 * I + I + i];
-                }
-        else if (gated && m->act == ACT_GELU_TANH) /* GeGLU: gelu_tanh(gate) · up */
-            for (int64_t i = 0; i < M * I; i++) g[i] = gelu_tanh(g[i]) * u[i];
-        else if (gated)
-            for (int64_t i = 0; i < M * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(gate) · up */
-        else if (m->act == ACT_GELU_TANH)
-            for (int64_t i = 0; i < M * I; i++) g[i] = gelu_tanh(u[i]);
-        else if (m->act == ACT_RELU) /* NaN stays NaN, as torch's relu keeps it */
-            for (int64_t i = 0; i < M * I; i++) g[i] = u[i] < 0.0f ? 0.0f : u[i];
-        else
-            for (int64_t i = 0; i < M * I; i++) g[i] = 0.5f * u[i] * (1.0f + erff(u[i] * 0.70710678118654752f)); /* gelu(fc) */
+        const int act = m->gate_up ? -1 : gated && m->act == ACT_GELU_TANH ? 0 : gated ? 1 : m->act == ACT_GELU_TANH ? 2 : m->act == ACT_RELU ? 3 : 4;
+#pragma omp parallel for num_threads(row_threads(m, M)) schedule(static)
+        for (int64_t r = 0; r < M; r++) {
+            float *gr = g + r * I;
+            const float *ur = u + r * (act < 0 ? 2 * I : I);
+            if (act < 0) /* one product [gate | up] per row: silu(gate) · up, into g */
+                for (int64_t i = 0; i < I; i++) gr[i] = ur[i] / (1.0f + expf(-ur[i])) * ur[I + i];
+            else if (act == 0) /* GeGLU: gelu_tanh(gate) · up */
+                for (int64_t i = 0; i < I; i++) gr[i] = gelu_tanh(gr[i]) * ur[i];
+            else if (act == 1)
+                for (int64_t i = 0; i < I; i++) gr[i] = gr[i] / (1.0f + expf(-gr[i])) * ur[i]; /* silu(gate) · up */
+            else if (act == 2)
+                for (int64_t i = 0; i < I; i++) gr[i] = gelu_tanh(ur[i]);
+            else if (act == 3) /* NaN stays NaN, as torch's relu keeps it */
+                for (int64_t i = 0; i < I; i++) gr[i] = ur[i] < 0.0f ? 0.0f : ur[i];
+            else
+                for (int64_t i = 0; i < I; i++) gr[i] = 0.5f * ur[i] * (1.0f + erff(ur[i] * 0.70710678118654752f)); /* gelu(fc) */
+        }
         lap(m, &t0, T_OTHER);
         if (linear(m, &L->down, g, M, h)) {
             rc = -1;
