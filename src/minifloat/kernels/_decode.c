@@ -273,7 +273,7 @@ D512 static inline __attribute__((always_inline)) void tile512(const float *x, i
             for (int q = 0; q < NR; q++) acc[r][q] = _mm512_fmadd_ps(xv, wv[q], acc[r][q]);
         }
     }
-    if (R == 4 && NR == 4) { /* the 16 sums at once (pair1 … pair4 below), element 4q + r: row r, column q */
+    if (R == 4 && NR == 4) { /* the 16 sums at once (pair1 … pair4 above), element 4q + r: row r, column q */
         __m512 s[8], u[4];
         for (int t = 0; t < 8; t++) s[t] = pair1(acc[t >> 1][(2 * t) & 3], acc[t >> 1][(2 * t + 1) & 3]);
         for (int t = 0; t < 4; t++) u[t] = pair2(s[2 * t], s[2 * t + 1]);
