@@ -433,6 +433,24 @@ static void layer_norm(const float *x, const float *w, const float *b, float eps
  * 0.5 u (1 + tanh(√(2/π) (u + 0.044715 u³))) */
 static inline float gelu_tanh(float u) { return 0.5f * u * (1.0f + tanhf(0.7978845608028654f * (u + 0.044715f * u * u * u))); }
 
+/* One row's MLP activation into g (I values): silu(gate) · up — from u's [gate | up] where the model
+ * has one gate-up product, else gate in g and up in u — GeGLU's gelu_tanh(gate) · up, or ungated,
+ * the activation of u. */
+static void activate_row(const mf_model_t *m, int gated, int64_t I, float *g, const float *u) {
+    if (m->gate_up)
+        for (int64_t i = 0; i < I; i++) g[i] = u[i] / (1.0f + expf(-u[i])) * u[I + i];
+    else if (gated && m->act == ACT_GELU_TANH)
+        for (int64_t i = 0; i < I; i++) g[i] = gelu_tanh(g[i]) * u[i];
+    else if (gated)
+        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    else if (m->act == ACT_GELU_TANH)
+        for (int64_t i = 0; i < I; i++) g[i] = gelu_tanh(u[i]);
+    else if (m->act == ACT_RELU) /* NaN stays NaN, as torch's relu keeps it */
+        for (int64_t i = 0; i < I; i++) g[i] = u[i] < 0.0f ? 0.0f : u[i];
+    else
+        for (int64_t i = 0; i < I; i++) g[i] = 0.5f * u[i] * (1.0f + erff(u[i] * 0.70710678118654752f)); /* gelu(fc) */
+}
+
 /* Forward declaration: a Linear's product (below). */
 static int linear(const mf_model_t *m, const mf_lin_t *l, const float *x, int64_t M, float *y);
 
@@ -1248,24 +1266,8 @@ int mf_decode(const mf_model_t *m, const float *x_in, int64_t pos, int64_t M, in
         }
         lap(m, &t0, T_GEMV);
         const int64_t I = m->gate_up ? L->up.N / 2 : L->up.N; /* this layer's width (a MoE model's dense layers may differ) */
-        const int act = m->gate_up ? -1 : gated && m->act == ACT_GELU_TANH ? 0 : gated ? 1 : m->act == ACT_GELU_TANH ? 2 : m->act == ACT_RELU ? 3 : 4;
 #pragma omp parallel for num_threads(row_threads(m, M)) schedule(static)
-        for (int64_t r = 0; r < M; r++) {
-            float *gr = g + r * I;
-            const float *ur = u + r * (act < 0 ? 2 * I : I);
-            if (act < 0) /* one product [gate | up] per row: silu(gate) · up, into g */
-                for (int64_t i = 0; i < I; i++) gr[i] = ur[i] / (1.0f + expf(-ur[i])) * ur[I + i];
-            else if (act == 0) /* GeGLU: gelu_tanh(gate) · up */
-                for (int64_t i = 0; i < I; i++) gr[i] = gelu_tanh(gr[i]) * ur[i];
-            else if (act == 1)
-                for (int64_t i = 0; i < I; i++) gr[i] = gr[i] / (1.0f + expf(-gr[i])) * ur[i]; /* silu(gate) · up */
-            else if (act == 2)
-                for (int64_t i = 0; i < I; i++) gr[i] = gelu_tanh(ur[i]);
-            else if (act == 3) /* NaN stays NaN, as torch's relu keeps it */
-                for (int64_t i = 0; i < I; i++) gr[i] = ur[i] < 0.0f ? 0.0f : ur[i];
-            else
-                for (int64_t i = 0; i < I; i++) gr[i] = 0.5f * ur[i] * (1.0f + erff(ur[i] * 0.70710678118654752f)); /* gelu(fc) */
-        }
+        for (int64_t r = 0; r < M; r++) activate_row(m, gated, I, g + r * I, u + r * (m->gate_up ? 2 * I : I));
         lap(m, &t0, T_OTHER);
         if (linear(m, &L->down, g, M, h)) {
             rc = -1;
