@@ -180,18 +180,19 @@ def test_measuring_only_the_close_layers(tiny):
 
 
 def test_gptq_candidates_are_the_uniform_gptq_models_layers(tiny):
-    """With method="gptq" every candidate's layers come from the model GPTQ'd whole (plain GPTQ: no
-    rotation, no smoothing); the uniform policy rebuilt from them is that model, and the auto
-    assignment is scored on those layers."""
+    """With method="gptq" every candidate's layers come from the model GPTQ'd whole (the exported
+    pipeline without rotation or smoothing: NVFP4's asymmetric calibration kept); the uniform
+    policy rebuilt from them is that model, and the auto assignment is scored on those layers."""
     from minifloat.adapt.auto import evaluate_policy
     from minifloat.infer.ptq.config import get_quant_config
+    from minifloat.infer.ptq.gptq import GPTQConfig
     from minifloat.infer.ptq.method import PTQMethod
 
     model, data, _ = tiny
     s = sensitivity(model, data, ["fp8-dynamic", "nvfp4-weight-only"], method="gptq")
     assert s.method == "gptq" and s.to_dict()["method"] == "gptq"
     q = copy.deepcopy(model)  # independently: the library's quantize_model with a hand-built plain GPTQ method
-    quantize_model(q, "nvfp4-weight-only", calibration=data, method=PTQMethod(method="gptq"))
+    quantize_model(q, "nvfp4-weight-only", calibration=data, method=PTQMethod(method="gptq", gptq=GPTQConfig(asymmetric=1.0)))
     uniform = evaluate_policy(model, {n: "nvfp4-weight-only" for n in s.layers}, data, sens=s)
     assert uniform["kl"] == pytest.approx(evaluate(q, model, data)["kl"], rel=1e-6)
     rtn = sensitivity(model, data, ["nvfp4-weight-only"], method="rtn")

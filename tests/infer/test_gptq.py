@@ -376,13 +376,14 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
     small = ["--eval-batches", "1", "--batch-size", "2", "--seq-len", "32", "--calib-batches", "2"]
     capsys.readouterr()
     assert main(["ptq-compare", path, "--schemes", "nvfp4-weight-only,mxfp8", "--methods", "rtn,gptq", "--no-torchao",
-                 "--no-plots", "--out", str(tmp_path / "ptq"), *small]) == 0  # fmt: skip
+                 "--no-plots", "--asymmetric", "1", "--out", str(tmp_path / "ptq"), *small]) == 0  # fmt: skip
     metrics = json.loads((tmp_path / "ptq" / "metrics.json").read_text())
-    assert [(r["config"], r["method"]) for r in metrics["runs"]] == [
-        ("nvfp4-weight-only", "rtn"), ("nvfp4-weight-only", "gptq+hadamard:16"), ("mxfp8", "rtn"), ("mxfp8", "gptq")]
+    assert [(r["config"], r["method"]) for r in metrics["runs"]] == [  # asymmetric calibration: GPTQ's runs only
+        ("nvfp4-weight-only", "rtn"), ("nvfp4-weight-only", "gptq+hadamard:16+asym1"), ("mxfp8", "rtn"),
+        ("mxfp8", "gptq+asym1")]  # fmt: skip
     assert all(r["quantize_seconds"] > 0 for r in metrics["runs"])
     capsys.readouterr()
-    assert re.search(r"\| mxfp8 +\| gptq +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
+    assert re.search(r"\| mxfp8 +\| gptq\+asym1 +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
     assert main(["eval", path, "--scheme", "mxfp4-weight-only", "--method", "gptq", "--rotate", "hadamard:32",
                  "--json", *small]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["kl"] > 0
@@ -399,8 +400,10 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
     short.write_text("a few kilobytes of text. " * 200)  # enough for evaluation windows, not for 64 × 8 new samples
     _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--method", "gptq", "--calib", str(short), "--calib-batches",
                              "64", "--seq-len", "64", "--eval-batches", "1"], "the calibration text (training split) has")  # fmt: skip
-    _one_line_error(capsys, ["eval", path, "--method", "gptq"], "--method / --observer / --rotate / --smooth go with --scheme")
+    _one_line_error(capsys, ["eval", path, "--method", "gptq"], "--method / --observer / --rotate / --smooth / --asymmetric go with --scheme")
     _one_line_error(capsys, ["eval", path, "--scheme", "mxfp4", "--rotate", "hadamard:7"], "unknown rotation 'hadamard:7'")
+    _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--asymmetric", "1"], "refits the weights GPTQ rounds")
+    _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--method", "gptq", "--asymmetric", "0"], "asymmetric ridge")
     _one_line_error(capsys, ["ptq-compare", path, "--methods", "awq", "--out", str(tmp_path / "x")], "unknown method 'awq'")
     _one_line_error(capsys, ["ptq-compare", path, "--methods", "gptq", "--llmcompressor", str(tmp_path / "nope"),
                              "--out", str(tmp_path / "x")], "no such Python")  # fmt: skip
@@ -455,11 +458,12 @@ def test_round_to_nearest_with_mse_scales_through_quantize_model():
 
 # The recommended pipelines as measured and tabled by config name (docs/guides/ptq.md): the oracle
 # for the recommendation `recommended` derives from what a config is.
+ASYM = {"gptq": GPTQConfig(asymmetric=1.0)}
 RECOMMENDED_BY_NAME = {
     "mxfp6": {"rotation": "hadamard:32"}, "mxfp6-weight-only": {"rotation": "hadamard:32"},
-    "mxfp4": {"rotation": "hadamard:32", "smooth": 0.5}, "mxfp4-weight-only": {"rotation": "hadamard:32"},
-    "nvfp4-weight-only": {"rotation": "hadamard:16"}, "nvfp4": {"observer": "4over6", "smooth": 0.5},
-    "nvfp4-4over6": {"smooth": 0.5}, "nvfp4-4over6-weight-only": {"rotation": "hadamard:16"},
+    "mxfp4": {"rotation": "hadamard:32", "smooth": 0.5, **ASYM}, "mxfp4-weight-only": {"rotation": "hadamard:32", **ASYM},
+    "nvfp4-weight-only": {"rotation": "hadamard:16", **ASYM}, "nvfp4": {"observer": "4over6", "smooth": 0.5, **ASYM},
+    "nvfp4-4over6": {"smooth": 0.5, **ASYM}, "nvfp4-4over6-weight-only": {"rotation": "hadamard:16", **ASYM},
 }  # fmt: skip
 
 
@@ -472,3 +476,85 @@ def test_the_recommended_pipeline_follows_what_a_config_is_not_its_name():
         want = PTQMethod(method="gptq", **RECOMMENDED_BY_NAME.get(name, {}))
         assert recommended(name) == want, name
         assert recommended(dataclasses.replace(c, name="hand-built")) == want, name  # the same config, another name
+
+
+def test_refit_is_the_ridge_least_squares_fit_of_the_full_precision_outputs():
+    """`refit` against numpy's least squares on the augmented system: the weight W* whose output on
+    the inputs seen, X, is closest to W's on the full-precision inputs X_ref, plus λ‖W* − W‖²."""
+    from minifloat.infer.ptq.gptq import refit
+
+    g = torch.Generator().manual_seed(7)
+    n, k = 400, 48
+    w = torch.randn(24, k, generator=g)
+    x_ref = correlated_inputs(n, k, seed=8).double()
+    x = x_ref * (1 + 0.1 * torch.randn(k, generator=g).double()) + 0.2 * torch.randn(n, k, generator=g).double()
+    h, c = x.T @ x / n, (x_ref - x).T @ x / n
+    for ridge in (1e-9, 0.3, 3.0):
+        lam = ridge * float(torch.diagonal(h).mean())
+        a = np.vstack([x.numpy(), np.sqrt(n * lam) * np.eye(k)])
+        b = np.vstack([x_ref.numpy() @ w.double().numpy().T, np.sqrt(n * lam) * w.double().numpy().T])
+        want = np.linalg.lstsq(a, b, rcond=None)[0].T
+        mine = refit(w, h, c, ridge).double().numpy()
+        np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    fitted = refit(w, h, c, 1e-9).double()
+    miss = lambda v: float((x_ref @ w.double().T - x @ v.T).square().sum())  # noqa: E731
+    assert miss(fitted) < 0.5 * miss(w.double())
+    with pytest.raises(minifloat.MinifloatError, match="asymmetric ridge"):
+        GPTQConfig(asymmetric=0)
+
+
+def test_asymmetric_gptq_fits_the_full_precision_models_outputs_where_plain_gptq_fits_its_own():
+    """The last Linear of a tiny Llama after every layer before it was quantized: plain GPTQ keeps
+    its output on the quantized model's inputs X near X Wᵀ; asymmetric GPTQ near X_ref Wᵀ, the
+    full-precision model's output, which is what the next layers need (measured here in float64
+    on the calibration rows, from forward hooks)."""
+    batches = calib_batches()
+    name = "model.layers.1.mlp.down_proj"
+    original = tiny_llama().get_submodule(name).weight.detach().double()
+    x_ref = torch.cat([layer_inputs(tiny_llama(), b)[name] for b in batches]).double()
+    miss = {}
+    for ridge in (None, 0.1):
+        model = tiny_llama()
+        method = PTQMethod(method="gptq", gptq=GPTQConfig(asymmetric=ridge))
+        assert quantize_model(model, "nvfp4-weight-only", calibration=batches, method=method).method.label == (
+            "gptq" if ridge is None else "gptq+asym0.1")
+        x = torch.cat([layer_inputs(model, b)[name] for b in batches]).double()
+        q = model.get_submodule(name).weight
+        assert_on_grid(q)
+        miss[ridge] = float((x_ref @ original.T - x @ q.dequantize().double().T).square().sum())
+    assert miss[0.1] < 0.8 * miss[None]
+
+
+def test_asymmetric_references_are_the_unquantized_models_inputs_and_only_where_every_token_is_read():
+    """`reference_inputs` on a tiny Qwen2-MoE block: each layer's input as the unquantized model
+    computes it (forward hooks on the model itself), for the layers that read every token
+    (attention, the shared expert); a routed expert, which another router may send other tokens,
+    gets none; a `ReferenceObserver` whose rows do not line up gives none."""
+    import tempfile
+    from pathlib import Path
+
+    from minifloat.infer.ptq.observers import ReferenceObserver
+    from minifloat.infer.ptq.sequential import capture_inputs, find_blocks, reference_inputs
+    from minifloat.models.loading import load_model
+    from tests.families.tiny import tiny_moe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(tiny_moe(Path(tmp) / "m", "qwen2moe")).eval()
+    ids = [torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    block = find_blocks(model)[0]
+    targets = {m: n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.0.")}
+    refs, outs = reference_inputs(block, capture_inputs(model, block, ids), targets)
+    seen = [layer_inputs(model, b) for b in ids]
+    routed = [n for n in targets.values() if ".experts." in n]
+    assert routed and not any(n in refs for n in routed)
+    assert "model.layers.0.self_attn.q_proj" in refs and any("shared_expert." in n for n in refs)
+    for n, v in refs.items():
+        for i in range(len(ids)):
+            torch.testing.assert_close(v[i].reshape(-1, v[i].shape[-1]), seen[i][n], rtol=0, atol=0)
+    assert len(outs) == len(ids)
+    obs = ReferenceObserver([torch.ones(4, 3)])
+    obs.observe(torch.ones(5, 3))
+    assert obs.result() is None
+    obs = ReferenceObserver([torch.ones(4, 3)] * 2)
+    obs.observe(torch.ones(4, 3))  # one batch of two
+    assert obs.result() is None

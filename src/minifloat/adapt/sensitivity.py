@@ -193,8 +193,9 @@ def sensitivity(
 
 def gptq_layers(model: torch.nn.Module, config, data: Sequence[torch.Tensor], layers: Sequence[str],
                 ignore: Sequence[str] = ("lm_head",)) -> dict[str, QuantizedLinear]:  # fmt: skip
-    """`layers` of a copy of `model` quantized whole with `config` by plain GPTQ on `data` (the
-    recommended observer; no rotation, no smoothing: each layer stands alone in the original model)."""
+    """`layers` of a copy of `model` quantized whole with `config` by GPTQ on `data` as a checkpoint
+    holds it (the recommended observer and, for FP4, asymmetric calibration; no rotation, no
+    smoothing: each layer stands alone in the original model)."""
     q = copy.deepcopy(model)
     method = resolve_method("gptq", config, export=True, rotation="none", smooth=-1)
     quantize_model(q, config, calibration=list(data), ignore=ignore, method=method)

@@ -46,6 +46,10 @@ def _method_arguments(p: argparse.ArgumentParser, methods: bool = False) -> None
     p.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
                    help="SmoothQuant α in [0, 1] for configs that quantize the input; -1: none (default: the method's)")  # fmt: skip
     p.add_argument("--damp", type=float, default=None, help="GPTQ damping, a fraction of the mean Hessian diagonal (0.01)")
+    p.add_argument("--asymmetric", type=float, default=None, metavar="RIDGE",
+                   help="GPTQ fits the full-precision model's outputs, not the quantized predecessors' (asymmetric "
+                        "calibration); RIDGE a fraction of the mean Hessian diagonal, e.g. 1; -1: none "
+                        "(default: the method's)")  # fmt: skip
 
 
 def _method(args: argparse.Namespace, method: str, scheme: str | None, export: bool = False):
@@ -54,7 +58,7 @@ def _method(args: argparse.Namespace, method: str, scheme: str | None, export: b
     from minifloat.infer.ptq.method import resolve_method
 
     return resolve_method(method, scheme or "fp8-dynamic", export=export, observer=args.observer, rotation=args.rotate,
-                          smooth=args.smooth, damp=args.damp)  # fmt: skip
+                          smooth=args.smooth, damp=args.damp, asymmetric=args.asymmetric)  # fmt: skip
 
 
 def _head_argument(p: argparse.ArgumentParser) -> None:
@@ -173,9 +177,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.quantize_head and not args.scheme:
         raise MinifloatError("--quantize-head goes with --scheme (it quantizes the head with that config)")
-    flags = (args.observer, args.rotate, args.smooth, args.damp)
+    flags = (args.observer, args.rotate, args.smooth, args.damp, args.asymmetric)
     if not args.scheme and (args.method != "rtn" or any(v is not None for v in flags)):
-        raise MinifloatError("--method / --observer / --rotate / --smooth go with --scheme (they say how to quantize with it)")
+        raise MinifloatError("--method / --observer / --rotate / --smooth / --asymmetric go with --scheme (they say how "
+                             "to quantize with it)")  # fmt: skip
     method = _method(args, args.method, args.scheme) if args.scheme else "rtn"
     m = evaluate_paths(args.model, args.reference, scheme=args.scheme, source=_source(args), quantize_head=args.quantize_head,
                        method=method)  # fmt: skip
@@ -199,7 +204,8 @@ def run_ptq_compare(args: argparse.Namespace) -> int:
     for m in methods:
         if m not in ("rtn", "gptq"):
             raise MinifloatError(f"--methods: unknown method {m!r}; use rtn, gptq (comma-separated)")
-    overrides = {"observer": args.observer, "rotation": args.rotate, "smooth": args.smooth, "damp": args.damp}
+    overrides = {"observer": args.observer, "rotation": args.rotate, "smooth": args.smooth, "damp": args.damp,
+                 "asymmetric": args.asymmetric}  # fmt: skip
     metrics = ptq_compare(args.model, schemes, args.out, source=_source(args), torchao=not args.no_torchao,
                           plots=not args.no_plots, echo=(lambda s: None) if args.json else print,
                           quantize_head=args.quantize_head, methods=methods, overrides=overrides,

@@ -331,6 +331,8 @@ def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, 
             factors = smoothing_factors(group.stats[group.names[0]]["channel_amax"], list(weights.values()), method.smooth)
             folded = group.producer is not None and fold_into_norm(group.producer, factors)
             weights = {n: w * factors for n, w in weights.items()}
+            if folded:  # the full-precision model's input, as the folded norm now divides it
+                group.reference_transforms = {n: Smoothing(factors) for n in group.names}
         transforms = {}
         for n in group.names:
             steps = [] if factors is None or folded else [Smoothing(factors)]
@@ -367,7 +369,8 @@ def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, 
 
     targets = {n: m for n, (m, _, _) in plan.items()}
     return run_sequential(model, batches, targets, kinds=kinds, prepare=prepare, quantize=quantize, swap=swap,
-                          before=["channel_amax"] if smoothing else [])  # fmt: skip
+                          before=["channel_amax"] if smoothing else [],
+                          reference=method.method == "gptq" and method.gptq.asymmetric is not None)  # fmt: skip
 
 
 EXPERT = re.compile(r"\.experts\.\d+\.")  # a MoE expert's Linear (`minifloat.models.experts`): experts.N.<name>

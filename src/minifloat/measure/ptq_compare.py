@@ -165,7 +165,9 @@ def ptq_compare(
     method's parts (`resolve_method`); `llmcompressor`: see the module docstring."""
     configs = [get_quant_config(s) for s in schemes]  # unknown names fail before any work
     overrides = overrides or {}
-    plans = [(c, resolve_method(m, c, **overrides)) for c in configs for m in methods]  # bad options: before any work
+    # bad options: before any work; asymmetric calibration refits GPTQ's weights, so only its runs take it
+    plans = [(c, resolve_method(m, c, **{k: v for k, v in overrides.items() if m == "gptq" or k != "asymmetric"}))
+             for c in configs for m in methods]  # fmt: skip
     if llmcompressor is not None and not Path(llmcompressor).is_file():
         raise MinifloatError(f"--llmcompressor {llmcompressor}: no such Python; give the python of a venv with llm-compressor")
     if not configs:

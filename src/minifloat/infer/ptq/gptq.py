@@ -16,6 +16,17 @@ activation order: a column keeps the scale of its own block, wherever it goes in
 column whose input was always zero (``H[j, j] = 0``) is rounded to nearest and its weight kept.
 With an identity Hessian nothing is spread, and GPTQ is round to nearest on the same scales.
 
+Asymmetric calibration (`GPTQConfig.asymmetric`; the target of GPTAQ, arXiv 2504.02692): GPTQ
+above keeps each layer's output on the inputs ``X`` that the quantized layers before it produce
+— close to ``X Wᵀ``, the layer's own output on them, not to ``X_ref Wᵀ``, the full-precision
+model's, which is what the model should still compute. With ``C = (X_ref − X)ᵀ X / n`` measured
+on the same calibration rows, `refit` first moves the weight to the least-squares fit of the
+full-precision output, ``W* = W + W C (H + λ I)⁻¹`` (a ridge λ = `asymmetric` · mean(diag H)
+shrinks it toward W: the fit has K unknowns per row and only the calibration rows to fit them
+on), then GPTQ rounds ``W*`` with ``H`` as above. At λ = 0 this minimizes ``‖X_ref Wᵀ − X Ŵᵀ‖²``
+column by column as GPTQ does its own objective: ``‖X_ref Wᵀ − X Ŵᵀ‖² = ‖X_ref Wᵀ − X W*ᵀ‖² +
+‖X (W* − Ŵ)ᵀ‖²``, the least-squares residual being orthogonal to X.
+
 Example:
     >>> from minifloat.quant import block_scales
     >>> w, x = torch.randn(32, 64), torch.randn(256, 64)
@@ -43,17 +54,24 @@ ROWS_AT_ONCE = 4096  # weight rows rounded together (rounded down to whole scale
 @dataclass(frozen=True, kw_only=True)
 class GPTQConfig:
     """GPTQ's options: `damp` (the fraction of the mean Hessian diagonal added to it), columns
-    rounded per lazy update (`block_size`), static activation order (`act_order`)."""
+    rounded per lazy update (`block_size`), static activation order (`act_order`), asymmetric
+    calibration (`asymmetric`: the ridge of `refit`, a fraction of the mean Hessian diagonal;
+    None: off, GPTQ's own objective)."""
 
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = True
+    asymmetric: float | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.damp, (int, float)) and 0 <= self.damp < 1e3):
             raise MinifloatError(f"GPTQ damp is a fraction of the mean Hessian diagonal, ≥ 0 (default 0.01); got {self.damp!r}")
         if not (isinstance(self.block_size, int) and self.block_size >= 1):
             raise MinifloatError(f"GPTQ block_size is a number of columns ≥ 1 (default 128); got {self.block_size!r}")
+        a = self.asymmetric
+        if a is not None and not (isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a <= 1e3):
+            raise MinifloatError(f"GPTQ's asymmetric ridge is a fraction of the mean Hessian diagonal, > 0 (1 measured "
+                                 f"best; None: off); got {a!r}")  # fmt: skip
 
 
 def _spread(grid: torch.Tensor, n: int, k: int, lay: Layout) -> torch.Tensor:
@@ -92,6 +110,30 @@ def _inverse_factor(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
             return u
     raise MinifloatError(f"GPTQ: the Hessian of {name} is singular after damping {damp} of its mean diagonal; "
                          f"raise damp (default 0.01) or calibrate on more text")  # fmt: skip
+
+
+def refit(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, ridge: float, *,
+          name: str = "the layer") -> torch.Tensor:
+    """``W* = W + W C (H + λ I)⁻¹`` (float32 (N, K)), λ = `ridge` · mean(diag H): the weight whose
+    output on the inputs seen, X (``hessian`` H = XᵀX / n), is closest to `weight`'s output on
+    the full-precision model's inputs of the same rows, X_ref (``cross`` C = (X_ref − X)ᵀ X / n),
+    with ``λ ‖W* − W‖²`` added to the squared error (module docstring)."""
+    k = weight.shape[1]
+    if tuple(hessian.shape) != (k, k) or tuple(cross.shape) != (k, k):
+        raise MinifloatError(f"asymmetric GPTQ: {name}'s weight takes {k} inputs; its statistics are "
+                             f"{tuple(hessian.shape)} and {tuple(cross.shape)}")  # fmt: skip
+    h, c = hessian.detach().double().cpu(), cross.detach().double().cpu()
+    if not (torch.isfinite(h).all() and torch.isfinite(c).all()):
+        raise MinifloatError(f"asymmetric GPTQ: the statistics of {name}'s inputs hold a NaN or inf; check the calibration inputs")
+    lam = float(ridge) * float(torch.diagonal(h).mean())
+    if not lam > 0:  # no input ever reached it: nothing to fit
+        return weight.detach().float()
+    lower, info = torch.linalg.cholesky_ex(h + lam * torch.eye(k, dtype=h.dtype))
+    if info != 0:
+        raise MinifloatError(f"asymmetric GPTQ: the Hessian of {name} is singular after a ridge of {ridge}; raise it")
+    w = weight.detach().double().cpu()
+    # (W C (H + λI)⁻¹)ᵀ = (H + λI)⁻¹ Cᵀ Wᵀ: H + λI is symmetric
+    return (w + torch.cholesky_solve(c.T @ w.T, lower).T).float()
 
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: str | Scheme, scales: BlockScales, *,

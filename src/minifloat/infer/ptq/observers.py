@@ -6,6 +6,8 @@ object fed every calibration batch (`observe`) and read once (`result`).
 - `ChannelAmaxObserver`: per input channel, the largest |x| (K,) — what smoothing divides by.
 - `HessianObserver`: ``H = XᵀX / n`` (K, K) over the n input rows, accumulated in float64 — the
   second moment GPTQ's error compensation reads (``2 XᵀX`` up to a scale it does not depend on).
+- `ReferenceObserver`: ``C = (X_ref − X)ᵀ X / n`` (K, K), X_ref the full-precision model's inputs
+  of the same rows (given to it, batch by batch) — what asymmetric GPTQ fits the weight to.
 
 `observe(model, batches, kinds)` runs the model once over `batches` without gradients and feeds
 every Linear's input to one observer of each kind (`OBSERVERS`), by layer name.
@@ -89,6 +91,36 @@ class HessianObserver:
 
     def result(self) -> torch.Tensor | None:
         return None if self.sum is None else self.sum / self.rows
+
+
+class ReferenceObserver:
+    """``(X_ref − X)ᵀ X / n`` (K, K) float64: X the inputs observed, X_ref `reference`'s entries
+    in the same order (one per observed batch, the same rows: `transform` applied to each first,
+    as the layer transforms its input). None when a batch's rows are not the reference's: a MoE
+    expert, whose router may send it other tokens in the quantized model, gets no reference."""
+
+    def __init__(self, reference: Sequence[torch.Tensor], transform: Callable | None = None) -> None:
+        self.reference, self.transform = list(reference), transform
+        self.sum, self.rows, self.batches, self.aligned = None, 0, 0, True
+
+    def observe(self, x: torch.Tensor, name: str = "") -> None:
+        r = _rows(x, name)
+        ref = self.reference[self.batches] if self.batches < len(self.reference) else None
+        self.batches += 1
+        if ref is not None:
+            ref = ref.detach().float().reshape(-1, ref.shape[-1])
+            ref = self.transform(ref) if self.transform is not None else ref
+        if not self.aligned or ref is None or ref.shape != r.shape:
+            self.aligned = False
+            return
+        rd = r.double()
+        c = ((ref.double() - rd).t() @ rd).cpu()
+        self.sum = c if self.sum is None else self.sum + c
+        self.rows += r.shape[0]
+
+    def result(self) -> torch.Tensor | None:
+        whole = self.aligned and self.batches == len(self.reference) and self.sum is not None
+        return self.sum / self.rows if whole else None
 
 
 class RowsObserver:

@@ -15,17 +15,25 @@ it is called with, per calibration batch); then per block:
 3. a last run gives the block's outputs, which are the next block's inputs.
 
 The Linears outside the blocks (an LM head) are observed after, in one run of the whole model.
+
+With `reference` (asymmetric GPTQ) the full-precision model runs beside: each block's
+unquantized copy, before any of its layers is swapped, on the full-precision outputs of the block
+before, gives each layer's input as the full-precision model computes it (`reference_inputs`),
+which a `ReferenceObserver` sets against the input the quantized model feeds it, row by row. A
+layer fed a subset of the tokens (a MoE expert: the two models' routers may choose differently)
+or outside the blocks (an LM head) gets no reference, and so GPTQ's own objective.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from minifloat.errors import MinifloatError
-from minifloat.infer.ptq.observers import OBSERVERS, eval_mode
+from minifloat.infer.ptq.observers import OBSERVERS, ReferenceObserver, eval_mode
 from minifloat.nn.convert import block_lists
 
 Inputs = tuple[tuple, dict]
@@ -47,6 +55,9 @@ class Group:
     key: int = 0  # the id of the input tensor, while the groups are found
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights to quantize (transformed), by name
     amax: torch.Tensor | None = None  # NVFP4: the tensor amax the group shares
+    # what turns the full-precision model's input into this one's where a transform was folded
+    # into the producer (smoothing's 1/s), by name: applied to the reference before `transforms`
+    reference_transforms: dict[str, Callable] = field(default_factory=dict)
 
 
 def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -169,12 +180,63 @@ def _ancestors(root: torch.nn.Module, module: torch.nn.Module) -> list[torch.nn.
     return [m for m in root.modules() if any(c is module for c in m.modules())]
 
 
+def reference_inputs(block: torch.nn.Module, inputs: list[Inputs], targets: Mapping[torch.nn.Module, str]
+                     ) -> tuple[dict[str, list[torch.Tensor]], list[Inputs]]:  # fmt: skip
+    """An unquantized copy of `block` run on `inputs` (the full-precision model's): per layer of
+    `targets` (module → name) that reads every token of every batch, its input per batch; and the
+    copy's outputs as the next block's inputs."""
+    twin = copy.deepcopy(block)
+    names = {c: targets[m] for m, c in zip(block.modules(), twin.modules(), strict=True) if m in targets}
+    seen: dict[str, list] = {n: [] for n in names.values()}
+    tokens = 0
+
+    def hook(name):
+        def record(module, args):
+            x = args[0].detach()
+            seen[name].append(x if x.numel() // max(x.shape[-1], 1) == tokens else None)
+
+        return record
+
+    outs = []
+    handles = [m.register_forward_pre_hook(hook(n)) for m, n in names.items()]
+    try:
+        with torch.no_grad():
+            for args, kwargs in inputs:
+                h = args[0] if args else kwargs["hidden_states"]
+                tokens = h.numel() // h.shape[-1]
+                outs.append(twin(*args, **kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+    refs = {n: v for n, v in seen.items() if len(v) == len(inputs) and all(x is not None for x in v)}
+    return refs, [_with_hidden(inp, _hidden(out)) for inp, out in zip(inputs, outs, strict=True)]
+
+
+def _chain(steps: list[Callable]) -> Callable | None:
+    """The functions of `steps` applied in turn (None for none)."""
+    if not steps:
+        return None
+
+    def run(x):
+        for f in steps:
+            x = f(x)
+        return x
+
+    return run
+
+
 def observe_group(block: torch.nn.Module, inputs: list[Inputs], group: Group, kinds: Mapping[str, Callable[[], object]],
-                  transforms: Mapping[str, torch.nn.Module | None]) -> dict[str, dict]:  # fmt: skip
+                  transforms: Mapping[str, torch.nn.Module | None],
+                  references: Mapping[str, list[torch.Tensor]] | None = None) -> dict[str, dict]:  # fmt: skip
     """Per layer of `group`, the results of observers of `kinds` fed its input (transformed by its
     entry of `transforms`) over every run of `block` on `inputs`, each run stopped once every
-    layer of the group saw its input."""
+    layer of the group saw its input; with `references` (per layer, the full-precision model's
+    inputs per batch), a ``"reference"`` result too (`ReferenceObserver`; None where not aligned)."""
     obs = {name: {k: f() for k, f in kinds.items()} for name in group.names}
+    for name in group.names:
+        if references is not None and name in references:
+            steps = [f for f in (group.reference_transforms.get(name), transforms.get(name)) if f is not None]
+            obs[name]["reference"] = ReferenceObserver(references[name], _chain(steps))
     pending: set[str] = set()
 
     def hook(name):
@@ -203,14 +265,17 @@ def observe_group(block: torch.nn.Module, inputs: list[Inputs], group: Group, ki
 def run_sequential(model: torch.nn.Module, batches: Iterable, targets: Mapping[str, torch.nn.Linear], *,
                    kinds: Iterable[str], prepare: Callable[[Group], dict[str, torch.nn.Module | None]],
                    quantize: Callable[[str, torch.nn.Linear, dict, torch.nn.Module | None, Group], torch.nn.Module],
-                   swap: Callable[[str, torch.nn.Module], None], before: Iterable[str] = ()) -> set[str]:  # fmt: skip
+                   swap: Callable[[str, torch.nn.Module], None], before: Iterable[str] = (),
+                   reference: bool = False) -> set[str]:  # fmt: skip
     """Quantize the Linears `targets` (name → module) of `model` in order, on `batches`.
 
     Per group (module docstring): `before` observer kinds measured on the raw inputs (e.g.
     ``channel_amax`` for smoothing) go into ``group.stats``; ``prepare(group)`` then gives each
     layer's input transform (and may fold into ``group.producer``); `kinds` are measured on the
     transformed inputs; ``quantize(name, linear, stats, transform, group)`` makes the new module
-    and ``swap(name, new)`` puts it in the model. Returns the names calibration never reached."""
+    and ``swap(name, new)`` puts it in the model. With `reference`, the stats of a layer inside
+    the blocks that reads every token hold ``"reference"`` too (module docstring). Returns the
+    names calibration never reached."""
     kinds = {k: OBSERVERS[k] for k in kinds}
     before = {k: OBSERVERS[k] for k in before}
     by_module = {m: n for n, m in targets.items()}
@@ -219,11 +284,15 @@ def run_sequential(model: torch.nn.Module, batches: Iterable, targets: Mapping[s
     with eval_mode(model):
         if blocks is not None:
             inputs = capture_inputs(model, blocks[0], batches)
+            fp_inputs = list(inputs)  # the full-precision model's, with `reference`
             for block in blocks:
                 inside = {m: n for m, n in by_module.items() if any(m is x for x in block.modules())}
+                refs = None
+                if reference:
+                    refs, fp_inputs = reference_inputs(block, fp_inputs, inside)
                 if inside:
                     for group in find_groups(block, inputs[0], inside):
-                        _quantize_group(block, inputs, group, kinds, before, prepare, quantize, swap, todo)
+                        _quantize_group(block, inputs, group, kinds, before, prepare, quantize, swap, todo, refs)
                 inputs = [_with_hidden(inp, _hidden(out)) for inp, out in zip(inputs, _run(block, inputs), strict=True)]
         rest = {m: n for n, m in todo.items()}
         if rest:  # outside the blocks (or a model without blocks): the whole model is the block
@@ -235,11 +304,11 @@ def run_sequential(model: torch.nn.Module, batches: Iterable, targets: Mapping[s
     return set(todo)
 
 
-def _quantize_group(block, inputs, group: Group, kinds, before, prepare, quantize, swap, todo) -> None:
+def _quantize_group(block, inputs, group: Group, kinds, before, prepare, quantize, swap, todo, references=None) -> None:
     if before:
         group.stats = observe_group(block, inputs, group, before, {})
     transforms = prepare(group)
-    stats = observe_group(block, inputs, group, kinds, transforms)
+    stats = observe_group(block, inputs, group, kinds, transforms, references)
     for name, module in zip(group.names, group.modules, strict=True):
         new = quantize(name, module, stats[name] | group.stats.get(name, {}), transforms.get(name), group)
         swap(name, new)
