@@ -57,7 +57,7 @@ class Group:
     amax: torch.Tensor | None = None  # NVFP4: the tensor amax the group shares
     # what turns the full-precision model's input into this one's where a transform was folded
     # into the producer (smoothing's 1/s), by name: applied to the reference before `transforms`
-    reference_transforms: dict[str, Callable] = field(default_factory=dict)
+    reference_transforms: dict[str, torch.nn.Module] = field(default_factory=dict)
 
 
 def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -103,6 +103,12 @@ def capture_inputs(model: torch.nn.Module, block: torch.nn.Module, batches: Iter
 
 def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _input_hidden(inp: Inputs) -> torch.Tensor:
+    """The hidden states of `inp`: the first positional argument, else ``hidden_states``."""
+    args, kwargs = inp
+    return args[0] if args else kwargs["hidden_states"]
 
 
 def _with_hidden(inp: Inputs, hidden: torch.Tensor) -> Inputs:
@@ -202,7 +208,7 @@ def reference_inputs(block: torch.nn.Module, inputs: list[Inputs], targets: Mapp
     try:
         with torch.no_grad():
             for args, kwargs in inputs:
-                h = args[0] if args else kwargs["hidden_states"]
+                h = _input_hidden((args, kwargs))
                 tokens = h.numel() // h.shape[-1]
                 outs.append(twin(*args, **kwargs))
     finally:
@@ -210,19 +216,6 @@ def reference_inputs(block: torch.nn.Module, inputs: list[Inputs], targets: Mapp
             h.remove()
     refs = {n: v for n, v in seen.items() if len(v) == len(inputs) and all(x is not None for x in v)}
     return refs, [_with_hidden(inp, _hidden(out)) for inp, out in zip(inputs, outs, strict=True)]
-
-
-def _chain(steps: list[Callable]) -> Callable | None:
-    """The functions of `steps` applied in turn (None for none)."""
-    if not steps:
-        return None
-
-    def run(x):
-        for f in steps:
-            x = f(x)
-        return x
-
-    return run
 
 
 def observe_group(block: torch.nn.Module, inputs: list[Inputs], group: Group, kinds: Mapping[str, Callable[[], object]],
@@ -236,7 +229,8 @@ def observe_group(block: torch.nn.Module, inputs: list[Inputs], group: Group, ki
     for name in group.names:
         if references is not None and name in references:
             steps = [f for f in (group.reference_transforms.get(name), transforms.get(name)) if f is not None]
-            obs[name]["reference"] = ReferenceObserver(references[name], _chain(steps))
+            chain = None if not steps else steps[0] if len(steps) == 1 else torch.nn.Sequential(*steps)
+            obs[name]["reference"] = ReferenceObserver(references[name], chain)
     pending: set[str] = set()
 
     def hook(name):
