@@ -61,7 +61,8 @@ class PTQMethod:
         parts = [self.method] + ([self.observer] if self.observer != "minmax" else [])
         parts += [self.rotation] if self.rotation else []
         parts += [f"smooth{self.smooth:g}"] if self.smooth is not None else []
-        return "+".join(parts + ([f"asym{self.gptq.asymmetric:g}"] if self.gptq.asymmetric is not None else []))
+        parts += [f"asym{self.gptq.asymmetric:g}"] if self.gptq.asymmetric is not None else []
+        return "+".join(parts)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,12 +81,12 @@ def _recommended_fields(c: QuantConfig) -> dict:
     Other configs (FP8, MXFP8): plain GPTQ."""
     w = c.weight_scheme
     weight_only = c.activation is None
+    asym = {"gptq": GPTQConfig(asymmetric=1.0)}
     if w.is_mx and w.element_format.bits in (4, 6):
         fp4 = w.element_format.bits == 4
         smooth = {"smooth": 0.5} if fp4 and not weight_only else {}
-        return {"rotation": f"hadamard:{w.block[1]}", **smooth, **({"gptq": GPTQConfig(asymmetric=1.0)} if fp4 else {})}
+        return {"rotation": f"hadamard:{w.block[1]}", **smooth, **(asym if fp4 else {})}
     if w.is_nvfp4:
-        asym = {"gptq": GPTQConfig(asymmetric=1.0)}
         if weight_only:
             return {"rotation": f"hadamard:{w.block[1]}", **asym}
         return {"smooth": 0.5, **asym} if w.scale_rule == "4over6" else {"observer": "4over6", "smooth": 0.5, **asym}
