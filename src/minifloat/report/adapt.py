@@ -75,7 +75,7 @@ def write_adapt_report(metrics: dict, out: str | Path, *, plots: bool = True) ->
         f"(the first and last blocks in 8 bits; at each budget, the layers nearest the embedding, the head or both ends "
         f"in 8 bits until the budget is spent), on held-out text. The Fisher estimate ranks the measured single-layer KLs with Spearman "
         f"ρ = {s['spearman']:.3f}. Weights: "
-        f"{'GPTQ (each candidate the model quantized whole, plain GPTQ)' if metrics.get('method') == 'gptq' else 'round to nearest'}"
+        f"{'GPTQ (each candidate the model quantized whole; no rotation or smoothing, FP4 with asymmetric calibration)' if metrics.get('method') == 'gptq' else 'round to nearest'}"
         f"; {len(s['measured'])} of {len(s['layers'])} layers measured, the rest estimated.", "",
         adapt_table(metrics), "",
     ]  # fmt: skip
