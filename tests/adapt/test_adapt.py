@@ -191,6 +191,8 @@ def test_gptq_candidates_are_the_uniform_gptq_models_layers(tiny):
     model, data, _ = tiny
     s = sensitivity(model, data, ["fp8-dynamic", "nvfp4-weight-only"], method="gptq")
     assert s.method == "gptq" and s.to_dict()["method"] == "gptq"
+    # each candidate's method named as the report writes it: NVFP4's asymmetric calibration, FP8's plain GPTQ
+    assert s.to_dict()["labels"] == {"fp8-dynamic": "gptq", "nvfp4-weight-only": "gptq+asym1"}
     q = copy.deepcopy(model)  # independently: the library's quantize_model with a hand-built plain GPTQ method
     quantize_model(q, "nvfp4-weight-only", calibration=data, method=PTQMethod(method="gptq", gptq=GPTQConfig(asymmetric=1.0)))
     uniform = evaluate_policy(model, {n: "nvfp4-weight-only" for n in s.layers}, data, sens=s)

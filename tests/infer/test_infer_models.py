@@ -232,6 +232,7 @@ def test_adapt_and_sensitivity_commands(trained, tmp_path, capsys):
                  "--out", str(tmp_path / "g"), "--json"]) == 0  # fmt: skip
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["method"] == "gptq" and metrics["measure"] == "all" and metrics["sensitivity"]["method"] == "gptq"
+    assert "nvfp4-weight-only: gptq+asym1" in (tmp_path / "g" / "report.md").read_text()  # each candidate's method named
     assert metrics["auto"][0]["average_bits"] <= 6
     assert main(["adapt", str(trained), "--strategy", "layer", "--method", "gptq", "--out", str(tmp_path / "z")]) == 2
     assert "--method gptq goes with --strategy auto" in capsys.readouterr().err

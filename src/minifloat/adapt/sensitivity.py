@@ -35,7 +35,7 @@ from minifloat.infer.evaluation.metrics import Quality
 from minifloat.infer.modules.accounting import layer_bytes
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import get_quant_config
-from minifloat.infer.ptq.method import resolve_method
+from minifloat.infer.ptq.method import PTQMethod, resolve_method
 from minifloat.infer.quantize import calibrate, matches, quantize_model, why_not
 from minifloat.models.loading import logits_of
 
@@ -58,11 +58,12 @@ class Sensitivity:
     spearman: float = float("nan")
     measured: list[str] = field(default_factory=list)  # layers whose KL was measured; the others' is the scaled estimate
     method: str = "rtn"  # how each candidate's layers were quantized: rtn, or gptq (the model quantized whole, sequentially)
+    labels: dict[str, str] = field(default_factory=dict)  # each candidate's PTQ method, as `PTQMethod.label` names it
     # what `refine` measures more layers with: each layer's quantized copies
     built: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        keys = ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman", "measured", "method")
+        keys = ("layers", "candidates", "params", "bits", "kl", "dloss", "estimate", "spearman", "measured", "method", "labels")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -167,7 +168,8 @@ def sensitivity(
     model.eval()
     calibration = calibrate(model, [b[:, :-1] for b in data]) if any(c.needs_calibration for c in configs.values()) else None
     try:
-        res = Sensitivity(layers, list(candidates), {}, {}, method=method)
+        labels = {c: candidate_method(cfg).label if method == "gptq" else "rtn" for c, cfg in configs.items()}
+        res = Sensitivity(layers, list(candidates), {}, {}, method=method, labels=labels)
         built: dict[str, dict[str, QuantizedLinear]] = {}
         gptq = {c: gptq_layers(model, cfg, data, layers, ignore) for c, cfg in configs.items()} if method == "gptq" else {}
         for i, name in enumerate(layers):
@@ -191,14 +193,19 @@ def sensitivity(
     return res
 
 
+def candidate_method(config) -> PTQMethod:
+    """How `gptq_layers` quantizes a candidate: `config`'s recommended GPTQ pipeline as a checkpoint
+    holds it, without rotation or smoothing (each layer stands alone in the original model)."""
+    return resolve_method("gptq", config, export=True, rotation="none", smooth=-1)
+
+
 def gptq_layers(model: torch.nn.Module, config, data: Sequence[torch.Tensor], layers: Sequence[str],
                 ignore: Sequence[str] = ("lm_head",)) -> dict[str, QuantizedLinear]:  # fmt: skip
     """`layers` of a copy of `model` quantized whole with `config` by GPTQ on `data` as a checkpoint
     holds it (the recommended observer and, for FP4, asymmetric calibration; no rotation, no
     smoothing: each layer stands alone in the original model)."""
     q = copy.deepcopy(model)
-    method = resolve_method("gptq", config, export=True, rotation="none", smooth=-1)
-    quantize_model(q, config, calibration=list(data), ignore=ignore, method=method)
+    quantize_model(q, config, calibration=list(data), ignore=ignore, method=candidate_method(config))
     out = {n: q.get_submodule(n) for n in layers}
     missing = [n for n, m in out.items() if not isinstance(m, QuantizedLinear)]
     if missing:

@@ -68,6 +68,11 @@ def write_adapt_report(metrics: dict, out: str | Path, *, plots: bool = True) ->
                 failed.append(f"{name}: {type(err).__name__}: {err}")
                 warnings.warn(f"minifloat adapt: a plot was not drawn ({failed[-1]})", stacklevel=2)
     s = metrics["sensitivity"]
+    # each candidate's method by its label (`Sensitivity.labels`); a metrics file from before labels: the method alone
+    labels = s.get("labels") or {}
+    weights = ("GPTQ, each candidate the model quantized whole (" + ", ".join(f"{c}: {v}" for c, v in labels.items()) + ")"
+               if metrics.get("method") == "gptq" and labels else "GPTQ" if metrics.get("method") == "gptq"
+               else "round to nearest")  # fmt: skip
     lines = [
         "# minifloat adapt", "",
         f"`{metrics['model']}`: one candidate per layer chosen to minimise the summed single-layer KL within a budget "
@@ -75,7 +80,7 @@ def write_adapt_report(metrics: dict, out: str | Path, *, plots: bool = True) ->
         f"(the first and last blocks in 8 bits; at each budget, the layers nearest the embedding, the head or both ends "
         f"in 8 bits until the budget is spent), on held-out text. The Fisher estimate ranks the measured single-layer KLs with Spearman "
         f"ρ = {s['spearman']:.3f}. Weights: "
-        f"{'GPTQ (each candidate the model quantized whole; no rotation or smoothing, FP4 with asymmetric calibration)' if metrics.get('method') == 'gptq' else 'round to nearest'}"
+        f"{weights}"
         f"; {len(s['measured'])} of {len(s['layers'])} layers measured, the rest estimated.", "",
         adapt_table(metrics), "",
     ]  # fmt: skip
