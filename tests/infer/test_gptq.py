@@ -16,6 +16,7 @@ from minifloat.infer import QUANT_CONFIGS, QuantizedLinear, get_quant_config, qu
 from minifloat.infer.ptq import gptq as gptq_module
 from minifloat.infer.ptq.gptq import GPTQConfig, gptq
 from minifloat.infer.ptq.method import PTQMethod, resolve_method
+from minifloat.infer.ptq.norm_tuning import NormTuning
 from minifloat.infer.ptq.rotation import HadamardRotation
 from minifloat.infer.ptq.scales import observe_scales
 from minifloat.infer.ptq.smoothing import Smoothing, fold_into_norm, smoothing_factors
@@ -380,10 +381,10 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
     metrics = json.loads((tmp_path / "ptq" / "metrics.json").read_text())
     assert [(r["config"], r["method"]) for r in metrics["runs"]] == [  # asymmetric calibration: GPTQ's runs only
         ("nvfp4-weight-only", "rtn"), ("nvfp4-weight-only", "gptq+hadamard:16+asym1"), ("mxfp8", "rtn"),
-        ("mxfp8", "gptq+asym1")]  # fmt: skip
+        ("mxfp8", "gptq+asym1+norms60")]  # fmt: skip  (mxfp8's pipeline tunes its norms)
     assert all(r["quantize_seconds"] > 0 for r in metrics["runs"])
     capsys.readouterr()
-    assert re.search(r"\| mxfp8 +\| gptq\+asym1 +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
+    assert re.search(r"\| mxfp8 +\| gptq\+asym1\+norms60 +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
     assert main(["eval", path, "--scheme", "mxfp4-weight-only", "--method", "gptq", "--rotate", "hadamard:32",
                  "--json", *small]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["kl"] > 0
@@ -400,7 +401,7 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
     short.write_text("a few kilobytes of text. " * 200)  # enough for evaluation windows, not for 64 × 8 new samples
     _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--method", "gptq", "--calib", str(short), "--calib-batches",
                              "64", "--seq-len", "64", "--eval-batches", "1"], "the calibration text (training split) has")  # fmt: skip
-    _one_line_error(capsys, ["eval", path, "--method", "gptq"], "--method / --observer / --rotate / --smooth / --asymmetric go with --scheme")
+    _one_line_error(capsys, ["eval", path, "--method", "gptq"], "--method / --observer / --rotate / --smooth / --asymmetric / --tune-norms go with --scheme")
     _one_line_error(capsys, ["eval", path, "--scheme", "mxfp4", "--rotate", "hadamard:7"], "unknown rotation 'hadamard:7'")
     _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--asymmetric", "1"], "refits the weights GPTQ rounds")
     _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--method", "gptq", "--asymmetric", "0"], "asymmetric ridge")
@@ -459,11 +460,13 @@ def test_round_to_nearest_with_mse_scales_through_quantize_model():
 # The recommended pipelines as measured and tabled by config name (docs/guides/ptq.md): the oracle
 # for the recommendation `recommended` derives from what a config is.
 ASYM = {"gptq": GPTQConfig(asymmetric=1.0)}
+TUNED = {"norm_tuning": NormTuning()}  # FP8 inputs rounded per token or per 32 values
 RECOMMENDED_BY_NAME = {
     "mxfp6": {"rotation": "hadamard:32"}, "mxfp6-weight-only": {"rotation": "hadamard:32"},
     "mxfp4": {"rotation": "hadamard:32", "smooth": 0.5, **ASYM}, "mxfp4-weight-only": {"rotation": "hadamard:32", **ASYM},
     "nvfp4-weight-only": {"rotation": "hadamard:16", **ASYM}, "nvfp4": {"observer": "4over6", "smooth": 0.5, **ASYM},
     "nvfp4-4over6": {"smooth": 0.5, **ASYM}, "nvfp4-4over6-weight-only": {"rotation": "hadamard:16", **ASYM},
+    "fp8-dynamic": TUNED, "fp8-dynamic-fnuz": TUNED, "mxfp8": TUNED,
 }  # fmt: skip
 
 

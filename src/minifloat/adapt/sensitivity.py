@@ -195,8 +195,9 @@ def sensitivity(
 
 def candidate_method(config) -> PTQMethod:
     """How `gptq_layers` quantizes a candidate: `config`'s recommended GPTQ pipeline as a checkpoint
-    holds it, without rotation or smoothing (each layer stands alone in the original model)."""
-    return resolve_method("gptq", config, export=True, rotation="none", smooth=-1)
+    holds it, without rotation, smoothing or norm tuning (each layer stands alone in the original model;
+    tuned gains would be one candidate's, not the mix's)."""
+    return resolve_method("gptq", config, export=True, rotation="none", smooth=-1, tune_norms=0)
 
 
 def gptq_layers(model: torch.nn.Module, config, data: Sequence[torch.Tensor], layers: Sequence[str],

@@ -228,7 +228,7 @@ class PretrainedTask(Task):
         names = lora.target_names(model, self.layers_prefix, c.lora_targets)
         calibration, originals = None, None
         if c.precision in lora.PACKED_BASES:
-            from minifloat.infer.ptq.method import recommended
+            from minifloat.infer.ptq.method import resolve_method
             from minifloat.infer.quantize import quantize_model
 
             if c.base_method == "gptq" or c.lora_init == "residual":  # calibration windows of the training text
@@ -240,7 +240,8 @@ class PretrainedTask(Task):
             # base is never exported; `lora.effective_weight` undoes the rotation for merging and the backward):
             # SmolLM2's NVFP4 base with the head 3.476 → 3.458 before training, MXFP4 ≈3.60 → 3.532 (fp32: 3.369)
             config = lora.PACKED_BASES[c.precision]
-            method = recommended(config) if c.base_method == "gptq" else "rtn"
+            # without norm tuning: training fits the adapters to the packed base
+            method = resolve_method("gptq", config, tune_norms=0) if c.base_method == "gptq" else "rtn"
             if c.base_keep or c.base_policy:  # first match wins: the kept globs in FP8, the policy's, then the base's format
                 config = lora.base_policy(c.precision, c.base_keep, c.base_policy)
             with torch.no_grad():

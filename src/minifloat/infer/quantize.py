@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import re
@@ -33,6 +34,7 @@ from minifloat.infer.modules.embedding import QuantizedEmbedding
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import MIN_FEATURES, QuantConfig, get_quant_config, weight_only
 from minifloat.infer.ptq.method import PTQMethod, config_for, quantize_weight, resolve_method
+from minifloat.infer.ptq.norm_tuning import TuningResult, tune_norms
 from minifloat.infer.ptq.observers import AmaxObserver, observe
 from minifloat.infer.ptq.rotation import HadamardRotation, parse_rotation
 from minifloat.infer.ptq.rtn import Transform, WeightQuantizer, round_to_nearest, tensor_amax
@@ -66,6 +68,7 @@ class QuantizeSummary:
     model_bytes_before: int = 0
     model_bytes_after: int = 0
     method: PTQMethod | None = None
+    tuning: TuningResult | None = None  # what norm tuning did (the method's `norm_tuning`)
 
     @property
     def quantized(self) -> list[LayerSummary]:
@@ -83,6 +86,7 @@ class QuantizeSummary:
             "model_bytes_before": self.model_bytes_before,
             "model_bytes_after": self.model_bytes_after,
             "method": None if self.method is None else self.method.to_dict(),
+            "norm_tuning": None if self.tuning is None else vars(self.tuning),
         }
 
     def __str__(self) -> str:
@@ -103,6 +107,9 @@ class QuantizeSummary:
             f"{self.model_bytes_before:,} → {self.model_bytes_after:,} bytes ({ratio:.2f}× smaller)"
             + ("" if self.method is None or self.method.label == "rtn" else f"; method {self.method.label}")
         )
+        if (t := self.tuning) is not None:
+            lines.append(f"norm tuning: {t.parameters:,} normalization values, {t.steps} steps; KL to the unquantized "
+                         f"model on its first training windows {t.kl_before:.4g} → {t.kl_after:.4g}")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -173,6 +180,7 @@ def quantize_model(
     transform: Transform | None = None,
     export_format: str | None = None,
     quantize_head: bool = False,
+    tuning: Sequence[torch.Tensor] | None = None,
 ) -> QuantizeSummary:
     """Replace every eligible Linear of `model` (in place) by a `QuantizedLinear` in `config`.
 
@@ -195,6 +203,9 @@ def quantize_model(
     config's weight scheme (`weight_only`), and the input embedding with it: a tied embedding
     becomes a `QuantizedEmbedding` reading the head's packed table (one table, as before), an
     untied one gets its own packed table in the same scheme (round to nearest).
+    `tuning`: the token windows (B, T + 1) a method with `norm_tuning` distills on (default: the
+    calibration batches, cut into its `rows`); the full-precision model it distills from is a copy
+    taken before any layer is quantized.
     Returns the `QuantizeSummary`."""
     if not isinstance(model, torch.nn.Module):
         raise MinifloatError(f"quantize_model takes a torch.nn.Module, got {type(model).__name__}")
@@ -214,6 +225,10 @@ def quantize_model(
     if method.sequential and isinstance(calibration, Mapping):
         raise MinifloatError(f"method {method.label!r} calibrates layer by layer on the inputs the quantized layers "
                              f"before produce: pass the calibration batches, not a Calibration of amaxes")  # fmt: skip
+    if method.norm_tuning is not None and calibration is not None and not isinstance(calibration, Mapping):
+        calibration = list(calibration)  # read twice: calibration, then the tuning's default windows
+    tuning = _tuning_batches(method, calibration, tuning)
+    teacher = _teacher(model) if method.norm_tuning is not None else None
     stats: dict[str, dict] = {}
     if method.sequential:
         calibration = list(calibration)
@@ -301,9 +316,45 @@ def quantize_model(
     summary.layers.extend(rows.values())
     if head is not None and id(head) in by_old:
         summary.layers.append(_quantize_embedding(model, head, by_old[id(head)]))
+    if teacher is not None and done:
+        summary.tuning = _tune(model, teacher, done, tuning, method)
     summary.model_bytes_after = model_bytes(model)
     summary.method = method
     return summary
+
+
+def _tuning_batches(method: PTQMethod, calibration, tuning) -> list[torch.Tensor] | None:
+    """The windows norm tuning distills on, cut into `rows` a step; checked before any work."""
+    if method.norm_tuning is None:
+        return None
+    if tuning is None:
+        if calibration is None or isinstance(calibration, Mapping):
+            raise MinifloatError(f"method {method.label!r} tunes norms on token windows: pass tuning= (or the "
+                                 f"calibration batches, not a Calibration of amaxes)")  # fmt: skip
+        tuning = calibration
+    windows = [b for b in tuning if isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[1] > 1]
+    if len(windows) != len(tuning) or not windows:
+        raise MinifloatError("norm tuning distills on token windows: tensors (batch, tokens + 1) of token ids")
+    rows = method.norm_tuning.rows
+    return [w for b in windows for w in b.split(rows)]
+
+
+def _teacher(model: torch.nn.Module) -> torch.nn.Module:
+    """The full-precision model norm tuning distills from: a copy, before anything is quantized."""
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        raise MinifloatError("norm tuning distills from the full-precision model: quantize an unquantized model")
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def _tune(model, teacher, done: dict[str, QuantizedLinear], batches, method: PTQMethod) -> TuningResult:
+    """`tune_norms` on `model` with each quantized layer as its `DifferentiableLinear`, swapped back after."""
+    names = [n for n, q in done.items() if model.get_submodule(n) is q]
+    swap_modules(model, names, lambda old: old.differentiable())
+    try:
+        return tune_norms(model, teacher, batches, method.norm_tuning)
+    finally:
+        for n in names:
+            swap_modules(model, [n], lambda old, q=done[n]: q)
 
 
 def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, done: dict, *,

@@ -35,6 +35,7 @@ from minifloat.errors import MinifloatError
 from minifloat.infer import QUANT_CONFIGS, get_quant_config, quantize_model
 from minifloat.infer.checkpoints.loaders import load_model
 from minifloat.infer.evaluation.metrics import evaluate
+from minifloat.infer.evaluation.pipeline import tuning_batches
 from minifloat.infer.modules.accounting import bits_per_weight, model_bytes, weight_layers
 from minifloat.infer.ptq.method import resolve_method
 from minifloat.infer.quantize import calibrate
@@ -192,7 +193,8 @@ def ptq_compare(
         model = copy.deepcopy(reference)
         start = time.perf_counter()
         cal = calib if method.sequential else calibration
-        summary = quantize_model(model, c, calibration=cal, ignore=ignore, quantize_head=quantize_head, method=method)
+        summary = quantize_model(model, c, calibration=cal, ignore=ignore, quantize_head=quantize_head, method=method,
+                                 tuning=tuning_batches(reference, method, source, tokenizer))  # fmt: skip
         seconds = time.perf_counter() - start
         m = evaluate(model, reference, batches)
         row = {"config": c.name, "method": method.label, "method_config": method.to_dict(), "status": "ok", **m, "bits_per_weight": bits_per_weight(model),

@@ -10,6 +10,7 @@ the model folder has a tokenizer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def quantize_checkpoint(
     tokenizer = tokenizer_for(model_path)
     calibration = _calibration(model, config, method, source, tokenizer)
     summary = quantize_model(model, config, calibration=calibration, ignore=ignore, export_format=format,
-                             quantize_head=quantize_head, method=method)  # fmt: skip
+                             quantize_head=quantize_head, method=method,
+                             tuning=tuning_batches(model, method, source, tokenizer))  # fmt: skip
     if not summary.quantized:
         raise MinifloatError(f"no layer of {model_path} could be quantized with {config.name}:\n{summary}")
     export(model, out, format=format, overwrite=overwrite, tokenizer_dir=model_path if tokenizer else None,
@@ -89,6 +91,23 @@ def _calibration(model, config: QuantConfig, method: PTQMethod, source: TextSour
     return calibrate(model, batches_for(model, source, "train", tokenizer)) if config.needs_calibration else None
 
 
+def tuning_batches(model, method: PTQMethod, source: TextSource, tokenizer) -> list[torch.Tensor] | None:
+    """The windows norm tuning distills on (None without it): one batch of its `rows` windows a
+    step from `source`'s training split (evenly spaced, so most are not the calibration windows),
+    as many as the split holds up to one a step; the steps cycle over them."""
+    tuning = method.norm_tuning
+    if tuning is None:
+        return None
+    n = tuning.steps
+    while True:
+        try:
+            return batches_for(model, dataclasses.replace(source, batch_size=tuning.rows, calib_batches=n), "train", tokenizer)
+        except MinifloatError:
+            if n == 1:
+                raise
+            n = max(1, n // 2)
+
+
 def quantize_in_memory(model: torch.nn.Module, scheme: str | QuantConfig, tokenizer=None, *,
                        source: TextSource = TextSource(), quantize_head: bool = False,  # noqa: B008 - frozen
                        method: str | PTQMethod = "rtn") -> QuantizeSummary:  # fmt: skip
@@ -97,7 +116,8 @@ def quantize_in_memory(model: torch.nn.Module, scheme: str | QuantConfig, tokeni
     config = get_quant_config(scheme)
     method = resolve_method(method, config)
     cal = _calibration(model, config, method, source, tokenizer)
-    return quantize_model(model, config, calibration=cal, quantize_head=quantize_head, method=method)
+    return quantize_model(model, config, calibration=cal, quantize_head=quantize_head, method=method,
+                          tuning=tuning_batches(model, method, source, tokenizer))  # fmt: skip
 
 
 def evaluate_paths(

@@ -27,7 +27,7 @@ from minifloat.errors import MinifloatError
 from minifloat.gemm import prepack, scaled_mm
 from minifloat.infer.ptq.config import QuantConfig, get_quant_config
 from minifloat.infer.ptq.rtn import Transform, WeightQuantizer, round_to_nearest
-from minifloat.quant import QuantizedTensor, quantize
+from minifloat.quant import QuantizedTensor, fake_quantize, quantize
 from minifloat.scaling.layout import layout_for
 
 
@@ -175,9 +175,44 @@ class QuantizedLinear(torch.nn.Module):
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
+    def differentiable(self) -> DifferentiableLinear:
+        """This layer as a training graph sees it (`DifferentiableLinear`): the same product, a
+        gradient for the input."""
+        return DifferentiableLinear(self)
+
     def packed_nbytes(self) -> int:
         """Bytes the layer stores for its weight and input scale: codes and scales, the bias not counted."""
         return sum(b.nbytes for n, b in self.named_buffers() if n != "bias" and not n.startswith("input_transform."))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, config={self.config.name}"
+
+
+class DifferentiableLinear(torch.nn.Module):
+    """A `QuantizedLinear`'s product with a gradient for its input: the weight dequantized once
+    (frozen: float32, the exact values the packed codes stand for), the input transformed and
+    rounded as the layer's config says (`fake_quantize`: the same values `QuantizedLinear.forward`
+    multiplies, the gradient straight through), FP32 products. What tunes the layers before a
+    quantized one (`minifloat.infer.ptq.norm_tuning`) sees; it holds a full-precision weight, so it
+    lives only while they are tuned."""
+
+    def __init__(self, layer: QuantizedLinear) -> None:
+        super().__init__()
+        self.config, self.input_transform = layer.config, layer.input_transform
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        w = layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features]
+        self.register_buffer("weight", w.contiguous())
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.float())
+        self.register_buffer("input_amax", layer.input_amax)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(math.prod(lead), self.in_features)
+        if self.input_transform is not None:
+            x2 = self.input_transform(x2)
+        c = self.config
+        x2 = x2.float()
+        if c.activation is not None:
+            x2 = fake_quantize(x2, c.activation_scheme, amax=self.input_amax if c.static else None)
+        y = torch.nn.functional.linear(x2, self.weight, self.bias)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
