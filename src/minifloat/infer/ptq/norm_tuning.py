@@ -22,7 +22,7 @@ Example:
     >>> teacher = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 16))
     >>> student = copy.deepcopy(teacher)
     >>> with torch.no_grad():
-    ...     student[1].weight.mul_(0.5)
+    ...     _ = student[1].weight.mul_(0.5)
     >>> r = tune_norms(student, teacher, [torch.randint(0, 16, (2, 9))], NormTuning(steps=20, lr=0.05))
     >>> r.kl_after < r.kl_before
     True
