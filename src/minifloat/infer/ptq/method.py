@@ -139,8 +139,8 @@ def resolve_method(method: str | PTQMethod | None, config: str | QuantConfig, *,
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise MinifloatError(f"tune_norms takes a number of steps ≥ 0, got {steps!r} (0: no norm tuning)")
-        overrides["norm_tuning"] = None if steps == 0 else dataclasses.replace(m.norm_tuning or NormTuning(), steps=steps)
-    overrides = {k: v for k, v in overrides.items() if v is not None or k == "norm_tuning"}
+        m = dataclasses.replace(m, norm_tuning=None if steps == 0 else dataclasses.replace(m.norm_tuning or NormTuning(), steps=steps))
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     if "rotation" in overrides and str(overrides["rotation"]).lower() in ("none", ""):
         overrides["rotation"] = None
     if "smooth" in overrides and isinstance(overrides["smooth"], (int, float)) and overrides["smooth"] < 0:
