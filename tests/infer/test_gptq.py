@@ -460,13 +460,13 @@ def test_round_to_nearest_with_mse_scales_through_quantize_model():
 # The recommended pipelines as measured and tabled by config name (docs/guides/ptq.md): the oracle
 # for the recommendation `recommended` derives from what a config is.
 ASYM = {"gptq": GPTQConfig(asymmetric=1.0)}
-TUNED = {"norm_tuning": NormTuning()}  # FP8 inputs rounded per token or per 32 values
+TUNED = {"norm_tuning": NormTuning()}  # FP8 inputs with dynamic scales
 RECOMMENDED_BY_NAME = {
     "mxfp6": {"rotation": "hadamard:32"}, "mxfp6-weight-only": {"rotation": "hadamard:32"},
     "mxfp4": {"rotation": "hadamard:32", "smooth": 0.5, **ASYM}, "mxfp4-weight-only": {"rotation": "hadamard:32", **ASYM},
     "nvfp4-weight-only": {"rotation": "hadamard:16", **ASYM}, "nvfp4": {"observer": "4over6", "smooth": 0.5, **ASYM},
     "nvfp4-4over6": {"smooth": 0.5, **ASYM}, "nvfp4-4over6-weight-only": {"rotation": "hadamard:16", **ASYM},
-    "fp8-dynamic": TUNED, "fp8-dynamic-fnuz": TUNED, "mxfp8": TUNED,
+    "fp8-dynamic": TUNED, "fp8-dynamic-fnuz": TUNED, "mxfp8": TUNED, "fp8-block": TUNED,
 }  # fmt: skip
 
 
