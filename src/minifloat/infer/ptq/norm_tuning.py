@@ -116,8 +116,7 @@ def _distill(student, teacher, batches, params, config: NormTuning) -> tuple[flo
         if not torch.isfinite(loss):
             raise MinifloatError(f"norm tuning's loss is {float(loss)} at step {step}: the quantized model's "
                                  f"logits are not finite; quantize without norm tuning")  # fmt: skip
-        opt.zero_grad(set_to_none=True)
-        for p in params:
+        for p in params:  # the masters' gradients are set from these below (an FP32 gain is its own master)
             p.grad = None
         loss.backward()
         for p, m in zip(params, masters, strict=True):
