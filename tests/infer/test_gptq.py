@@ -381,10 +381,10 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
     metrics = json.loads((tmp_path / "ptq" / "metrics.json").read_text())
     assert [(r["config"], r["method"]) for r in metrics["runs"]] == [  # asymmetric calibration: GPTQ's runs only
         ("nvfp4-weight-only", "rtn"), ("nvfp4-weight-only", "gptq+hadamard:16+asym1"), ("mxfp8", "rtn"),
-        ("mxfp8", "gptq+asym1+norms60")]  # fmt: skip  (mxfp8's pipeline tunes its norms)
+        ("mxfp8", "gptq+hadamard:32+asym1+norms60")]  # fmt: skip  (mxfp8's pipeline rotates and tunes its norms)
     assert all(r["quantize_seconds"] > 0 for r in metrics["runs"])
     capsys.readouterr()
-    assert re.search(r"\| mxfp8 +\| gptq\+asym1\+norms60 +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
+    assert re.search(r"\| mxfp8 +\| gptq\+hadamard:32\+asym1\+norms60 +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
     assert main(["eval", path, "--scheme", "mxfp4-weight-only", "--method", "gptq", "--rotate", "hadamard:32",
                  "--json", *small]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["kl"] > 0
@@ -466,7 +466,8 @@ RECOMMENDED_BY_NAME = {
     "mxfp4": {"rotation": "hadamard:32", "smooth": 0.5, **ASYM}, "mxfp4-weight-only": {"rotation": "hadamard:32", **ASYM},
     "nvfp4-weight-only": {"rotation": "hadamard:16", **ASYM}, "nvfp4": {"observer": "4over6", "smooth": 0.5, **ASYM},
     "nvfp4-4over6": {"smooth": 0.5, **ASYM}, "nvfp4-4over6-weight-only": {"rotation": "hadamard:16", **ASYM},
-    "fp8-dynamic": TUNED, "fp8-dynamic-fnuz": TUNED, "mxfp8": TUNED, "fp8-block": TUNED,
+    "fp8-dynamic": TUNED, "fp8-dynamic-fnuz": TUNED, "fp8-block": TUNED,
+    "mxfp8": {"rotation": "hadamard:32", **TUNED}, "mxfp8-weight-only": {"rotation": "hadamard:32"},
 }  # fmt: skip
 
 
@@ -479,6 +480,32 @@ def test_the_recommended_pipeline_follows_what_a_config_is_not_its_name():
         want = PTQMethod(method="gptq", **RECOMMENDED_BY_NAME.get(name, {}))
         assert recommended(name) == want, name
         assert recommended(dataclasses.replace(c, name="hand-built")) == want, name  # the same config, another name
+
+
+def test_an_mx_weight_that_meets_a_massive_input_channel_is_better_rotated():
+    """Why MX weights are rotated in the recommended pipeline: the column that meets a massive input
+    channel holds each row's largest weight, which a per-row FP32 scale puts exactly on E4M3's 448
+    and an E8M0 block scale leaves rounded to 4 significant bits — that column's error is then the
+    layer's. A Hadamard rotation as wide as the block spreads the channel over its group. Judged by
+    the layer's output error against the float64 product of the unquantized weight."""
+    g = torch.Generator().manual_seed(0)
+    w = 0.05 * torch.randn(64, 128, generator=g)
+    w[:, 7] = (1 + torch.rand(64, generator=g)) * torch.randn(64, generator=g).sign()  # every row's largest
+    x = torch.randn(512, 128, generator=g)
+    x[:, 7] *= 100  # a massive activation channel
+    exact = x.double() @ w.double().T
+
+    def error(config, rotation=None):
+        lin = torch.nn.Linear(128, 64, bias=False)
+        lin.weight.data = w.clone()
+        model = torch.nn.Sequential(lin)
+        quantize_model(model, config, ignore=(), method=PTQMethod(method="rtn", rotation=rotation), calibration=[x])
+        with torch.no_grad():
+            return ((model(x).double() - exact).norm() / exact.norm()).item()
+
+    per_row, mx, mx_rotated = error("fp8-weight-only"), error("mxfp8-weight-only"), error("mxfp8-weight-only", "hadamard:32")
+    assert mx > 20 * per_row  # the massive column, rounded (here ~240×)
+    assert mx_rotated < mx / 3  # (here ÷6)
 
 
 def test_refit_is_the_ridge_least_squares_fit_of_the_full_precision_outputs():
