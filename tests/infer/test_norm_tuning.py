@@ -105,6 +105,35 @@ def test_a_bf16_gain_takes_steps_smaller_than_its_spacing():
     assert float(moved.mean()) > 4 * 2**-9 and r.kl_after < 0.95 * r.kl_before, (moved, r)  # several spacings
 
 
+def test_a_steps_windows_go_through_in_passes_that_fit_the_logits_budget(monkeypatch):
+    """A large vocabulary's logits bound how many windows go through the model at once (memory that
+    does not grow with `NormTuning.rows`); the step is the same — its mean KL, its gradient — so the
+    gains come out as one pass's, up to the order of float32 sums. The passes seen by a hook."""
+    from minifloat.infer.ptq import norm_tuning
+
+    teacher = _llama()
+    quantized = copy.deepcopy(teacher)
+    quantize_model(quantized, "fp8-dynamic", calibration=_windows(1))
+    windows = _windows(5, 3)  # 4 windows of 32 tokens each
+    gains, results, sizes = [], [], []
+    for budget in (norm_tuning.LOGITS_BUDGET, 2 * 32 * 256):  # all 4 windows in one pass; 2 windows a pass
+        monkeypatch.setattr(norm_tuning, "LOGITS_BUDGET", budget)
+        student = copy.deepcopy(quantized)
+        for n in [n for n, m in student.named_modules() if isinstance(m, QuantizedLinear)]:
+            swap_modules(student, [n], lambda old: old.differentiable())
+        seen = []
+        hook = student.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(args[0].shape[0]))
+        results.append(tune_norms(student, teacher, windows, NormTuning(steps=3, lr=1e-3, warmup=0)))
+        hook.remove()
+        sizes.append(set(seen))
+        gains.append(torch.cat([p.detach().flatten() for p in norm_parameters(student).values()]))
+    assert sizes == [{4}, {2}]
+    assert abs(results[0].kl_before - results[1].kl_before) < 1e-6 * results[0].kl_before
+    assert abs(results[0].kl_after - results[1].kl_after) < 1e-4 * results[0].kl_after
+    moved = (gains[0] - 1).abs().max()
+    assert moved > 1e-3 and (gains[0] - gains[1]).abs().max() < 1e-3 * moved  # Adam: about lr a step
+
+
 def test_quantize_model_tunes_only_the_gains_and_says_so():
     batches = _windows(1)
     plain, tuned = _llama(), _llama()

@@ -41,6 +41,7 @@ from minifloat.errors import MinifloatError
 from minifloat.models.loading import logits_of
 
 KL_BATCHES = 2  # batches the before / after KL is measured on
+LOGITS_BUDGET = 1 << 26  # logit values one pass may hold (256 MB in FP32): a step's windows go through in passes this size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,13 +96,26 @@ def _inputs(batch: torch.Tensor) -> torch.Tensor:
     return batch[:, :-1]  # (B, T + 1) windows: the context; the last token is only a target
 
 
+def _passes(x: torch.Tensor, vocab: int) -> list[torch.Tensor]:
+    """`x`'s windows in groups whose logits fit `LOGITS_BUDGET` (at least one window a pass): memory
+    bounded on a large vocabulary (Gemma 3's 262k: 4 × 128 tokens' logits are 0.5 GB a copy)."""
+    rows = max(1, LOGITS_BUDGET // max(1, x[0].numel() * vocab))
+    return list(x.split(rows))
+
+
+def _mean_kl(student, teacher, x: torch.Tensor, vocab: int) -> float:
+    """KL(teacher ‖ student) per token over `x`'s windows, pass by pass (no gradient)."""
+    with torch.no_grad():
+        return sum(float(_kl(logits_of(student(c)), logits_of(teacher(c)))) * len(c) for c in _passes(x, vocab)) / len(x)
+
+
 @torch.enable_grad()  # a caller's no_grad (quantizing under it) does not stop the tuning
 def _distill(student, teacher, batches, params, config: NormTuning) -> tuple[float, float]:
     """The tuning loop; the mean KL on the first `KL_BATCHES` batches before and after."""
-    probe = list(batches[:KL_BATCHES])
+    probe = [_inputs(b) for b in batches[:KL_BATCHES]]
     with torch.no_grad():
-        reference = [logits_of(teacher(_inputs(b))) for b in probe]
-        before = sum(float(_kl(logits_of(student(_inputs(b))), r)) for b, r in zip(probe, reference, strict=True))
+        vocab = logits_of(teacher(probe[0][:1, :1])).shape[-1]
+    before = sum(_mean_kl(student, teacher, x, vocab) for x in probe)
     # a BF16 / FP16 gain takes its steps in an FP32 master: a 1e-4 step is below a BF16 gain's spacing
     masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in params]
     opt = torch.optim.AdamW(masters, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -110,15 +124,16 @@ def _distill(student, teacher, batches, params, config: NormTuning) -> tuple[flo
         for g in opt.param_groups:
             g["lr"] = config.lr * warm * 0.5 * (1 + math.cos(math.pi * step / config.steps))
         x = _inputs(batches[step % len(batches)])
-        with torch.no_grad():
-            target = logits_of(teacher(x))
-        loss = _kl(logits_of(student(x)), target)
-        if not torch.isfinite(loss):
-            raise MinifloatError(f"norm tuning's loss is {float(loss)} at step {step}: the quantized model's "
-                                 f"logits are not finite; quantize without norm tuning")  # fmt: skip
         for p in params:  # the masters' gradients are set from these below (an FP32 gain is its own master)
             p.grad = None
-        loss.backward()
+        for c in _passes(x, vocab):  # the step's mean KL, its gradient summed pass by pass
+            with torch.no_grad():
+                target = logits_of(teacher(c))
+            loss = _kl(logits_of(student(c)), target) * (len(c) / len(x))
+            if not torch.isfinite(loss):
+                raise MinifloatError(f"norm tuning's loss is {float(loss)} at step {step}: the quantized model's "
+                                     f"logits are not finite; quantize without norm tuning")  # fmt: skip
+            loss.backward()
         for p, m in zip(params, masters, strict=True):
             if m is not p:
                 m.grad = p.grad.float()
@@ -127,8 +142,7 @@ def _distill(student, teacher, batches, params, config: NormTuning) -> tuple[flo
             for p, m in zip(params, masters, strict=True):
                 if m is not p:
                     p.copy_(m)
-    with torch.no_grad():
-        after = sum(float(_kl(logits_of(student(_inputs(b))), r)) for b, r in zip(probe, reference, strict=True))
+    after = sum(_mean_kl(student, teacher, x, vocab) for x in probe)
     return before / len(probe), after / len(probe)
 
 
