@@ -41,7 +41,7 @@ from minifloat.errors import MinifloatError
 from minifloat.models.loading import logits_of
 
 KL_BATCHES = 2  # batches the before / after KL is measured on
-LOGITS_BUDGET = 1 << 26  # logit values one pass may hold (256 MB in FP32): a step's windows go through in passes this size
+LOGITS_BUDGET = 1 << 25  # logit values one pass may hold (128 MB in FP32): a step's windows go through in passes this size
 
 
 @dataclass(frozen=True, kw_only=True)
