@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import minifloat
-from minifloat.infer import QuantizedLinear, quantize_model
+from minifloat.infer import QuantizedLinear, get_quant_config, quantize_model
 from minifloat.infer.evaluation.metrics import evaluate
 from minifloat.infer.ptq.method import resolve_method
 from minifloat.infer.ptq.norm_tuning import NormTuning, norm_parameters, tune_norms
@@ -132,6 +132,25 @@ def test_a_steps_windows_go_through_in_passes_that_fit_the_logits_budget(monkeyp
     assert abs(results[0].kl_after - results[1].kl_after) < 1e-4 * results[0].kl_after
     moved = (gains[0] - 1).abs().max()
     assert moved > 1e-3 and (gains[0] - gains[1]).abs().max() < 1e-3 * moved  # Adam: about lr a step
+
+
+def test_a_tuning_that_does_not_lower_the_kl_puts_the_gains_back():
+    """A step far too large (lr 10) throws the gains off: the KL on the tuning's own windows rises, and
+    the gains come back to the bit, said in the result and in the summary."""
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 64))
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        student[1].weight.mul_(0.9)
+    gains = {n: p.detach().clone() for n, p in norm_parameters(student).items()}
+    windows = [torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    r = tune_norms(student, teacher, windows, NormTuning(steps=5, lr=10.0, warmup=0))
+    assert not r.kept and r.kl_after > r.kl_before
+    assert all(torch.equal(p, gains[n]) for n, p in norm_parameters(student).items())
+    from minifloat.infer.quantize import QuantizeSummary
+
+    assert "the gains as they were before tuning are kept" in str(QuantizeSummary(get_quant_config("fp8-dynamic"), tuning=r))
+    assert tune_norms(student, teacher, windows, NormTuning(steps=20, lr=0.05)).kept  # a useful tuning stays
 
 
 def test_quantize_model_tunes_only_the_gains_and_says_so():

@@ -109,7 +109,8 @@ class QuantizeSummary:
         )
         if (t := self.tuning) is not None:
             lines.append(f"norm tuning: {t.parameters:,} normalization values, {t.steps} steps; KL to the unquantized "
-                         f"model on its first training windows {t.kl_before:.4g} → {t.kl_after:.4g}")  # fmt: skip
+                         f"model on its first training windows {t.kl_before:.4g} → {t.kl_after:.4g}"
+                         + ("" if t.kept else " (not lower: the gains as they were before tuning are kept)"))  # fmt: skip
         return "\n".join(lines)
 
 

@@ -15,7 +15,8 @@ zero) on ``KL(teacher ‖ student)`` over the vocabulary, per token, one batch o
 (cycled). The student is the quantized model as a training graph sees it (each quantized layer's
 exact values, its input rounded with a straight-through gradient: the caller builds it); only
 `params` get gradients. It returns the mean KL on the first batches before and after, the same
-windows both times (a training-window figure: held-out text is what `evaluate` is for).
+windows both times (a training-window figure: held-out text is what `evaluate` is for); where the
+tuned gains do not lower even that, the gains as they were are put back (`TuningResult.kept`).
 
 Example:
     >>> import copy
@@ -69,7 +70,8 @@ class TuningResult:
     steps: int
     parameters: int  # values tuned
     kl_before: float
-    kl_after: float
+    kl_after: float  # with the tuned gains, kept or not
+    kept: bool = True  # False: the tuned gains did not lower kl_before, and the gains before tuning are back
 
 
 def norm_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -165,11 +167,17 @@ def tune_norms(student: torch.nn.Module, teacher: torch.nn.Module, batches: Sequ
         student.requires_grad_(False)
         for p in params.values():
             p.requires_grad_(True)
+        saved = [p.detach().clone() for p in params.values()]
         before, after = _distill(student, teacher, batches, list(params.values()), config)
+        kept = after < before  # on windows it trained on: a tuning that does not lower even that is undone
+        if not kept:
+            with torch.no_grad():
+                for p, v in zip(params.values(), saved, strict=True):
+                    p.copy_(v)
     finally:
         for p, flag in flags.items():
             p.requires_grad_(flag)
             p.grad = None
         teacher.train(teacher_was)
         student.train(student_was)
-    return TuningResult(config.steps, sum(p.numel() for p in params.values()), before, after)
+    return TuningResult(config.steps, sum(p.numel() for p in params.values()), before, after, kept)
