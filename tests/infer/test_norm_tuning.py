@@ -57,6 +57,14 @@ def _windows(seed, n=4):
     return [torch.randint(0, 256, (4, 33), generator=g) for _ in range(n)]
 
 
+def _training_view(model) -> dict[str, QuantizedLinear]:
+    """Each `QuantizedLinear` of `model` swapped for its training view, as `quantize_model` does
+    before tuning; returns the packed layers by name (to swap back)."""
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    swap_modules(model, list(packed), lambda old: old.differentiable())
+    return packed
+
+
 def _kl(model, reference, batches) -> float:
     return evaluate(model, reference, batches)["kl"]
 
@@ -75,13 +83,10 @@ def test_distillation_recovers_gains_the_quantized_student_lost_on_windows_it_ne
             p.mul_(torch.exp(torch.randn(p.shape, generator=g) * 0.5))
     held_out = _windows(9)
     before = _kl(student, teacher, held_out)
-    names = [n for n, m in student.named_modules() if isinstance(m, QuantizedLinear)]
-    packed = {n: student.get_submodule(n) for n in names}
-    for n in names:  # the training view, as quantize_model swaps it in
-        swap_modules(student, [n], lambda old: old.differentiable())
+    packed = _training_view(student)
     r = tune_norms(student, teacher, _windows(3, 8), NormTuning(steps=100, lr=5e-2))
-    for n in names:
-        swap_modules(student, [n], lambda old, q=packed[n]: q)
+    for n, q in packed.items():
+        swap_modules(student, [n], lambda old, q=q: q)
     after = _kl(student, teacher, held_out)
     assert r.parameters == 5 * 128 and r.kl_after < r.kl_before
     assert after < before / 8, (before, after)  # 0.43 → 0.03-0.04; quantization alone: 0.001-0.01
@@ -119,8 +124,7 @@ def test_a_steps_windows_go_through_in_passes_that_fit_the_logits_budget(monkeyp
     for budget in (norm_tuning.LOGITS_BUDGET, 2 * 32 * 256):  # all 4 windows in one pass; 2 windows a pass
         monkeypatch.setattr(norm_tuning, "LOGITS_BUDGET", budget)
         student = copy.deepcopy(quantized)
-        for n in [n for n, m in student.named_modules() if isinstance(m, QuantizedLinear)]:
-            swap_modules(student, [n], lambda old: old.differentiable())
+        _training_view(student)
         seen = []
         hook = student.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(args[0].shape[0]))
         results.append(tune_norms(student, teacher, windows, NormTuning(steps=3, lr=1e-3, warmup=0)))
