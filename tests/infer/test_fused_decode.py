@@ -219,6 +219,24 @@ def test_bench_decode_times_both_steps_and_profiles_them(tmp_path, capsys):
     for r in verify:
         one = next(o for o in verify if o["of"] == r["of"] and o["rows"] == 1)
         assert r["ms"] > 0 and r["vs_one_row"] == pytest.approx(r["ms"] / one["ms"])
+    # float32's floor: M rows × a token's multiply-adds, counted from the config (q, o: H × H; k, v: H × H / 2 with
+    # GQA 4 / 2; gate, up, down: H × INTER; the untied head: VOCAB × H), at the measured float32 rate
+    from tests.gguf_writer import VOCAB
+    from tests.infer.test_gguf_and_bad_inputs import INTER, LAYERS, H
+
+    macs = LAYERS * (3 * H * H + 3 * H * INTER) + VOCAB * H
+    rate = out["weights"]["multiply_add_rate"]
+    assert rate > 1e8
+    for r in verify:
+        one = next(o for o in verify if o["of"] == r["of"] and o["rows"] == 1)
+        assert r["float32_floor_ms"] == pytest.approx(1e3 * r["rows"] * macs / rate)
+        most = r["float32_rows_within_1_5x"]  # the most rows whose floor fits in 1.5 × one row's time
+        assert most * macs / rate <= 1.5e-3 * one["ms"] < (most + 1) * macs / rate or most == 4096
+        if r["rows"] > 1 and r["ms"] > one["ms"]:  # the rows past the first: their floor over the time they added
+            assert r["added_rows_at_peak"] == pytest.approx((r["rows"] - 1) * macs / rate / (1e-3 * (r["ms"] - one["ms"])))
+    from minifloat.measure.bench_decode import float32_rows_within
+
+    assert float32_rows_within(3.3e-3, 134_500_000, 258e9) == 9  # SmolLM2's FP4 row: 4.95 ms hold 9.5 rows' 0.52 ms
     assert main(["bench", "decode", str(tmp_path / "tiny.gguf"), "--decode-steps", "compiled"]) == 2
     assert "--decode-steps 'compiled': use some of auto, fused, eager" in capsys.readouterr().err
     for bad, says in [("0,2", "--verify-rows takes comma-separated positive integers"),

@@ -198,6 +198,27 @@ def test_weight_only_layers_and_w4a4_decode_steps_run_on_the_kernels(monkeypatch
         assert calls == [1, 4], (config, calls)  # 40 rows: the GEMM
 
 
+def test_the_multiply_add_probe_is_not_slower_than_a_float32_matrix_product():
+    """`multiply_add_rate` is the floor of every row count's time (bench decode): no float32 product
+    here outruns it, so torch's own matrix product (timed right after, the same threads) must not
+    either — by half, as a shared machine's noise allows."""
+    import time
+
+    if not gemv.isas():
+        pytest.skip("the kernels were not built")
+    threads = torch.get_num_threads()
+    rate = gemv.multiply_add_rate(threads, seconds=0.02)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    assert rate >= 0.5 * 512**3 / best, (rate, 512**3 / best)
+    assert gemv.multiply_add_rate(1, "portable", seconds=0.01) > 0
+
+
 def test_a_bound_call_is_the_kernel_a_plan_calls():
     """`Plan.bound` (what `bench decode` times beside torch's kernels) computes what the plan's
     call does, into the one output it made, and sees a new x written in place."""

@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-rows", default="1,2,4,8,16",
                    help="decode: comma-separated M: one forward of M tokens after a prompt, every row's logits (a speculative "
                         "verification of M − 1 drafted tokens), timed for each of --weights (and llama.cpp's files with "
-                        "--llamacpp) against one row ('' for none)")
+                        "--llamacpp) against one row, beside the floor the CPU's float32 multiply-add rate sets ('' for none)")
     p.add_argument("--gemv", default="2048x8192", help="decode: comma-separated KxN decode GEMVs to time against torch's int4 / int8 kernels ('' for none)")
     p.add_argument("--kv-formats", default=None,
                    help="decode: comma-separated KV caches, FORMAT[+RECENT][@OPTION…] with OPTION hadamard, hadamard-kv, "

@@ -595,6 +595,55 @@ T512 static void rows_range512(const gemv_args_t *a, int64_t n0, int64_t n1, con
 }
 #endif
 
+/* The float32 multiply-adds these kernels' products can reach here, timed by the caller: `nthreads`
+ * threads each run `iters` rounds of twelve independent multiply-adds on `isa`'s vectors (fused, 16
+ * floats on AVX-512, 8 on AVX2; the portable path's a · b + c on single floats) — enough chains in
+ * flight to fill the units, no memory touched. Returns the threads that ran: the work is
+ * 12 × lanes × iters × that (bench decode's floor for rows of x, `gemv.multiply_add_rate`). */
+#define FMA_PROBE(T, SET1, FMA, SUM)                                                                            \
+    do {                                                                                                        \
+        const T b_ = SET1(0.999999f), c_ = SET1(1e-7f);                                                         \
+        T a_[12];                                                                                               \
+        _Pragma("GCC unroll 12") for (int i_ = 0; i_ < 12; i_++) a_[i_] = SET1((float)i_);                       \
+        for (int64_t n_ = 0; n_ < iters; n_++) {                                                                \
+            _Pragma("GCC unroll 12") for (int i_ = 0; i_ < 12; i_++) a_[i_] = FMA(a_[i_], b_, c_);             \
+        }                                                                                                       \
+        float s_ = 0;                                                                                           \
+        _Pragma("GCC unroll 12") for (int i_ = 0; i_ < 12; i_++) s_ += SUM(a_[i_]);                            \
+        return s_;                                                                                              \
+    } while (0)
+#if MF_X86
+T512 static float fma_probe512(int64_t iters) { FMA_PROBE(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps); }
+T256 static inline float sum256(__m256 v) { float t[8]; _mm256_storeu_ps(t, v); return t[0] + t[7]; }
+T256 static float fma_probe256(int64_t iters) { FMA_PROBE(__m256, _mm256_set1_ps, _mm256_fmadd_ps, sum256); }
+#endif
+static inline float same(float v) { return v; }
+static inline float muladd(float a, float b, float c) { return a * b + c; }
+static float fma_probe_portable(int64_t iters) { FMA_PROBE(float, same, muladd, same); }
+
+int mf_fma_probe(int isa, int nthreads, int64_t iters) {
+    volatile float keep = 0;
+    int used = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float s;
+#if MF_X86
+        if (isa == ISA_AVX512) s = fma_probe512(iters);
+        else if (isa == ISA_AVX2) s = fma_probe256(iters);
+        else
+#endif
+            s = fma_probe_portable(iters);
+#pragma omp critical
+        keep += s;
+#ifdef _OPENMP
+#pragma omp single
+        used = omp_get_num_threads();
+#endif
+    }
+    (void)keep;
+    return used;
+}
+
 /* y = x · Wᵀ (see the top of the file). The caller checks: M ≤ 16, blocks 16·j columns wide or one
  * per row, `isa` one that mf_gemv_isas reports. Returns 0, or -1 when scratch memory ran out. */
 int mf_gemv(const gemv_args_t *a) {

@@ -61,6 +61,8 @@ def _library() -> ctypes.CDLL | None:
         lib.mf_gemv_isas.argtypes = []
         lib.mf_gemv.restype = ctypes.c_int
         lib.mf_gemv.argtypes = [ctypes.POINTER(GemvArgs)]
+        lib.mf_fma_probe.restype = ctypes.c_int
+        lib.mf_fma_probe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
         lib.mf_gemv_args_size.restype = lib.mf_gemv_args_last.restype = lib.mf_gemv_max_rows.restype = ctypes.c_int64
         if lib.mf_gemv_max_rows() != MAX_ROWS:
             raise RuntimeError(f"gemv.MAX_ROWS is {MAX_ROWS}, the kernels' MMAX {lib.mf_gemv_max_rows()}: make them agree")
@@ -96,6 +98,35 @@ def best_isa() -> str | None:
     if forced not in have:
         raise MinifloatError(f"{variable}={forced!r}: this CPU runs {', '.join(have)}; unset it or pick one of them")
     return forced
+
+
+_LANES = {"portable": 1, "avx2": 8, "avx512": 16}
+
+
+def multiply_add_rate(threads: int | None = None, isa: str | None = None, seconds: float = 0.05, repeats: int = 3) -> float | None:
+    """Float32 multiply-adds per second that the decode kernels' ISA path (`best_isa`, or `isa`)
+    can reach here on `threads` threads (torch's count by default): `_gemv.c`'s probe, twelve
+    independent multiply-add chains per thread, no memory touched — the best of `repeats` runs of
+    about `seconds` each. None without the kernels. No kernel's products go faster: rows of x ×
+    multiply-adds a row ÷ this is the least time any number of rows can take."""
+    import time
+
+    lib, isa = _library(), isa or best_isa()
+    if lib is None or isa is None:
+        return None
+    threads = threads or torch.get_num_threads()
+    code, lanes, iters, best = ISAS.index(isa), _LANES[isa], 1 << 16, 0.0
+    while True:  # as many rounds as take `seconds` (a first probe of 2^16 rounds sizes it)
+        t0 = time.perf_counter()
+        used = lib.mf_fma_probe(code, threads, iters)
+        took = time.perf_counter() - t0
+        best = max(best, 12 * lanes * iters * used / took)
+        if took >= seconds:
+            repeats -= 1
+            if repeats == 0:
+                return best
+        else:
+            iters = int(iters * min(max(seconds / max(took, 1e-6), 2.0), 1000.0))
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from minifloat.infer.evaluation.metrics import Quality
 from minifloat.infer.generation.decoding import decode_cache, device_of, draft_model, forward
 from minifloat.infer.generation.kvcache import parse_kv_spec
 from minifloat.infer.generation.kvspec import KVSpec
+from minifloat.report.table import cell
 
 WEIGHT_CONFIGS = ("fp32", "fp8-weight-only", "mxfp4-weight-only", "nvfp4-weight-only")
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8+bf16", "fp8_e5m2", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4+fp8")
@@ -172,6 +173,21 @@ def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, device: torch.device 
     x = torch.ones(nbytes // 4, device=device)
     t = _median_interleaved({"sum": lambda: x.sum().item()}, reps)["sum"]
     return nbytes / t
+
+
+def multiply_adds_per_token(model: torch.nn.Module) -> int:
+    """Multiply-adds of one token through every Linear (float or packed; a tied head counted once,
+    as the Linear it is): a decode step's arithmetic, attention over a short context aside."""
+    from minifloat.infer.modules.linear import QuantizedLinear
+
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear)))
+
+
+def float32_rows_within(one_row_s: float, macs: int, rate: float, ratio: float = 1.5, most: int = 4096) -> int:
+    """The most rows of x whose float32 multiply-adds alone (rows × `macs` at `rate`) fit in `ratio`
+    × one row's measured time: past it, ≤ `ratio` × one row cannot be had in float32 here,
+    however the weights are read."""
+    return min(most, int(ratio * one_row_s * rate // macs))
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
@@ -327,6 +343,14 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
     torch.set_num_threads(threads)
     bandwidth = read_bandwidth(device=device)
     echo(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (one pass over 256 MiB), {threads} threads")
+    rate = None  # float32 multiply-adds/s the decode kernels can reach here: the verification rows' floor
+    if verify is not None and torch.device(device).type == "cpu":
+        from minifloat.kernels import gemv
+
+        rate = gemv.multiply_add_rate(threads)
+        if rate:
+            echo(f"  float32 multiply-adds: {rate / 1e9:.0f} G/s at most ({gemv.best_isa()} fused multiply-adds, no memory "
+                 f"touched, {threads} threads)")  # fmt: skip
     files: dict[str, str] = {}
     if llamacpp is not None:
         python, folder = llamacpp
@@ -372,6 +396,7 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
     finally:
         torch.set_num_threads(was_threads)
     rows = []
+    macs = {cfg: multiply_adds_per_token(m) for cfg, m in models.items()}
     for cfg, step in runs:
         nbytes = weight_bytes_per_token(models[cfg])
         row = {"config": cfg, "decode_step": steps_taken[cfg, step], "tokens_per_s": best[cfg, step],
@@ -398,7 +423,27 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
             part = _rows_table(label, verified[key])
             table += part
             echo(f"    {label:<28} " + "  ".join(f"{r['rows']:>2}: {r['ms']:7.2f} ms ×{r['vs_one_row']:.2f}" for r in part))
-    return {"read_bandwidth_bytes_per_s": bandwidth, "quantize_head": quantize_head, "new_tokens": new_tokens,
+        if rate:
+            echo("  float32's floor: M rows × a row's multiply-adds at the rate above; the most rows whose floor alone "
+                 "fits in 1.5× one row's time:")  # fmt: skip
+        for key, label in labels.items() if rate else ():
+            if key in files:  # llama.cpp multiplies 8-bit integers past one row: no float32 floor
+                continue
+            one, n = verified[key][1], macs[key[0]]
+            most = float32_rows_within(one, n, rate)
+            peak = []  # the rows past the first: their multiply-adds' floor over the time they added
+            for r in table:
+                if r["of"] == label:
+                    r["float32_floor_ms"] = 1e3 * r["rows"] * n / rate
+                    r["float32_rows_within_1_5x"] = most
+                    added = r["ms"] / 1e3 - one
+                    if r["rows"] > 1:
+                        r["added_rows_at_peak"] = (r["rows"] - 1) * n / rate / added if added > 0 else None
+                        peak.append(f"{r['rows']}: {cell(r['added_rows_at_peak'], '.0%')}")
+            echo(f"    {label:<28} {n / 1e6:6.1f} M multiply-adds a row: {1e3 * n / rate:.2f} ms a row, "
+                 f"≤ 1.5× one row ({1.5e3 * one:.2f} ms) up to {most} row{'s' if most != 1 else ''}; "
+                 f"the rows past the first at {', '.join(peak) or '-'} of the peak")  # fmt: skip
+    return {"read_bandwidth_bytes_per_s": bandwidth, "multiply_add_rate": rate, "quantize_head": quantize_head, "new_tokens": new_tokens,
             "prompts": len(prompts), "threads": threads, "repeats": repeats, "kv_cache": kv_cache, "runs": rows,
             "llamacpp": llama_rows, "verify": table}  # fmt: skip
 
