@@ -148,13 +148,23 @@ def test_a_tuning_that_does_not_lower_the_kl_puts_the_gains_back():
         student[1].weight.mul_(0.9)
     gains = {n: p.detach().clone() for n, p in norm_parameters(student).items()}
     windows = [torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(s)) for s in range(4)]
-    r = tune_norms(student, teacher, windows, NormTuning(steps=5, lr=10.0, warmup=0))
-    assert not r.kept and r.kl_after > r.kl_before
-    assert all(torch.equal(p, gains[n]) for n, p in norm_parameters(student).items())
     from minifloat.infer.quantize import QuantizeSummary
 
-    assert "the gains as they were before tuning are kept" in str(QuantizeSummary(get_quant_config("fp8-dynamic"), tuning=r))
-    assert tune_norms(student, teacher, windows, NormTuning(steps=20, lr=0.05)).kept  # a useful tuning stays
+    whole = tune_norms(student, teacher, windows, NormTuning(steps=6, lr=10.0, warmup=0, check=0))  # no check: all 6 steps
+    assert not whole.kept and whole.kl_after > whole.kl_before and whole.steps == whole.asked == 6
+    assert all(torch.equal(p, gains[n]) for n, p in norm_parameters(student).items())
+    assert "6 steps" in str(QuantizeSummary(get_quant_config("fp8-dynamic"), tuning=whole))
+    assert "(not lower: the gains as they were before tuning are kept)" in str(QuantizeSummary(get_quant_config("fp8-dynamic"), tuning=whole))
+    # the check after half the steps: the KL has risen by then, so the tuning stops there, its gains put back
+    r = tune_norms(student, teacher, windows, NormTuning(steps=6, lr=10.0, warmup=0))
+    assert not r.kept and r.kl_after > r.kl_before and (r.steps, r.asked) == (3, 6) and r.seconds > 0
+    assert all(torch.equal(p, gains[n]) for n, p in norm_parameters(student).items())
+    said = str(QuantizeSummary(get_quant_config("fp8-dynamic"), tuning=r))
+    assert "3 of 6 steps" in said and "(not lower after 3 steps: stopped: the gains as they were before tuning are kept)" in said
+    useful = tune_norms(student, teacher, windows, NormTuning(steps=20, lr=0.05))  # a useful tuning passes its check
+    assert useful.kept and useful.steps == 20
+    with pytest.raises(minifloat.MinifloatError, match="check is a fraction of its steps"):
+        NormTuning(check=1.0)
 
 
 def test_quantize_model_tunes_only_the_gains_and_says_so():
@@ -196,7 +206,7 @@ def test_norm_tuning_options_are_checked_before_any_work():
         quantize_model(model, "fp8-dynamic", method=method, tuning=[torch.zeros(4)])
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())  # nothing was quantized
     once = quantize_model(model, "fp8-dynamic", calibration=iter(_windows(1)), method=resolve_method("gptq", "fp8-dynamic", tune_norms=2))
-    assert len(once.quantized) == 14 and once.tuning.steps == 2  # a one-pass iterator: GPTQ's and the tuning's windows
+    assert len(once.quantized) == 14 and once.tuning.asked == 2 and once.tuning.steps >= 1  # a one-pass iterator: GPTQ's and the tuning's windows
     with pytest.raises(minifloat.MinifloatError, match="no normalization layer"):
         tune_norms(torch.nn.Sequential(torch.nn.Embedding(8, 8)), torch.nn.Sequential(torch.nn.Embedding(8, 8)),
                    [torch.zeros(1, 3, dtype=torch.long)])  # fmt: skip

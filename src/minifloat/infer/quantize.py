@@ -108,9 +108,12 @@ class QuantizeSummary:
             + ("" if self.method is None or self.method.label == "rtn" else f"; method {self.method.label}")
         )
         if (t := self.tuning) is not None:
-            lines.append(f"norm tuning: {t.parameters:,} normalization values, {t.steps} steps; KL to the unquantized "
-                         f"model on its first training windows {t.kl_before:.4g} → {t.kl_after:.4g}"
-                         + ("" if t.kept else " (not lower: the gains as they were before tuning are kept)"))  # fmt: skip
+            stopped = t.asked and t.steps < t.asked
+            steps = f"{t.steps} of {t.asked} steps" if stopped else f"{t.steps} steps"
+            lines.append(f"norm tuning: {t.parameters:,} normalization values, {steps}, {t.seconds:.0f} s; KL to the "
+                         f"unquantized model on its first training windows {t.kl_before:.4g} → {t.kl_after:.4g}"
+                         + ("" if t.kept else f" (not lower{f' after {t.steps} steps: stopped' if stopped else ''}: the "
+                                              "gains as they were before tuning are kept)"))  # fmt: skip
         return "\n".join(lines)
 
 
