@@ -45,7 +45,9 @@ def _decode_kernels() -> str:
     have = gemv.isas()
     if not have:
         return "no (the kernels were not built: weight-only GEMVs dequantize the weight)"
-    return f"{gemv.best_isa()} (this CPU runs {', '.join(have)}; MINIFLOAT_GEMV_ISA or MINIFLOAT_ISA forces one)"
+    rate = gemv.multiply_add_rate(seconds=0.02)  # the floor bench decode prints beside rows of x
+    return (f"{gemv.best_isa()} (this CPU runs {', '.join(have)}; MINIFLOAT_GEMV_ISA or MINIFLOAT_ISA forces one); "
+            f"float32 multiply-adds at most {rate / 1e9:.0f} G/s on {torch.get_num_threads()} threads")
 
 
 def _fp8_gemm() -> str:
