@@ -160,7 +160,7 @@ def test_a_tuning_that_does_not_lower_the_kl_puts_the_gains_back():
     assert not r.kept and r.kl_after > r.kl_before and (r.steps, r.asked) == (3, 6) and r.seconds > 0
     assert all(torch.equal(p, gains[n]) for n, p in norm_parameters(student).items())
     said = str(QuantizeSummary(get_quant_config("fp8-dynamic"), tuning=r))
-    assert "3 of 6 steps" in said and "(not lower after 3 steps: stopped: the gains as they were before tuning are kept)" in said
+    assert "3 of 6 steps" in said and "(not lower after 3 steps, stopped: the gains as they were before tuning are kept)" in said
     useful = tune_norms(student, teacher, windows, NormTuning(steps=20, lr=0.05))  # a useful tuning passes its check
     assert useful.kept and useful.steps == 20
     with pytest.raises(minifloat.MinifloatError, match="check is a fraction of its steps"):

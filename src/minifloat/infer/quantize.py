@@ -112,7 +112,7 @@ class QuantizeSummary:
             steps = f"{t.steps} of {t.asked} steps" if stopped else f"{t.steps} steps"
             lines.append(f"norm tuning: {t.parameters:,} normalization values, {steps}, {t.seconds:.0f} s; KL to the "
                          f"unquantized model on its first training windows {t.kl_before:.4g} → {t.kl_after:.4g}"
-                         + ("" if t.kept else f" (not lower{f' after {t.steps} steps: stopped' if stopped else ''}: the "
+                         + ("" if t.kept else f" (not lower{f' after {t.steps} steps, stopped' if stopped else ''}: the "
                                               "gains as they were before tuning are kept)"))  # fmt: skip
         return "\n".join(lines)
 

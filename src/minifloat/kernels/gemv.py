@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -109,8 +110,6 @@ def multiply_add_rate(threads: int | None = None, isa: str | None = None, second
     independent multiply-add chains per thread, no memory touched — the best of `repeats` runs of
     about `seconds` each. None without the kernels. No kernel's products go faster: rows of x ×
     multiply-adds a row ÷ this is the least time any number of rows can take."""
-    import time
-
     lib, isa = _library(), isa or best_isa()
     if lib is None or isa is None:
         return None

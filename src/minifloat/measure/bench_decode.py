@@ -423,26 +423,22 @@ def weight_speed(path: str, prompts: Sequence[torch.Tensor], configs: Sequence[s
             part = _rows_table(label, verified[key])
             table += part
             echo(f"    {label:<28} " + "  ".join(f"{r['rows']:>2}: {r['ms']:7.2f} ms ×{r['vs_one_row']:.2f}" for r in part))
-        if rate:
+        if rate:  # llama.cpp's files aside: past one row it multiplies 8-bit integers, no float32 floor
             echo("  float32's floor: M rows × a row's multiply-adds at the rate above; the most rows whose floor alone "
                  "fits in 1.5× one row's time:")  # fmt: skip
-        for key, label in labels.items() if rate else ():
-            if key in files:  # llama.cpp multiplies 8-bit integers past one row: no float32 floor
-                continue
-            one, n = verified[key][1], macs[key[0]]
-            most = float32_rows_within(one, n, rate)
-            peak = []  # the rows past the first: their multiply-adds' floor over the time they added
-            for r in table:
-                if r["of"] == label:
-                    r["float32_floor_ms"] = 1e3 * r["rows"] * n / rate
-                    r["float32_rows_within_1_5x"] = most
-                    added = r["ms"] / 1e3 - one
+            for key, label in ((k, v) for k, v in labels.items() if k not in files):
+                one, n = verified[key][1], macs[key[0]]
+                most = float32_rows_within(one, n, rate)
+                peak = []  # the rows past the first: their multiply-adds' floor over the time they added
+                for r in (r for r in table if r["of"] == label):
+                    r["float32_floor_ms"], r["float32_rows_within_1_5x"] = 1e3 * r["rows"] * n / rate, most
                     if r["rows"] > 1:
+                        added = r["ms"] / 1e3 - one
                         r["added_rows_at_peak"] = (r["rows"] - 1) * n / rate / added if added > 0 else None
                         peak.append(f"{r['rows']}: {cell(r['added_rows_at_peak'], '.0%')}")
-            echo(f"    {label:<28} {n / 1e6:6.1f} M multiply-adds a row: {1e3 * n / rate:.2f} ms a row, "
-                 f"≤ 1.5× one row ({1.5e3 * one:.2f} ms) up to {most} row{'s' if most != 1 else ''}; "
-                 f"the rows past the first at {', '.join(peak) or '-'} of the peak")  # fmt: skip
+                echo(f"    {label:<28} {n / 1e6:6.1f} M multiply-adds a row: {1e3 * n / rate:.2f} ms a row, "
+                     f"≤ 1.5× one row ({1.5e3 * one:.2f} ms) up to {most} row{'s' if most != 1 else ''}; "
+                     f"the rows past the first at {', '.join(peak) or '-'} of the peak")  # fmt: skip
     return {"read_bandwidth_bytes_per_s": bandwidth, "multiply_add_rate": rate, "quantize_head": quantize_head, "new_tokens": new_tokens,
             "prompts": len(prompts), "threads": threads, "repeats": repeats, "kv_cache": kv_cache, "runs": rows,
             "llamacpp": llama_rows, "verify": table}  # fmt: skip
