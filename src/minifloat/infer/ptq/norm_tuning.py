@@ -127,7 +127,11 @@ def _distill(student, teacher, batches, params, config: NormTuning) -> tuple[flo
     probe = [_inputs(b) for b in batches[:KL_BATCHES]]
     with torch.no_grad():
         vocab = logits_of(teacher(probe[0][:1, :1])).shape[-1]
-    before = sum(_mean_kl(student, teacher, x, vocab) for x in probe)
+
+    def probe_kl() -> float:  # the before / check / after figure: the same windows each time
+        return sum(_mean_kl(student, teacher, x, vocab) for x in probe) / len(probe)
+
+    before = probe_kl()
     check = math.ceil(config.check * config.steps) if config.check else 0  # steps before the check; 0: none
     # a BF16 / FP16 gain takes its steps in an FP32 master: a 1e-4 step is below a BF16 gain's spacing
     masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in params]
@@ -156,11 +160,10 @@ def _distill(student, teacher, batches, params, config: NormTuning) -> tuple[flo
                 if m is not p:
                     p.copy_(m)
         if step + 1 == check < config.steps:
-            now = sum(_mean_kl(student, teacher, x, vocab) for x in probe)
+            now = probe_kl()
             if not now < before:
-                return before / len(probe), now / len(probe), check
-    after = sum(_mean_kl(student, teacher, x, vocab) for x in probe)
-    return before / len(probe), after / len(probe), config.steps
+                return before, now, check
+    return before, probe_kl(), config.steps
 
 
 def tune_norms(student: torch.nn.Module, teacher: torch.nn.Module, batches: Sequence[torch.Tensor],
