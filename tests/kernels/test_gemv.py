@@ -69,9 +69,9 @@ def test_each_row_of_a_call_equals_that_row_alone(name, isa):
         assert torch.equal(gemv.matmul(x[:m], *parts, w.shape, scheme, isa=isa), alone[:m]), f"{m} rows"
 
 
-def _with_codes(scheme, n, k, code, where):
-    """A weight whose codes at `where` are `code` (NaN / inf of the element format)."""
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+def _with_codes(scheme, n, k, code, where, w=None):
+    """A weight (random, or `w`) whose codes at `where` are `code` (NaN / inf of the element format)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) if w is None else w
     data, scale, ts = quantize_parts(w, scheme)
     from minifloat.formats.packing import unpack
     from minifloat.scaling.layout import layout_for
@@ -91,7 +91,7 @@ def test_nan_and_infinite_codes_propagate(name, code, isa):
     scheme = SCHEMES[name]
     n, k = 9, 200
     parts = _with_codes(scheme, n, k, code, [(2, 5), (4, 199), (7, 64)])
-    for m in (1, 3):
+    for m in (1, 3, 6):  # 6 rows: each row of W in two passes
         x = torch.randn(m, k)
         x[0, 64] = 0.0  # inf × 0: NaN, as in the float64 product
         y = gemv.matmul(x, *parts, (n, k), scheme, isa=isa)
@@ -139,6 +139,28 @@ def test_an_e4m3_weight_with_huge_row_scales_is_exact(isa):
     parts = quantize_parts(w, scheme)
     x = torch.randn(1, 64) * 1e-3
     check(gemv.matmul(x, *parts, w.shape, scheme, isa=isa), *oracle(x, parts, w.shape, scheme))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["fp8_rowwise", "mxfp8", "fp8_block128"])
+def test_e4m3_scales_that_overflow_times_2_to_the_8_stay_exact(name, isa):
+    """A row's scales are taken for 512 columns at a time (or once per row) with the 2^8 folded in;
+    where that product overflows, the scale is applied after the 2^8 — here in columns 512 on of
+    row 4 (all of it for row scales), whose codes are all 1.0, so its products stay finite."""
+    scheme = SCHEMES[name]
+    k = 1024
+    data, scale, ts = _with_codes(scheme, 5, k, 0x38, [(4, c) for c in range(k)])
+    scale = scale.clone()
+    huge = 2.0**121  # × 2^8 = 2^129: inf in float32
+    if scale.dtype == torch.uint8:  # E8M0: the code of 2^121
+        scale[4, scale.shape[1] // 2 :] = 127 + 121
+    else:
+        scale[4, scale.shape[1] // 2 :] = huge
+    for m in (1, 5):  # one pass over each row of W, and two
+        x = torch.randn(m, k) * 1e-3
+        want, bound = oracle(x, (data, scale, ts), (5, k), scheme)
+        assert torch.isfinite(want).all() and (want[:, 4].abs() > 2.0**100).all()
+        check(gemv.matmul(x, data, scale, ts, (5, k), scheme, isa=isa), want, bound)
 
 
 def test_the_isa_is_chosen_at_run_time_and_can_be_forced(monkeypatch):

@@ -14,9 +14,11 @@
  * weight), for inputs with |x| ≤ 2^100, where no such sum can overflow.
  *
  * Work per row n of W. AVX-512 (rows_fused512): whole chunks are decoded in registers and
- * multiplied at once with up to four rows of x (more rows: again per group of four, over blocks of
- * 64 rows of W then in L2), one loop per element kind and scale layout; a thread's rows of W in one
- * call, their setup made once. Other paths (row_buffered): by
+ * multiplied at once with a group of up to seven rows of x (groups of four, a last group of 5-7 rows
+ * in two passes over each row of W; more than 7 rows: each group over blocks of 64 rows of W then in
+ * L2), one loop per element kind and scale layout; a thread's rows of W in one call, their setup
+ * made once, and a scale applied per row or per 512 columns found outside the vector loop. Other
+ * paths (row_buffered): by
  * segments of KC columns, the segment's codes decoded (scaled) into a float buffer in L1, then
  * every row of x multiplied with it. Either way each row of x is summed as it would be alone, so
  * y[m] does not depend on the other rows of the call (a speculative verification's rows equal
@@ -383,19 +385,26 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
             acc[r_][A1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r_ * xs + (J) + 16), v1_, acc[r_][A1]); \
         }                                                                                           \
     } while (0)
+/* Chunks of slot pair SP sum into acc[r][2SP], acc[r][2SP + 1] when a row of W is one pass (NS = 2);
+ * in two passes (NS = 1) pass p takes the chunks of slot pair p only, into acc[r][0], acc[r][1]. */
+#define USE(SP) (NS == 2 || (SP) == pass)
+#define AL(SP) (NS == 2 ? 2 * (SP) : 0)
+#define FMA2S(J, V0, V1, SP) FMA2(J, V0, V1, AL(SP), AL(SP) + 1)
 #define FUSED_LOOP(DEC)                                                                             \
     do {                                                                                            \
         for (; j + 2 * CH <= nfull; j += 2 * CH) {                                                  \
             __m512 v0, v1, v2, v3;                                                                  \
-            DEC(j, v0, v1);                                                                         \
-            DEC(j + CH, v2, v3);                                                                    \
-            FMA2(j, v0, v1, 0, 1);                                                                \
-            FMA2(j + CH, v2, v3, 2, 3);                                                           \
+            if (USE(0)) DEC(j, v0, v1);                                                             \
+            if (USE(1)) DEC(j + CH, v2, v3);                                                        \
+            if (USE(0)) FMA2S(j, v0, v1, 0);                                                        \
+            if (USE(1)) FMA2S(j + CH, v2, v3, 1);                                                   \
         }                                                                                           \
         if (j < nfull) {                                                                            \
             __m512 v0, v1;                                                                          \
-            DEC(j, v0, v1);                                                                         \
-            FMA2(j, v0, v1, 0, 1);                                                                \
+            if (USE(0)) {                                                                           \
+                DEC(j, v0, v1);                                                                     \
+                FMA2S(j, v0, v1, 0);                                                                \
+            }                                                                                       \
             j += CH;                                                                                \
         }                                                                                           \
     } while (0)
@@ -445,20 +454,29 @@ nvfp4_rows128(const float *xx, int64_t xs, __m512i b, __m512 t4, __m512 v0, __m5
     }
 }
 
-/* Rows n0 … n1 - 1 of W against R rows of x: what does not depend on the row made once (a row
- * of a small layer is a few hundred cycles of work; its setup cost about as much again). */
+/* Rows n0 … n1 - 1 of W against R ≤ 7 rows of x: what does not depend on the row made once (a row
+ * of a small layer is a few hundred cycles of work; its setup cost about as much again).
+ * Each row of x has four partial sums, as one row alone has them: acc 0-1 take the chunks of slot
+ * pair 0 (the first of each pair of chunks), acc 2-3 those of slot pair 1. R ≤ 4 (NS = 2): all 4R
+ * sums in registers, one pass over each row of W. R = 5-7 (NS = 1): two passes, over the chunks of
+ * slot pair 0, then of slot pair 1 (the row's codes then in L1), so 2R sums are in registers and
+ * every chunk is still decoded once for all R rows. Each sum takes the same chunks in the same order
+ * either way, and y = Σ((acc0 + acc1) + (acc2 + acc3)) either way: bit for bit one row's result. */
 T512 static inline __attribute__((always_inline)) void
 rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int64_t xs, float *y, int lb,
               const uint8_t *scale_end, int wide, const int R) {
     DECODE_SETUP_512;
     const int64_t nfull = a->K / CH * CH;
     const int nan_free = a->nan_free;
-    for (int64_t n = n0; n < n1; n++) {
+    const int NS = R <= 4 ? 2 : 1; /* slot pairs per pass */
+    __m512 part[7] = {0};          /* two passes: row r's acc0 + acc1 from pass 0 */
+    for (int64_t n = n0; n < n1; n++)
+      for (int pass = 0; pass < 3 - NS; pass++) {
         const uint8_t *row = a->data + n * a->row_bytes;
         const int64_t t0 = (a->br == 1 ? n : n / a->br) * a->ngc;
-        __m512 acc[4][4]; /* row r of x: four partial sums, as one row alone has them (R ≤ 4) */
+        __m512 acc[7][4]; /* row r of x: acc[r][0 … 2NS - 1] */
         for (int r = 0; r < R; r++)
-            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+            for (int q = 0; q < 2 * NS; q++) acc[r][q] = _mm512_setzero_ps();
         int64_t j = 0;
         if (wide) {
             /* NVFP4, 128 columns (64 bytes) at a time: shifting each 32-bit lane by 4q puts the code of
@@ -481,16 +499,16 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
         const __m512i b = _mm512_loadu_si512((const void *)(row + (j + 128 * (H)) / 2));                            \
         const float *xx = xp + j + 128 * (H);                                                                       \
         const __m512 v0 = _mm512_permutexvar_ps(b, t4), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t4);     \
-        nvfp4_rows128(xx, xs, b, t4, v0, v1, sv, acc, (H), R < 2 ? R : 2);                                          \
-        if (R > 2) /* rows 3-4: the lookups made again (their sums would not fit beside the first two's) */         \
-            nvfp4_rows128(xx + 2 * xs, xs, b, t4, v0, v1, sv, acc + 2, (H), R - 2);                                 \
+        /* rows 3-7 by twos: the lookups made again (their sums would not fit beside the first two's) */            \
+        _Pragma("GCC unroll 4") for (int r0_ = 0; r0_ < R; r0_ += 2)                                                \
+            nvfp4_rows128(xx + r0_ * xs, xs, b, t4, v0, v1, sv, acc + r0_, AL(H) / 2, R - r0_ < 2 ? R - r0_ : 2);    \
     } while (0)
             for (; j + 256 <= k128; j += 256) {
                 const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
-                NVFP4_CHUNK128(0);
-                NVFP4_CHUNK128(1);
+                if (USE(0)) NVFP4_CHUNK128(0);
+                if (USE(1)) NVFP4_CHUNK128(1);
             }
-            if (j < k128) {
+            if (j < k128 && USE(0)) {
                 const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
                 NVFP4_CHUNK128(0);
             }
@@ -510,18 +528,19 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
                         const __m512i i0 = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * c));
                         const __m512i i1 = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * c + 2));
                         __m512 v0, v1, v2, v3;
-                        fp4s_512(row, j + CH * c, _mm512_permutexvar_ps(i0, S), t4, &v0, &v1);
-                        fp4s_512(row, j + CH * (c + 1), _mm512_permutexvar_ps(i1, S), t4, &v2, &v3);
-                        FMA2(j + CH * c, v0, v1, 0, 1);
-                        FMA2(j + CH * c + CH, v2, v3, 2, 3);
+                        if (USE(0)) fp4s_512(row, j + CH * c, _mm512_permutexvar_ps(i0, S), t4, &v0, &v1);
+                        if (USE(1)) fp4s_512(row, j + CH * (c + 1), _mm512_permutexvar_ps(i1, S), t4, &v2, &v3);
+                        if (USE(0)) FMA2S(j + CH * c, v0, v1, 0);
+                        if (USE(1)) FMA2S(j + CH * c + CH, v2, v3, 1);
                     }
                 }
                 if (j < nfull) { /* the last, partial group of chunks: its codes read within the scale grid */
                     const __m512 S = _mm512_mul_ps(e4m3_div256_512(load16(sc + (j >> 4), scale_end), 0), ts256);
                     for (int c = 0; j < nfull; j += CH, c++) {
+                        if (!USE(0)) continue;
                         __m512 v0, v1;
                         fp4s_512(row, j, _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * c)), S), t4, &v0, &v1);
-                        FMA2(j, v0, v1, 0, 1);
+                        FMA2S(j, v0, v1, 0);
                     }
                 }
             }
@@ -535,20 +554,25 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
                     /* the scales through memory: each chunk's is a broadcast operand of its table's multiply */
                     _mm512_store_ps(sf, e8m0_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 5)))));
                     for (int c = 0; c < 16; c += 2) {
-                        const __m512 ts0 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
-                        const __m512 ts1 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c + 1]));
-                        const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c) / 2)));
-                        const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
-                        FMA2(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), 0, 1);
-                        FMA2(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), 2, 3);
+                        if (USE(0)) {
+                            const __m512 ts0 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
+                            const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c) / 2)));
+                            FMA2S(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), 0);
+                        }
+                        if (USE(1)) {
+                            const __m512 ts1 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c + 1]));
+                            const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
+                            FMA2S(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), 1);
+                        }
                     }
                 }
                 if (j < nfull) { /* the last, partial group of chunks */
                     _mm512_store_ps(sf, e8m0_512(load16(sc + (j >> 5), scale_end)));
                     for (int c = 0; j < nfull; j += CH, c++) {
+                        if (!USE(0)) continue;
                         const __m512 ts = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
                         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + j / 2)));
-                        FMA2(j, _mm512_permutexvar_ps(b, ts), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), ts), 0, 1);
+                        FMA2S(j, _mm512_permutexvar_ps(b, ts), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), ts), 0);
                     }
                 }
             }
@@ -557,38 +581,103 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
             FUSED_LOOP(DEC_FP6);
         } else if (a->kind == K_E5M2) {
             FUSED_LOOP(DEC_E5M2);
+        } else if (lb == 62 && !(isinf(S0(0) * 256.0f) && !isinf(S0(0)))) {
+            /* E4M3 with one scale per row (tensor or row scales): fp8_512's products, its scale × 2^8
+             * broadcast and its NaN patch chosen once per row instead of per 16 columns */
+            const __m512 s8 = _mm512_set1_ps(S0(0) * 256.0f);
+#define DEC_E4M3_ROW(J, V0, V1, NF)                                                               \
+    V0 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J))), NF), s8),   \
+    V1 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J) + 16)), NF), s8)
+#define DEC_E4M3_ROW_NAN_FREE(J, V0, V1) DEC_E4M3_ROW(J, V0, V1, 1)
+#define DEC_E4M3_ROW_NAN(J, V0, V1) DEC_E4M3_ROW(J, V0, V1, 0)
+            if (nan_free) FUSED_LOOP(DEC_E4M3_ROW_NAN_FREE);
+            else FUSED_LOOP(DEC_E4M3_ROW_NAN);
+#undef DEC_E4M3_ROW_NAN
+#undef DEC_E4M3_ROW_NAN_FREE
+#undef DEC_E4M3_ROW
         } else {
+            if (lb >= 5 && lb < 62) {
+                /* E4M3 with a scale per 2^lb ≥ 32 columns (MX, 128-column blocks): each 512 columns'
+                 * 16 chunk scales × 2^8 found first, out of the vector loop; from a group where × 2^8
+                 * overflows on, fp8_512 chunk by chunk (FUSED_LOOP below) */
+                float sf[16] __attribute__((aligned(64)));
+                const int mx = a->sfmt == SF_E8M0 && lb == 5 && a->ts == 1.0f;
+                const uint8_t *sc8 = (const uint8_t *)a->scales + t0;
+#define DEC_E4M3_GROUP(J, V0, V1, NF, C)                                                                          \
+    V0 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J))), NF), _mm512_set1_ps(sf[C])),  \
+    V1 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J) + 16)), NF), _mm512_set1_ps(sf[C]))
+#define E4M3_GROUPS(NF)                                                                                           \
+    for (; j + 512 <= nfull; j += 512) {                                                                          \
+        int over_ = 0;                                                                                            \
+        if (mx) { /* 16 E8M0 codes at once (their scale is exactly 2^(c - 127)) */                               \
+            const __m512 s_ = e8m0_512(_mm_loadu_si128((const __m128i *)(sc8 + (j >> 5))));                       \
+            const __m512 s8_ = _mm512_mul_ps(s_, _mm512_set1_ps(256.0f));                                         \
+            over_ = _mm512_cmp_ps_mask(_mm512_abs_ps(s8_), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ) &                 \
+                    _mm512_cmp_ps_mask(_mm512_abs_ps(s_), _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ);                  \
+            _mm512_store_ps(sf, s8_);                                                                             \
+        } else                                                                                                    \
+            for (int c = 0; c < 16; c++) {                                                                        \
+                const float s_ = scale_at(a, t0 + ((j + CH * c) >> lb));                                          \
+                sf[c] = s_ * 256.0f;                                                                              \
+                over_ |= isinf(sf[c]) && !isinf(s_);                                                              \
+            }                                                                                                     \
+        if (over_) break;                                                                                         \
+        for (int c = 0; c < 16; c += 2) {                                                                         \
+            __m512 v0, v1, v2, v3;                                                                                \
+            if (USE(0)) DEC_E4M3_GROUP(j + CH * c, v0, v1, NF, c);                                                \
+            if (USE(1)) DEC_E4M3_GROUP(j + CH * c + CH, v2, v3, NF, c + 1);                                       \
+            if (USE(0)) FMA2S(j + CH * c, v0, v1, 0);                                                             \
+            if (USE(1)) FMA2S(j + CH * c + CH, v2, v3, 1);                                                        \
+        }                                                                                                         \
+    }
+                if (nan_free) { E4M3_GROUPS(1) }
+                else { E4M3_GROUPS(0) }
+#undef E4M3_GROUPS
+#undef DEC_E4M3_GROUP
+            }
             FUSED_LOOP(DEC_E4M3);
         }
-        if (j < a->K) { /* the last, partial chunk */
+        if (j < a->K && USE(0)) { /* the last, partial chunk */
             float w[CH] __attribute__((aligned(64))), hs[2];
             hs[0] = scale_at(a, t0 + (j >> lb));
             hs[1] = a->K - j > 16 ? scale_at(a, t0 + ((j + 16) >> lb)) : hs[0];
             decode_tail(a, row, j, 0, a->K - j, hs, w);
-            FMA2(j, _mm512_load_ps(w), _mm512_load_ps(w + 16), 0, 1);
+            FMA2S(j, _mm512_load_ps(w), _mm512_load_ps(w + 16), 0);
         }
-        for (int r = 0; r < R; r++)
-            y[r * a->N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
-    }
+        for (int r = 0; r < R; r++) {
+            const __m512 s01 = _mm512_add_ps(acc[r][0], acc[r][1]);
+            if (NS == 2) y[r * a->N + n] = _mm512_reduce_add_ps(_mm512_add_ps(s01, _mm512_add_ps(acc[r][2], acc[r][3])));
+            else if (pass == 0) part[r] = s01;
+            else y[r * a->N + n] = _mm512_reduce_add_ps(_mm512_add_ps(part[r], s01));
+        }
+      }
 }
 
-/* Rows n0 … n1 - 1 of W against every row of x, by groups of ≤ 4 rows: each group's chunks decoded
- * once in registers and multiplied with each of its rows, every row summed as it would be alone.
- * More than 4 rows of x: the rows of W in blocks of RB (in L2), every group of x in turn. */
+/* Rows n0 … n1 - 1 of W against every row of x, by groups of rows: each group's chunks decoded once
+ * in registers and multiplied with each of its rows, every row summed as it would be alone. Groups
+ * of 4 rows, but for a remainder of 5-7 rows after them, which is one group (rows_fused512's two
+ * passes: 5-7 rows cost less so than as 4 + 1-3, while 8 rows cost less as 4 + 4 — their 16 sums
+ * and x leave too little room in registers and L1). More than 7 rows of x: the rows of W in blocks
+ * of RB (in L2), every group of x in turn. */
 #define RB 64
 T512 static void rows_range512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int64_t xs, int lb,
                                const uint8_t *scale_end, int wide) {
-    const int64_t step = a->M <= 4 ? n1 - n0 : RB;
+    const int64_t step = a->M <= 7 ? n1 - n0 : RB;
     for (int64_t n = n0; n < n1; n += step) {
         const int64_t ne = n + step < n1 ? n + step : n1;
-        for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
+        for (int64_t m0 = 0, g; m0 < a->M; m0 += g) {
+            const int64_t left = a->M - m0;
+            g = left <= 7 && left != 4 ? left : 4; /* ... 4, 4, then the last 1-7 (8 left: 4 + 4) */
             const float *x = xp + m0 * xs;
             float *y = a->y + m0 * a->N;
-            switch (a->M - m0 < 4 ? a->M - m0 : 4) {
+            switch (g) {
             case 1: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 1); break;
             case 2: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 2); break;
             case 3: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 3); break;
-            default: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 4); break;
+            case 4: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 4); break;
+            case 5: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 5); break;
+            case 6: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 6); break;
+            default: rows_fused512(a, n, ne, x, xs, y, lb, scale_end, wide, 7); break;
             }
         }
     }
