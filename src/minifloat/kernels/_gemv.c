@@ -18,9 +18,10 @@
  * in two passes over each row of W; more than 7 rows: each group over blocks of 64 rows of W then in
  * L2), one loop per element kind and scale layout; a thread's rows of W in one call, their setup
  * made once, and a scale applied per row or per 512 columns found outside the vector loop. Other
- * paths (row_buffered): by
- * segments of KC columns, the segment's codes decoded (scaled) into a float buffer in L1, then
- * every row of x multiplied with it. Either way each row of x is summed as it would be alone, so
+ * paths (row_buffered): by segments of KC columns, the segment's codes decoded (scaled) into a float
+ * buffer in L1, then every row of x multiplied with it — on AVX2 with ≤ 4 rows of x, FP4 and FP8
+ * decoded in registers instead and multiplied at once (fused256, the same sums: pairs of rows, each
+ * pair decoding again). Either way each row of x is summed as it would be alone, so
  * y[m] does not depend on the other rows of the call (a speculative verification's rows equal
  * single steps bit for bit; tests/kernels/test_gemv.py checks every scheme — but a call with a
  * row beyond 2^100 under NVFP4, which takes the scaled path for all its rows). Within a 32-column
@@ -307,6 +308,83 @@ T256 static void dot256(const float *xp, int64_t xstride, int64_t M, const float
         for (int q = 0; q < 4; q++) _mm256_storeu_ps(ac + 8 * q, a[q]);
     }
 }
+/* decode256 + dot256 in one pass for R ≤ 2 rows of x (a decode step): the segment's whole chunks
+ * (columns 0 … nfull - 1 from k0) decoded in registers and multiplied at once into the rows' partial
+ * sums — the same products into the same sums in the same order as the buffer path, so the same
+ * bits — with each 16 columns' multiplier `sm` (the scale, × 2^8 for E4M3) found before the vector
+ * loop and the NaN patch chosen once. */
+T256 static inline __attribute__((always_inline)) void fused256_rows(const gemv_args_t *a, const uint8_t *row,
+                                                                    int64_t k0, int64_t nfull, const float *sm,
+                                                                    const float *xp, int64_t xs, float *acc,
+                                                                    const int R, const int nan_free) {
+    __m256 ac[2][4]; /* row r: dot256's four partial sums (lanes 8q … 8q + 7 of every 32 columns) */
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) ac[r][q] = _mm256_loadu_ps(acc + r * 64 + 8 * q);
+    if (a->kind == K_FP4) { /* per 16 columns: the even columns' lanes, then the odd ones' (decode256's order) */
+        const uint8_t *rk = row + k0 / 2; /* k0: a multiple of KC */
+        const __m256 t = _mm256_loadu_ps(a->lut);
+        const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+        for (int64_t j0 = 0; j0 < nfull; j0 += 32)
+            for (int q = 0; q < 4; q += 2) { /* the 16 columns from j: partial sums q, q + 1 */
+                const int64_t j = j0 + 8 * q;
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rk + ((uint64_t)j >> 1))));
+                const __m256 ts = _mm256_mul_ps(t, _mm256_set1_ps(sm[(uint64_t)j >> 4]));
+                const __m256 lo = _mm256_castsi256_ps(_mm256_xor_si256(
+                    _mm256_castps_si256(_mm256_permutevar8x32_ps(ts, b)), _mm256_and_si256(_mm256_slli_epi32(b, 28), sign)));
+                const __m256 hi = _mm256_castsi256_ps(
+                    _mm256_xor_si256(_mm256_castps_si256(_mm256_permutevar8x32_ps(ts, _mm256_srli_epi32(b, 4))),
+                                     _mm256_and_si256(_mm256_slli_epi32(b, 24), sign)));
+                for (int r = 0; r < R; r++) {
+                    ac[r][q] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + r * xs + j), lo, ac[r][q]);
+                    ac[r][q + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + r * xs + j + 8), hi, ac[r][q + 1]);
+                }
+            }
+    } else { /* FP8, 8 codes by the float16 converter */
+        const int e5m2 = a->kind == K_E5M2;
+        for (int64_t j = 0; j < nfull; j += 32)
+            for (int q = 0; q < 4; q++) {
+                const __m128i raw = _mm_loadl_epi64((const __m128i *)(row + k0 + j + 8 * q));
+                __m256 v;
+                if (e5m2) v = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
+                else {
+                    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(raw), 7), _mm_set1_epi16((short)0xBF80));
+                    v = _mm256_cvtph_ps(h);
+                    if (!nan_free) {
+                        const __m128i isnan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x3F80));
+                        v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cvtepi16_epi32(isnan)));
+                    }
+                }
+                v = _mm256_mul_ps(v, _mm256_set1_ps(sm[(j + 8 * q) / 16]));
+                for (int r = 0; r < R; r++) ac[r][q] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + r * xs + j + 8 * q), v, ac[r][q]);
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(acc + r * 64 + 8 * q, ac[r][q]);
+}
+
+/* fused256_rows for M ≤ 4 rows of x (mf_gemv passes it no more: beyond, decoding once into the buffer
+ * for all rows costs less than once per pair). Returns 0, having done nothing, for FP6 or an E4M3
+ * scale whose × 2^8 overflows (decode256 then takes the segment, the scale after the 2^8). */
+T256 static int fused256(const gemv_args_t *a, const uint8_t *row, int64_t k0, int64_t nfull, const float *sh,
+                         const float *xp, int64_t xs, float *acc) {
+    if (a->kind == K_FP6) return 0;
+    float sm[KC / 16];
+    const float by = a->kind == K_E4M3 ? 256.0f : 1.0f;
+    int over = 0;
+    for (int64_t h = 0; h < nfull / 16; h++) {
+        sm[h] = sh[h] * by;
+        over |= isinf(sm[h]) && !isinf(sh[h]);
+    }
+    if (over) return 0;
+    const int nf = a->kind != K_E4M3 || a->nan_free;
+    for (int64_t m0 = 0; m0 < a->M; m0 += 2) { /* by pairs of rows of x, each pair decoding again */
+        const float *x = xp + m0 * xs;
+        float *ac = acc + m0 * 64;
+        if (a->M - m0 == 1) nf ? fused256_rows(a, row, k0, nfull, sm, x, xs, ac, 1, 1) : fused256_rows(a, row, k0, nfull, sm, x, xs, ac, 1, 0);
+        else nf ? fused256_rows(a, row, k0, nfull, sm, x, xs, ac, 2, 1) : fused256_rows(a, row, k0, nfull, sm, x, xs, ac, 2, 0);
+    }
+    return 1;
+}
 #endif
 
 /* ---- portable ------------------------------------------------------------------------------- */
@@ -352,10 +430,14 @@ static void finish(const gemv_args_t *a, int64_t n, float *acc) {
 
 typedef void (*decode_fn)(const gemv_args_t *, const uint8_t *, int64_t, int64_t, const float *, float *);
 typedef void (*dot_fn)(const float *, int64_t, int64_t, const float *, int64_t, float *);
+typedef int (*fused_fn)(const gemv_args_t *, const uint8_t *, int64_t, int64_t, const float *, const float *, int64_t,
+                        float *);
 
 /* Row n of W against every row of x: per segment, decode (whole chunks by `dec`, the rest by the
- * table) into a buffer, then `dot` it with x. */
-static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64_t Kc, decode_fn dec, dot_fn dot) {
+ * table) into a buffer, then `dot` it with x; or the whole chunks decoded in registers and multiplied
+ * at once by `fus` (the same sums in the same order), where it takes the segment. */
+static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64_t Kc, decode_fn dec, dot_fn dot,
+                         fused_fn fus) {
     float w[KC] __attribute__((aligned(64)));
     float sh[KC / 16];
     float acc[MMAX * 64] __attribute__((aligned(64)));
@@ -364,6 +446,13 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
     for (int64_t k0 = 0; k0 < a->K; k0 += KC) {
         const int64_t kc = a->K - k0 < KC ? a->K - k0 : KC, nfull = dec ? kc / CH * CH : 0;
         half_scales(a, n, k0, kc, sh);
+        if (fus && fus(a, row, k0, nfull, sh, xp + k0, Kc, acc)) {
+            if (nfull < kc) { /* the last, partial chunk through the buffer */
+                decode_tail(a, row, k0, nfull, kc, sh, w);
+                dot(xp + k0 + nfull, Kc, a->M, w + nfull, CH, acc);
+            }
+            continue;
+        }
         if (dec) dec(a, row, k0, nfull, sh, w);
         decode_tail(a, row, k0, nfull, kc, sh, w);
         dot(xp + k0, Kc, a->M, w, (kc + CH - 1) / CH * CH, acc);
@@ -773,9 +862,10 @@ int mf_gemv(const gemv_args_t *a) {
     }
     decode_fn dec = NULL;
     dot_fn dot = dot_portable;
+    fused_fn fus = NULL;
 #if MF_X86
     if (a->isa == ISA_AVX512) dec = decode512, dot = dot512;
-    if (a->isa == ISA_AVX2) dec = decode256, dot = dot256;
+    if (a->isa == ISA_AVX2) dec = decode256, dot = dot256, fus = a->M <= 4 ? fused256 : NULL;
 #endif
     /* the end of the scale grid (of 8-bit codes: read 16 at a time): (rows_pad / br) × ngc of them */
     const uint8_t *scale_end = (const uint8_t *)a->scales + (a->N + a->br - 1) / a->br * a->ngc;
@@ -793,7 +883,7 @@ int mf_gemv(const gemv_args_t *a) {
             rows_range512(a, n0, n1, xp, Kc, lb, scale_end, wide);
         else
 #endif
-            for (int64_t n = n0; n < n1; n++) row_buffered(a, n, xp, Kc, dec, dot);
+            for (int64_t n = n0; n < n1; n++) row_buffered(a, n, xp, Kc, dec, dot, fus);
     }
     free(xp);
     return 0;
