@@ -144,17 +144,22 @@ T512 static inline __attribute__((always_inline)) void fp4s_512(const uint8_t *r
 
 typedef struct { __m512 tlo, thi; __m128i spread; __m512i quad, sh6, sign; const uint8_t *end; } fp6c_t;
 
+/* 16 FP6 codes from their 12 bytes at the start of `raw`, times s */
+T512 static inline __attribute__((always_inline)) __m512 fp6_raw512(__m128i raw, __m512 s, const fp6c_t *c6) {
+    const __m512i words = _mm512_castsi128_si512(_mm_shuffle_epi8(raw, c6->spread)); /* 4 × 24 bits */
+    const __m512i c = _mm512_srlv_epi32(_mm512_permutexvar_epi32(c6->quad, words), c6->sh6);
+    const __m512 mag = _mm512_permutex2var_ps(c6->tlo, c, c6->thi);            /* low 5 bits: the magnitude */
+    const __m512i sg = _mm512_and_si512(_mm512_slli_epi32(c, 26), c6->sign); /* bit 5: the sign */
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), sg)), s);
+}
+
 T512 static inline __attribute__((always_inline)) __m512 fp6_512(const uint8_t *row, int64_t k, float s,
                                                                  const fp6c_t *c6) {
     const uint8_t *p = row + k / 4 * 3; /* 16 codes: 12 bytes */
     __m128i raw;
     if (p + 16 <= c6->end) raw = _mm_loadu_si128((const __m128i *)p);
     else { uint8_t tmp[16] = {0}; memcpy(tmp, p, 12); raw = _mm_loadu_si128((const __m128i *)tmp); }
-    const __m512i words = _mm512_castsi128_si512(_mm_shuffle_epi8(raw, c6->spread)); /* 4 × 24 bits */
-    const __m512i c = _mm512_srlv_epi32(_mm512_permutexvar_epi32(c6->quad, words), c6->sh6);
-    const __m512 mag = _mm512_permutex2var_ps(c6->tlo, c, c6->thi);            /* low 5 bits: the magnitude */
-    const __m512i sg = _mm512_and_si512(_mm512_slli_epi32(c, 26), c6->sign); /* bit 5: the sign */
-    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), sg)), _mm512_set1_ps(s));
+    return fp6_raw512(raw, _mm512_set1_ps(s), c6);
 }
 
 /* 16 E4M3 codes as float32: sign to bit 15 and exponent and mantissa to bits 7-13 make a float16
@@ -667,6 +672,30 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
             }
             FUSED_LOOP(DEC_FP4_ONE);
         } else if (a->kind == K_FP6) {
+            if (lb >= 5) {
+                /* a scale per 2^lb ≥ 32 columns: each 512 columns' 16 chunk scales found first (MX: 16 E8M0
+                 * codes in one vector), and their 384 bytes read in place where the 16-byte loads stay
+                 * inside the weight (else FUSED_LOOP below, which copies the last codes out) */
+                float sf[16] __attribute__((aligned(64)));
+                const int mx = a->sfmt == SF_E8M0 && lb == 5 && a->ts == 1.0f;
+                const uint8_t *sc8 = (const uint8_t *)a->scales + t0;
+#define DEC_FP6_GROUP(J, V0, V1, C)                                                                        \
+    V0 = fp6_raw512(_mm_loadu_si128((const __m128i *)(row + ((uint64_t)(J) >> 2) * 3)), _mm512_set1_ps(sf[C]), &c6), \
+    V1 = fp6_raw512(_mm_loadu_si128((const __m128i *)(row + ((uint64_t)(J) >> 2) * 3 + 12)), _mm512_set1_ps(sf[C]), &c6)
+                for (; j + 512 <= nfull && row + (j + 512) / 4 * 3 + 4 <= c6.end; j += 512) {
+                    if (mx) _mm512_store_ps(sf, e8m0_512(_mm_loadu_si128((const __m128i *)(sc8 + (j >> 5)))));
+                    else
+                        for (int c = 0; c < 16; c++) sf[c] = scale_at(a, t0 + ((j + CH * c) >> lb));
+                    for (int c = 0; c < 16; c += 2) {
+                        __m512 v0, v1, v2, v3;
+                        if (USE(0)) DEC_FP6_GROUP(j + CH * c, v0, v1, c);
+                        if (USE(1)) DEC_FP6_GROUP(j + CH * c + CH, v2, v3, c + 1);
+                        if (USE(0)) FMA2S(j + CH * c, v0, v1, 0);
+                        if (USE(1)) FMA2S(j + CH * c + CH, v2, v3, 1);
+                    }
+                }
+#undef DEC_FP6_GROUP
+            }
             FUSED_LOOP(DEC_FP6);
         } else if (a->kind == K_E5M2) {
             FUSED_LOOP(DEC_E5M2);
