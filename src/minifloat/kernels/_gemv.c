@@ -648,16 +648,14 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
                     /* the scales through memory: each chunk's is a broadcast operand of its table's multiply */
                     _mm512_store_ps(sf, e8m0_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 5)))));
                     for (int c = 0; c < 16; c += 2) {
-                        if (USE(0)) {
-                            const __m512 ts0 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
-                            const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c) / 2)));
-                            FMA2S(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), 0);
-                        }
-                        if (USE(1)) {
-                            const __m512 ts1 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c + 1]));
-                            const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
-                            FMA2S(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), 1);
-                        }
+                        __m512 ts0 = t4, ts1 = t4;
+                        __m512i b0 = _mm512_setzero_si512(), b1 = b0;
+                        if (USE(0)) ts0 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c]));
+                        if (USE(1)) ts1 = _mm512_mul_ps(t4, _mm512_set1_ps(sf[c + 1]));
+                        if (USE(0)) b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c) / 2)));
+                        if (USE(1)) b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (j + CH * c + CH) / 2)));
+                        if (USE(0)) FMA2S(j + CH * c, _mm512_permutexvar_ps(b0, ts0), _mm512_permutexvar_ps(_mm512_srli_epi32(b0, 4), ts0), 0);
+                        if (USE(1)) FMA2S(j + CH * c + CH, _mm512_permutexvar_ps(b1, ts1), _mm512_permutexvar_ps(_mm512_srli_epi32(b1, 4), ts1), 1);
                     }
                 }
                 if (j < nfull) { /* the last, partial group of chunks */
