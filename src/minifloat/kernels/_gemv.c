@@ -502,6 +502,16 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
             j += CH;                                                                                \
         }                                                                                           \
     } while (0)
+/* The 16 chunks of the 512 columns from j, two at a time, chunk c decoded by DEC(J, V0, V1, c) (its
+ * scale sf[c]), slot pairs as in FUSED_LOOP. */
+#define GROUP_CHUNKS(DEC)                                                                           \
+    for (int c = 0; c < 16; c += 2) {                                                               \
+        __m512 v0, v1, v2, v3;                                                                      \
+        if (USE(0)) DEC(j + CH * c, v0, v1, c);                                                     \
+        if (USE(1)) DEC(j + CH * c + CH, v2, v3, c + 1);                                            \
+        if (USE(0)) FMA2S(j + CH * c, v0, v1, 0);                                                   \
+        if (USE(1)) FMA2S(j + CH * c + CH, v2, v3, 1);                                              \
+    }
 /* the chunk's two half scales (equal unless blocks are 16 columns wide) */
 #define S0(J) scale_at(a, t0 + ((J) >> lb))
 #define S1(J) (lb == 4 ? scale_at(a, t0 + (((J) + 16) >> lb)) : S0(J))
@@ -520,6 +530,26 @@ T512 static inline __attribute__((always_inline)) __m512 e8m0_512(__m128i raw) {
     bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
     bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
     return _mm512_castsi512_ps(bits);
+}
+
+/* The 16 chunk scales of the 512 columns from j of the row whose scales start at t0 (blocks 2^lb ≥ 32
+ * columns wide), each × `by`, into sf; nonzero where a finite scale × by overflows. MX (E8M0 codes
+ * of 32 columns, no tensor scale): the 16 codes decoded at once. */
+T512 static inline __attribute__((always_inline)) int group_scales512(const gemv_args_t *a, int64_t t0, int64_t j,
+                                                                     int lb, float by, float *sf) {
+    if (a->sfmt == SF_E8M0 && lb == 5 && a->ts == 1.0f) {
+        const __m512 s = e8m0_512(_mm_loadu_si128((const __m128i *)((const uint8_t *)a->scales + t0 + (j >> 5))));
+        const __m512 sb = _mm512_mul_ps(s, _mm512_set1_ps(by)), inf = _mm512_set1_ps(INFINITY);
+        _mm512_store_ps(sf, sb);
+        return _mm512_cmp_ps_mask(_mm512_abs_ps(sb), inf, _CMP_EQ_OQ) & _mm512_cmp_ps_mask(_mm512_abs_ps(s), inf, _CMP_NEQ_UQ);
+    }
+    int over = 0;
+    for (int c = 0; c < 16; c++) {
+        const float s = scale_at(a, t0 + ((j + CH * c) >> lb));
+        sf[c] = s * by;
+        over |= isinf(sf[c]) && !isinf(s);
+    }
+    return over;
 }
 
 /* One 128-column NVFP4 chunk (rows_fused512's wide loop) against RN ≤ 2 rows of x: per row, each
@@ -645,7 +675,8 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
                 const uint8_t *sc = (const uint8_t *)a->scales + t0;
                 float sf[16] __attribute__((aligned(64)));
                 for (; j + 512 <= nfull; j += 512) {
-                    /* the scales through memory: each chunk's is a broadcast operand of its table's multiply */
+                    /* the scales through memory: each chunk's is a broadcast operand of its table's multiply
+                     * (both chunks decoded before their products: GROUP_CHUNKS' order measured slower here) */
                     _mm512_store_ps(sf, e8m0_512(_mm_loadu_si128((const __m128i *)(sc + (j >> 5)))));
                     for (int c = 0; c < 16; c += 2) {
                         __m512 ts0 = t4, ts1 = t4;
@@ -675,22 +706,12 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
                  * codes in one vector), and their 384 bytes read in place where the 16-byte loads stay
                  * inside the weight (else FUSED_LOOP below, which copies the last codes out) */
                 float sf[16] __attribute__((aligned(64)));
-                const int mx = a->sfmt == SF_E8M0 && lb == 5 && a->ts == 1.0f;
-                const uint8_t *sc8 = (const uint8_t *)a->scales + t0;
 #define DEC_FP6_GROUP(J, V0, V1, C)                                                                        \
     V0 = fp6_raw512(_mm_loadu_si128((const __m128i *)(row + ((uint64_t)(J) >> 2) * 3)), _mm512_set1_ps(sf[C]), &c6), \
     V1 = fp6_raw512(_mm_loadu_si128((const __m128i *)(row + ((uint64_t)(J) >> 2) * 3 + 12)), _mm512_set1_ps(sf[C]), &c6)
                 for (; j + 512 <= nfull && row + (j + 512) / 4 * 3 + 4 <= c6.end; j += 512) {
-                    if (mx) _mm512_store_ps(sf, e8m0_512(_mm_loadu_si128((const __m128i *)(sc8 + (j >> 5)))));
-                    else
-                        for (int c = 0; c < 16; c++) sf[c] = scale_at(a, t0 + ((j + CH * c) >> lb));
-                    for (int c = 0; c < 16; c += 2) {
-                        __m512 v0, v1, v2, v3;
-                        if (USE(0)) DEC_FP6_GROUP(j + CH * c, v0, v1, c);
-                        if (USE(1)) DEC_FP6_GROUP(j + CH * c + CH, v2, v3, c + 1);
-                        if (USE(0)) FMA2S(j + CH * c, v0, v1, 0);
-                        if (USE(1)) FMA2S(j + CH * c + CH, v2, v3, 1);
-                    }
+                    group_scales512(a, t0, j, lb, 1.0f, sf);
+                    GROUP_CHUNKS(DEC_FP6_GROUP);
                 }
 #undef DEC_FP6_GROUP
             }
@@ -717,38 +738,17 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
                  * 16 chunk scales × 2^8 found first, out of the vector loop; from a group where × 2^8
                  * overflows on, fp8_512 chunk by chunk (FUSED_LOOP below) */
                 float sf[16] __attribute__((aligned(64)));
-                const int mx = a->sfmt == SF_E8M0 && lb == 5 && a->ts == 1.0f;
-                const uint8_t *sc8 = (const uint8_t *)a->scales + t0;
 #define DEC_E4M3_GROUP(J, V0, V1, NF, C)                                                                          \
     V0 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J))), NF), _mm512_set1_ps(sf[C])),  \
     V1 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J) + 16)), NF), _mm512_set1_ps(sf[C]))
-#define E4M3_GROUPS(NF)                                                                                           \
-    for (; j + 512 <= nfull; j += 512) {                                                                          \
-        int over_ = 0;                                                                                            \
-        if (mx) { /* 16 E8M0 codes at once (their scale is exactly 2^(c - 127)) */                               \
-            const __m512 s_ = e8m0_512(_mm_loadu_si128((const __m128i *)(sc8 + (j >> 5))));                       \
-            const __m512 s8_ = _mm512_mul_ps(s_, _mm512_set1_ps(256.0f));                                         \
-            over_ = _mm512_cmp_ps_mask(_mm512_abs_ps(s8_), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ) &                 \
-                    _mm512_cmp_ps_mask(_mm512_abs_ps(s_), _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ);                  \
-            _mm512_store_ps(sf, s8_);                                                                             \
-        } else                                                                                                    \
-            for (int c = 0; c < 16; c++) {                                                                        \
-                const float s_ = scale_at(a, t0 + ((j + CH * c) >> lb));                                          \
-                sf[c] = s_ * 256.0f;                                                                              \
-                over_ |= isinf(sf[c]) && !isinf(s_);                                                              \
-            }                                                                                                     \
-        if (over_) break;                                                                                         \
-        for (int c = 0; c < 16; c += 2) {                                                                         \
-            __m512 v0, v1, v2, v3;                                                                                \
-            if (USE(0)) DEC_E4M3_GROUP(j + CH * c, v0, v1, NF, c);                                                \
-            if (USE(1)) DEC_E4M3_GROUP(j + CH * c + CH, v2, v3, NF, c + 1);                                       \
-            if (USE(0)) FMA2S(j + CH * c, v0, v1, 0);                                                             \
-            if (USE(1)) FMA2S(j + CH * c + CH, v2, v3, 1);                                                        \
-        }                                                                                                         \
-    }
-                if (nan_free) { E4M3_GROUPS(1) }
-                else { E4M3_GROUPS(0) }
-#undef E4M3_GROUPS
+#define DEC_E4M3_GROUP_NAN_FREE(J, V0, V1, C) DEC_E4M3_GROUP(J, V0, V1, 1, C)
+#define DEC_E4M3_GROUP_NAN(J, V0, V1, C) DEC_E4M3_GROUP(J, V0, V1, 0, C)
+                for (; j + 512 <= nfull && !group_scales512(a, t0, j, lb, 256.0f, sf); j += 512) {
+                    if (nan_free) GROUP_CHUNKS(DEC_E4M3_GROUP_NAN_FREE)
+                    else GROUP_CHUNKS(DEC_E4M3_GROUP_NAN)
+                }
+#undef DEC_E4M3_GROUP_NAN
+#undef DEC_E4M3_GROUP_NAN_FREE
 #undef DEC_E4M3_GROUP
             }
             FUSED_LOOP(DEC_E4M3);
