@@ -367,12 +367,11 @@ T256 static inline __attribute__((always_inline)) void fused256_rows(const gemv_
         for (int q = 0; q < 4; q++) _mm256_storeu_ps(acc + r * 64 + 8 * q, ac[r][q]);
 }
 
-/* fused256_rows for M ≤ 4 rows of x (mf_gemv passes it no more: beyond, decoding once into the buffer
- * for all rows costs less than once per pair). Returns 0, having done nothing, for FP6 or an E4M3
- * scale whose × 2^8 overflows (decode256 then takes the segment, the scale after the 2^8). */
+/* fused256_rows for FP4 and FP8 with M ≤ 4 rows of x (mf_gemv passes it no more: beyond, decoding once
+ * into the buffer for all rows costs less than once per pair). Returns 0, having done nothing, for an
+ * E4M3 scale whose × 2^8 overflows (decode256 then takes the segment, the scale after the 2^8). */
 T256 static int fused256(const gemv_args_t *a, const uint8_t *row, int64_t k0, int64_t nfull, const float *sh,
                          const float *xp, int64_t xs, float *acc) {
-    if (a->kind == K_FP6) return 0;
     float sm[KC / 16];
     const float by = a->kind == K_E4M3 ? 256.0f : 1.0f;
     int over = 0;
@@ -521,6 +520,10 @@ static void row_buffered(const gemv_args_t *a, int64_t n, const float *xp, int64
 #define DEC_FP6(J, V0, V1) V0 = fp6_512(row, J, S0(J), &c6), V1 = fp6_512(row, (J) + 16, S1(J), &c6)
 #define DEC_E5M2(J, V0, V1) V0 = fp8_512(row, J, S0(J), 1, 1), V1 = fp8_512(row, (J) + 16, S1(J), 1, 1)
 #define DEC_E4M3(J, V0, V1) V0 = fp8_512(row, J, S0(J), 0, nan_free), V1 = fp8_512(row, (J) + 16, S1(J), 0, nan_free)
+/* E4M3 with the chunk's scale × 2^8 given as the vector SV (found outside the loop), the NaN patch by NF */
+#define DEC_E4M3_BY(J, V0, V1, NF, SV)                                                              \
+    V0 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J))), NF), SV),     \
+    V1 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J) + 16)), NF), SV)
 
 /* 16 E8M0 scale codes as float32: 2^(c - 127), the bits c << 23 (c = 0: 2^-127, a subnormal;
  * c = 255: NaN), as the E8M0 table holds them. */
@@ -722,34 +725,26 @@ rows_fused512(const gemv_args_t *a, int64_t n0, int64_t n1, const float *xp, int
             /* E4M3 with one scale per row (tensor or row scales): fp8_512's products, its scale × 2^8
              * broadcast and its NaN patch chosen once per row instead of per 16 columns */
             const __m512 s8 = _mm512_set1_ps(S0(0) * 256.0f);
-#define DEC_E4M3_ROW(J, V0, V1, NF)                                                               \
-    V0 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J))), NF), s8),   \
-    V1 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J) + 16)), NF), s8)
-#define DEC_E4M3_ROW_NAN_FREE(J, V0, V1) DEC_E4M3_ROW(J, V0, V1, 1)
-#define DEC_E4M3_ROW_NAN(J, V0, V1) DEC_E4M3_ROW(J, V0, V1, 0)
+#define DEC_E4M3_ROW_NAN_FREE(J, V0, V1) DEC_E4M3_BY(J, V0, V1, 1, s8)
+#define DEC_E4M3_ROW_NAN(J, V0, V1) DEC_E4M3_BY(J, V0, V1, 0, s8)
             if (nan_free) FUSED_LOOP(DEC_E4M3_ROW_NAN_FREE);
             else FUSED_LOOP(DEC_E4M3_ROW_NAN);
 #undef DEC_E4M3_ROW_NAN
 #undef DEC_E4M3_ROW_NAN_FREE
-#undef DEC_E4M3_ROW
         } else {
             if (lb >= 5 && lb < 62) {
                 /* E4M3 with a scale per 2^lb ≥ 32 columns (MX, 128-column blocks): each 512 columns'
                  * 16 chunk scales × 2^8 found first, out of the vector loop; from a group where × 2^8
                  * overflows on, fp8_512 chunk by chunk (FUSED_LOOP below) */
                 float sf[16] __attribute__((aligned(64)));
-#define DEC_E4M3_GROUP(J, V0, V1, NF, C)                                                                          \
-    V0 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J))), NF), _mm512_set1_ps(sf[C])),  \
-    V1 = _mm512_mul_ps(e4m3_div256_512(_mm_loadu_si128((const __m128i *)(row + (J) + 16)), NF), _mm512_set1_ps(sf[C]))
-#define DEC_E4M3_GROUP_NAN_FREE(J, V0, V1, C) DEC_E4M3_GROUP(J, V0, V1, 1, C)
-#define DEC_E4M3_GROUP_NAN(J, V0, V1, C) DEC_E4M3_GROUP(J, V0, V1, 0, C)
+#define DEC_E4M3_GROUP_NAN_FREE(J, V0, V1, C) DEC_E4M3_BY(J, V0, V1, 1, _mm512_set1_ps(sf[C]))
+#define DEC_E4M3_GROUP_NAN(J, V0, V1, C) DEC_E4M3_BY(J, V0, V1, 0, _mm512_set1_ps(sf[C]))
                 for (; j + 512 <= nfull && !group_scales512(a, t0, j, lb, 256.0f, sf); j += 512) {
                     if (nan_free) GROUP_CHUNKS(DEC_E4M3_GROUP_NAN_FREE)
                     else GROUP_CHUNKS(DEC_E4M3_GROUP_NAN)
                 }
 #undef DEC_E4M3_GROUP_NAN
 #undef DEC_E4M3_GROUP_NAN_FREE
-#undef DEC_E4M3_GROUP
             }
             FUSED_LOOP(DEC_E4M3);
         }
@@ -892,7 +887,7 @@ int mf_gemv(const gemv_args_t *a) {
     fused_fn fus = NULL;
 #if MF_X86
     if (a->isa == ISA_AVX512) dec = decode512, dot = dot512;
-    if (a->isa == ISA_AVX2) dec = decode256, dot = dot256, fus = a->M <= 4 ? fused256 : NULL;
+    if (a->isa == ISA_AVX2) dec = decode256, dot = dot256, fus = a->M <= 4 && a->kind != K_FP6 ? fused256 : NULL;
 #endif
     /* the end of the scale grid (of 8-bit codes: read 16 at a time): (rows_pad / br) × ngc of them */
     const uint8_t *scale_end = (const uint8_t *)a->scales + (a->N + a->br - 1) / a->br * a->ngc;
