@@ -69,9 +69,9 @@ def test_each_row_of_a_call_equals_that_row_alone(name, isa):
         assert torch.equal(gemv.matmul(x[:m], *parts, w.shape, scheme, isa=isa), alone[:m]), f"{m} rows"
 
 
-def _with_codes(scheme, n, k, code, where, w=None):
-    """A weight (random, or `w`) whose codes at `where` are `code` (NaN / inf of the element format)."""
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) if w is None else w
+def _with_codes(scheme, n, k, code, where):
+    """A weight whose codes at `where` are `code` (NaN / inf of the element format)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
     data, scale, ts = quantize_parts(w, scheme)
     from minifloat.formats.packing import unpack
     from minifloat.scaling.layout import layout_for
