@@ -236,10 +236,11 @@ transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(3))
 
 
-def tiny_llama(seed=0):
+def tiny_llama(seed=0, layers=2, tied=False):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tied)  # fmt: skip
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
@@ -381,10 +382,10 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
     metrics = json.loads((tmp_path / "ptq" / "metrics.json").read_text())
     assert [(r["config"], r["method"]) for r in metrics["runs"]] == [  # asymmetric calibration: GPTQ's runs only
         ("nvfp4-weight-only", "rtn"), ("nvfp4-weight-only", "gptq+hadamard:16+asym1"), ("mxfp8", "rtn"),
-        ("mxfp8", "gptq+hadamard:32+asym1+norms60")]  # fmt: skip  (mxfp8's pipeline rotates and tunes its norms)
+        ("mxfp8", "gptq+asym1+keep16+norms60")]  # fmt: skip  (mxfp8's pipeline keeps channels and tunes its norms)
     assert all(r["quantize_seconds"] > 0 for r in metrics["runs"])
     capsys.readouterr()
-    assert re.search(r"\| mxfp8 +\| gptq\+hadamard:32\+asym1\+norms60 +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
+    assert re.search(r"\| mxfp8 +\| gptq\+asym1\+keep16\+norms60 +\| minifloat +\|", (tmp_path / "ptq" / "report.md").read_text())
     assert main(["eval", path, "--scheme", "mxfp4-weight-only", "--method", "gptq", "--rotate", "hadamard:32",
                  "--json", *small]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["kl"] > 0
@@ -401,7 +402,7 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
     short.write_text("a few kilobytes of text. " * 200)  # enough for evaluation windows, not for 64 × 8 new samples
     _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--method", "gptq", "--calib", str(short), "--calib-batches",
                              "64", "--seq-len", "64", "--eval-batches", "1"], "the calibration text (training split) has")  # fmt: skip
-    _one_line_error(capsys, ["eval", path, "--method", "gptq"], "--method / --observer / --rotate / --smooth / --asymmetric / --tune-norms go with --scheme")
+    _one_line_error(capsys, ["eval", path, "--method", "gptq"], "--method / --observer / --rotate / --smooth / --asymmetric / --tune-norms / --keep-channels go with --scheme")
     _one_line_error(capsys, ["eval", path, "--scheme", "mxfp4", "--rotate", "hadamard:7"], "unknown rotation 'hadamard:7'")
     _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--asymmetric", "1"], "refits the weights GPTQ rounds")
     _one_line_error(capsys, ["eval", path, "--scheme", "nvfp4", "--method", "gptq", "--asymmetric", "0"], "asymmetric ridge")
@@ -411,12 +412,7 @@ def test_the_commands_take_the_methods_and_refuse_what_cannot_work(tmp_path, cap
 
 
 def test_a_tied_head_is_not_rotated_and_a_transformed_one_unties_its_embedding():
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model, ref = tiny_llama(layers=1, tied=True), tiny_llama(layers=1, tied=True)
     ref.load_state_dict(model.state_dict())
     rotate = resolve_method("gptq", "mxfp8", rotation="hadamard:32")
     summary = quantize_model(model, "mxfp8", calibration=calib_batches(), method=rotate, quantize_head=True)
@@ -431,7 +427,7 @@ def test_a_tied_head_is_not_rotated_and_a_transformed_one_unties_its_embedding()
         err = (model(IDS).logits - ref(IDS).logits).abs().mean() / ref(IDS).logits.abs().mean()
     assert err < 0.2
     # a transform handed in for round to nearest reaches the head too: the embedding then keeps its own table
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tiny_llama(layers=1, tied=True)
     model.load_state_dict(ref.state_dict())
     r = HadamardRotation(32)
     summary = quantize_model(model, "mxfp8-weight-only", quantize_head=True, transform=lambda w, stats: (r.fold(w), r))
@@ -467,7 +463,7 @@ RECOMMENDED_BY_NAME = {
     "nvfp4-weight-only": {"rotation": "hadamard:16", **ASYM}, "nvfp4": {"observer": "4over6", "smooth": 0.5, **ASYM},
     "nvfp4-4over6": {"smooth": 0.5, **ASYM}, "nvfp4-4over6-weight-only": {"rotation": "hadamard:16", **ASYM},
     "fp8-dynamic": TUNED, "fp8-dynamic-fnuz": TUNED, "fp8-block": TUNED,
-    "mxfp8": {"rotation": "hadamard:32", **TUNED}, "mxfp8-weight-only": {"rotation": "hadamard:32"},
+    "mxfp8": {"keep_channels": 16, **TUNED}, "mxfp8-weight-only": {"rotation": "hadamard:32"},
 }  # fmt: skip
 
 

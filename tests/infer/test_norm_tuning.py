@@ -226,7 +226,7 @@ def test_eval_tunes_norms_from_the_command_line(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["kl"] >= 0 and out["delta_ppl_pct"] == pytest.approx(100 * (out["ppl"] / out["ppl_ref"] - 1), rel=1e-6)
     assert main(["eval", *args, "--tune-norms", "4"]) == 2
-    assert "--tune-norms go with --scheme" in capsys.readouterr().err
+    assert "--tune-norms / --keep-channels go with --scheme" in capsys.readouterr().err
 
 
 def test_a_tuned_export_holds_the_tuned_gains(tmp_path):

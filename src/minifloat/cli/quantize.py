@@ -54,6 +54,10 @@ def _method_arguments(p: argparse.ArgumentParser, methods: bool = False) -> None
                    help="after quantizing, distill the normalization gains toward the unquantized model for STEPS "
                         "steps of 4 training windows (about 3 s a step on a 135M model on 2 cores; the gains stay "
                         "in high precision in every checkpoint); 0: none (default: the method's)")  # fmt: skip
+    p.add_argument("--keep-channels", type=int, default=None, metavar="K",
+                   help="keep each Linear's K input channels of largest calibration mean square out of the quantized "
+                        "product, multiplied in BF16 (massive activations; in memory only: no checkpoint reader "
+                        "applies it); 0: none (default: the method's)")  # fmt: skip
 
 
 def _method(args: argparse.Namespace, method: str, scheme: str | None, export: bool = False):
@@ -63,7 +67,7 @@ def _method(args: argparse.Namespace, method: str, scheme: str | None, export: b
 
     return resolve_method(method, scheme or "fp8-dynamic", export=export, observer=args.observer, rotation=args.rotate,
                           smooth=args.smooth, damp=args.damp, asymmetric=args.asymmetric,
-                          tune_norms=args.tune_norms)  # fmt: skip
+                          tune_norms=args.tune_norms, keep_channels=args.keep_channels)  # fmt: skip
 
 
 def _head_argument(p: argparse.ArgumentParser) -> None:
@@ -155,11 +159,13 @@ def run_quantize(args: argparse.Namespace) -> int:
         size = Path(args.out).stat().st_size
         print(f"{written[0] / written[1]:.3f} bits per weight in its tensors ({size * 8 / written[1]:.3f} with the "
               f"metadata and tokenizer, as file bytes × 8 / parameters)")  # fmt: skip
-    in_memory = _method(args, args.method, args.scheme)
-    if in_memory.rotation is not None and _method(args, args.method, args.scheme, export=True).rotation is None:
-        print(f"note: {args.method}'s recommended pipeline for {args.scheme} rotates each layer's input "
-              f"({in_memory.rotation}); a checkpoint cannot hold that (no reader applies it), so it was left out: "
-              f"`eval --method {args.method}` measures the rotated pipeline, this file the one without")  # fmt: skip
+    in_memory, written = _method(args, args.method, args.scheme), _method(args, args.method, args.scheme, export=True)
+    left = ([f"rotates each layer's input ({in_memory.rotation})"] if in_memory.rotation and not written.rotation else []) + (
+        [f"keeps {in_memory.keep_channels} input channels per layer in BF16"] if in_memory.keep_channels and not written.keep_channels else [])  # fmt: skip
+    if left:
+        print(f"note: {args.method}'s recommended pipeline for {args.scheme} {' and '.join(left)}; a checkpoint cannot "
+              f"hold that (no reader applies it), so it was left out: `eval --method {args.method}` measures the "
+              f"pipeline with it, this file the one without")  # fmt: skip
     return 0
 
 
@@ -182,9 +188,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.quantize_head and not args.scheme:
         raise MinifloatError("--quantize-head goes with --scheme (it quantizes the head with that config)")
-    flags = (args.observer, args.rotate, args.smooth, args.damp, args.asymmetric, args.tune_norms)
+    flags = (args.observer, args.rotate, args.smooth, args.damp, args.asymmetric, args.tune_norms, args.keep_channels)
     if not args.scheme and (args.method != "rtn" or any(v is not None for v in flags)):
-        raise MinifloatError("--method / --observer / --rotate / --smooth / --asymmetric / --tune-norms go with --scheme "
+        raise MinifloatError("--method / --observer / --rotate / --smooth / --asymmetric / --tune-norms / --keep-channels "
+                             "go with --scheme "
                              "(they say how to quantize with it)")  # fmt: skip
     method = _method(args, args.method, args.scheme) if args.scheme else "rtn"
     m = evaluate_paths(args.model, args.reference, scheme=args.scheme, source=_source(args), quantize_head=args.quantize_head,
@@ -210,7 +217,7 @@ def run_ptq_compare(args: argparse.Namespace) -> int:
         if m not in ("rtn", "gptq"):
             raise MinifloatError(f"--methods: unknown method {m!r}; use rtn, gptq (comma-separated)")
     overrides = {"observer": args.observer, "rotation": args.rotate, "smooth": args.smooth, "damp": args.damp,
-                 "asymmetric": args.asymmetric, "tune_norms": args.tune_norms}  # fmt: skip
+                 "asymmetric": args.asymmetric, "tune_norms": args.tune_norms, "keep_channels": args.keep_channels}  # fmt: skip
     metrics = ptq_compare(args.model, schemes, args.out, source=_source(args), torchao=not args.no_torchao,
                           plots=not args.no_plots, echo=(lambda s: None) if args.json else print,
                           quantize_head=args.quantize_head, methods=methods, overrides=overrides,

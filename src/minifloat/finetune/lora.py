@@ -76,7 +76,10 @@ def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
     """The (out, in) FP32 weight a frozen layer multiplies its input by: a Linear's own, a packed
     layer's dequantized (times Tᵀ where it rotates its input: ``(x T) Q_Tᵀ = x (Q_T Tᵀ)ᵀ``)."""
     if isinstance(layer, QuantizedLinear):
-        return _unrotate(layer, layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features])
+        w = layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features]
+        if layer.kept_index is not None:  # the kept input channels' BF16 columns, beside the packed ones
+            w = w.index_copy(1, layer.kept_index, layer.kept_weight.float())
+        return _unrotate(layer, w)
     return layer.weight.detach().float()
 
 
@@ -135,6 +138,9 @@ class FrozenPacked(torch.nn.Module):
 
     def __init__(self, layer: QuantizedLinear, compute: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if layer.kept_index is not None:  # the packed products below read the packed weight alone
+            raise MinifloatError(f"a LoRA base takes packed layers without kept input channels; this one {layer.beyond_weight()}: "
+                                 f"quantize the base with keep_channels=0")  # fmt: skip
         self.layer, self.compute = layer, compute
         self.in_features, self.out_features = layer.in_features, layer.out_features
 

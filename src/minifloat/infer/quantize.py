@@ -33,15 +33,18 @@ from minifloat.infer.modules.accounting import layer_bytes, model_bytes
 from minifloat.infer.modules.embedding import QuantizedEmbedding
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import MIN_FEATURES, QuantConfig, get_quant_config, weight_only
+from minifloat.infer.ptq.gptq import refit
 from minifloat.infer.ptq.method import PTQMethod, config_for, quantize_weight, resolve_method
 from minifloat.infer.ptq.norm_tuning import TuningResult, tune_norms
 from minifloat.infer.ptq.observers import AmaxObserver, observe
+from minifloat.infer.ptq.outliers import choose_channels, condition, split
 from minifloat.infer.ptq.rotation import HadamardRotation, parse_rotation
 from minifloat.infer.ptq.rtn import Transform, WeightQuantizer, round_to_nearest, tensor_amax
 from minifloat.infer.ptq.sequential import Group, run_sequential
 from minifloat.infer.ptq.smoothing import Smoothing, fold_into_norm, smoothing_factors
 from minifloat.models.conv1d import Conv1DLinear
 from minifloat.nn.convert import matches, rule_for, swap_modules
+from minifloat.quant import QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,7 @@ def quantize_model(
         plain = {n for n, (m, _, _) in plan.items() if tied and m is head}
         unreached = _quantize_sequential(model, plan, calibration, method, backend, done, plain=plain, notes=notes,
                                          amaxes=amaxes)  # fmt: skip
-        plain_method = dataclasses.replace(method, method="rtn", rotation=None, smooth=None)
+        plain_method = dataclasses.replace(method, method="rtn", rotation=None, smooth=None, keep_channels=0)
         siblings = expert_amaxes(amaxes)
         for name in unreached:
             m, c, _ = plan[name]
@@ -363,15 +366,15 @@ def _tune(model, teacher, done: dict[str, QuantizedLinear], batches, method: PTQ
 
 def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, done: dict, *,
                          plain: set[str] = frozenset(), notes: dict | None = None, amaxes: dict | None = None) -> set[str]:  # fmt: skip
-    """GPTQ / rotation / smoothing: `plan`'s layers quantized block by block (`run_sequential`);
-    the layers `plain` get no rotation. A layer GPTQ saw fewer than `MIN_GPTQ_ROWS` tokens of (a
+    """GPTQ / rotation / smoothing / kept channels: `plan`'s layers quantized block by block
+    (`run_sequential`); the layers `plain` get no rotation and keep no channels. A layer GPTQ saw fewer than `MIN_GPTQ_ROWS` tokens of (a
     MoE expert its router rarely chose) is rounded to nearest, said in `notes`; `amaxes` gets the
     calibrated input amaxes."""
     notes = {} if notes is None else notes
     amaxes = {} if amaxes is None else amaxes
     rotation = parse_rotation(method.rotation)
     configs = {n: c for n, (_, c, _) in plan.items()}
-    kinds = ["hessian", "rows"] if method.method == "gptq" else []
+    kinds = ["hessian", "rows"] if method.method == "gptq" else ["hessian"] if method.keep_channels else []
     if any(c.needs_calibration for c in configs.values()):
         kinds.append("amax")
     smoothing = method.smooth is not None and any(c.activation is not None for c in configs.values())
@@ -414,8 +417,13 @@ def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, 
         if method.method == "gptq" and stats.get("rows", MIN_GPTQ_ROWS) < MIN_GPTQ_ROWS:  # a rarely routed expert
             how = dataclasses.replace(method, method="rtn")
             notes[name] = f"GPTQ saw {stats['rows']} calibration tokens (< {MIN_GPTQ_ROWS}): round to nearest"
-        w = quantize_weight(group.weights[name], c, stats, how, amax=shared, name=name, dtype=m.weight.dtype)
-        q = QuantizedLinear(w, m.bias, c, input_amax=amax, backend=backend, input_transform=transform)
+        kept = None
+        if method.keep_channels and name not in plain:  # a tied head's table is the embedding's rows, whole
+            w, kept = _quantize_keeping(group, name, c, stats, how, shared, m.weight.dtype)
+        else:
+            w = quantize_weight(group.weights[name], c, stats, how, amax=shared, name=name, dtype=m.weight.dtype)
+        q = QuantizedLinear(w, m.bias, c, input_amax=amax, backend=backend, input_transform=transform,
+                            kept_index=None if kept is None else kept[0], kept_weight=None if kept is None else kept[1])
         done[name] = q
         return q
 
@@ -426,6 +434,33 @@ def _quantize_sequential(model, plan, batches, method: PTQMethod, backend: str, 
     return run_sequential(model, batches, targets, kinds=kinds, prepare=prepare, quantize=quantize, swap=swap,
                           before=["channel_amax"] if smoothing else [],
                           reference=method.method == "gptq" and method.gptq.asymmetric is not None)  # fmt: skip
+
+
+def _quantize_keeping(group: Group, name: str, config: QuantConfig, stats: dict, method: PTQMethod,
+                      shared: torch.Tensor | None, dtype: torch.dtype) -> tuple[QuantizedTensor, tuple | None]:
+    """The layer `name` of `group` quantized with its `method.keep_channels` input channels of
+    largest calibration mean square kept out (`minifloat.infer.ptq.outliers`): the packed weight
+    with their columns zero, and (kept index, their BF16 columns — GPTQ's compensation included);
+    (packed weight, None) where its input never reached any channel."""
+    w, h = group.weights[name], stats["hessian"]
+    kept = choose_channels(h, method.keep_channels)
+    if not len(kept):
+        return quantize_weight(w, config, stats, method, amax=shared, name=name, dtype=dtype), None
+    if method.method == "gptq" and method.gptq.asymmetric is not None and stats.get("reference") is not None:
+        w = refit(w.float(), h, stats["reference"], method.gptq.asymmetric, name=name)  # on the whole weight, then split
+    stats = {k: v for k, v in stats.items() if k != "reference"}
+    rest = split(w, kept)
+    if shared is not None:  # NVFP4's tensor amax, shared by the group: over the quantized parts only
+        shared = tensor_amax([split(x, kept) for x in group.weights.values()], config)
+    gain = None
+    if method.method == "gptq":
+        stats["hessian"], gain = condition(h, kept, method.gptq.damp)
+    q = quantize_weight(rest, config, stats, method, amax=shared, name=name, dtype=dtype)
+    cols = w.float()[:, kept]
+    if gain is not None:  # the kept columns take the error GPTQ left on the rest's outputs
+        err = rest - q.dequantize(torch.float32)[: rest.shape[0], : rest.shape[1]]
+        cols = (cols.double() + err.double() @ gain).float()
+    return q, (kept, cols)
 
 
 EXPERT = re.compile(r"\.experts\.\d+\.")  # a MoE expert's Linear (`minifloat.models.experts`): experts.N.<name>
@@ -472,7 +507,7 @@ def _quantize_embedding(model: torch.nn.Module, old_head: torch.nn.Linear, head:
                             embedding=True)  # fmt: skip
     name, emb = found
     shape, before = tuple(emb.weight.shape), emb.weight.nbytes
-    if emb.weight is old_head.weight and head.input_transform is None:
+    if emb.weight is old_head.weight and head.beyond_weight() is None:
         new = QuantizedEmbedding(tied_to=head, dtype=emb.weight.dtype, padding_idx=emb.padding_idx)
         before, note = 0, "tied to the LM head: one packed table (counted there)"
     else:

@@ -50,9 +50,8 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 def layer_tensors(prefix: str, layer: QuantizedLinear, fmt: str) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized layer in `fmt` (its format module's, and the bias)."""
-    if layer.input_transform is not None:
-        raise MinifloatError(f"layer {prefix!r} transforms its input before the GEMM ({type(layer.input_transform).__name__}); "
-                             f"no {fmt} reader applies such a transform: quantize without it to export")  # fmt: skip
+    if (why := layer.beyond_weight()) is not None:
+        raise MinifloatError(f"layer {prefix!r} {why}; no {fmt} reader applies that: quantize without it to export")
     q = layer.checkpoint_weight()
     n, k = q.shape
     if (why := unreadable(q.scheme, n, k, fmt)) is not None:

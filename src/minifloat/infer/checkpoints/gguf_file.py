@@ -115,11 +115,12 @@ def _weight_only_twin(config: QuantConfig) -> str:
     return twin if twin in QUANT_CONFIGS else "a -weight-only config"
 
 
-def refusal(name: str, config: QuantConfig, q: QuantizedTensor, input_transform) -> str | None:
-    """Why the quantized layer `name` cannot be written to GGUF, or None."""
-    if input_transform is not None:
-        return (f"layer {name!r} transforms its input before the GEMM ({type(input_transform).__name__}); no GGUF reader "
-                f"applies it: quantize without a rotation or online smoothing to write GGUF")  # fmt: skip
+def refusal(name: str, config: QuantConfig, q: QuantizedTensor, beyond: str | None) -> str | None:
+    """Why the quantized layer `name` cannot be written to GGUF, or None (`beyond`: what the layer
+    computes besides its weight's product, `QuantizedLinear.beyond_weight`)."""
+    if beyond is not None:
+        return (f"layer {name!r} {beyond}; no GGUF reader applies that: quantize without a rotation, online "
+                f"smoothing or kept channels to write GGUF")  # fmt: skip
     if config.activation_scheme is not None:
         return (f"layer {name!r} is {config.name}, which quantizes its input; llama.cpp quantizes activations its own "
                 f"way (8-bit), so the file would not compute what the config does: use {_weight_only_twin(config)}")  # fmt: skip
@@ -486,7 +487,7 @@ def write(model: torch.nn.Module, out: str | os.PathLike[str], *, source: str | 
     experts: dict[str, dict[int, tuple]] = {}  # stacked GGUF name → expert → (blocks, type, tensor scale, config)
     for name, layer in quantized.items():
         q = layer.checkpoint_weight()
-        if (why := refusal(name, layer.config, q, layer.input_transform)) is not None:
+        if (why := refusal(name, layer.config, q, layer.beyond_weight())) is not None:
             raise MinifloatError(f"{why}; keep it in high precision (ignore=[{name!r}]; quantize_model(..., "
                                  f"export_format='gguf') does so itself)")  # fmt: skip
         expert = slot(name)

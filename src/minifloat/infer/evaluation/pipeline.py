@@ -51,7 +51,8 @@ def quantize_checkpoint(
     """Load `model_path`, quantize it with `config` by `method` (calibrating on `source`'s training
     split when the config or the method needs it; the LM head and embedding too with
     `quantize_head`) and export it to `out` in `format`; a layer that format's readers could not
-    load stays in high precision, ``method="gptq"`` leaves the recommended rotation out, and
+    load stays in high precision, ``method="gptq"`` leaves the recommended rotation and kept
+    channels out, and
     smoothing is only folded into norms (never online). What
     can fail is checked first: the config, the method, the format, the output folder."""
     config = get_quant_config(config)
@@ -60,6 +61,10 @@ def quantize_checkpoint(
         raise MinifloatError(f"rotation {method.rotation}: a rotated weight means W·T, and no {format} reader applies "
                              f"minifloat's online Hadamard transform on load, so such a checkpoint would load wrong; "
                              f"quantize without --rotate to export (rotations are for eval / generate in memory)")  # fmt: skip
+    if method.keep_channels:
+        raise MinifloatError(f"keep_channels {method.keep_channels}: no {format} reader multiplies input channels kept "
+                             f"beside the quantized weight, so such a checkpoint would load wrong; quantize without "
+                             f"--keep-channels to export (kept channels are for eval / generate in memory)")  # fmt: skip
     if format not in EXPORT_FORMATS:
         raise MinifloatError(f"unknown format {format!r}; use one of {', '.join(EXPORT_FORMATS)}")
     if format == gguf_file.NAME:

@@ -154,6 +154,8 @@ def _linear_problem(name: str, lin) -> str | None:
     if isinstance(lin, QuantizedLinear):
         if lin.config.activation is not None:
             return f"{name} quantizes its input ({lin.config.name})"
+        if lin.kept_index is not None:
+            return f"{name} {lin.beyond_weight()} (the fused step reads the packed weight alone)"
         t = lin.input_transform
         if t is not None and not (type(t) is HadamardRotation and lin.in_features % t.size == 0):
             return f"{name} transforms its input by a {type(t).__name__} (the fused step applies Hadamard rotations only)"

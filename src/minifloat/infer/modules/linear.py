@@ -1,7 +1,9 @@
 """`QuantizedLinear`: a Linear for inference whose weight is held packed, as a `QuantizedTensor`.
 
 Its parts are buffers (``weight_data``, ``weight_scale``, ``weight_tensor_scale`` for NVFP4,
-``input_amax`` for a calibrated input), so ``module.to(device)`` and ``state_dict()`` carry them;
+``input_amax`` for a calibrated input; ``kept_index`` and ``kept_weight`` for input channels kept
+out of the quantized product, `minifloat.infer.ptq.outliers`), so ``module.to(device)`` and
+``state_dict()`` carry them;
 the high-precision weight is gone. The forward quantizes the input as its config says (or not:
 weight-only), multiplies with `minifloat.gemm.scaled_mm` — on a CPU the exact emulation (the
 dequantized operands, FP32 accumulation), on a GPU that has the format the native
@@ -26,6 +28,7 @@ import torch
 from minifloat.errors import MinifloatError
 from minifloat.gemm import prepack, scaled_mm
 from minifloat.infer.ptq.config import QuantConfig, get_quant_config
+from minifloat.infer.ptq.outliers import KEPT_DTYPE
 from minifloat.infer.ptq.rtn import Transform, WeightQuantizer, round_to_nearest
 from minifloat.quant import QuantizedTensor, fake_quantize, quantize
 from minifloat.scaling.layout import layout_for
@@ -45,7 +48,8 @@ class QuantizedLinear(torch.nn.Module):
 
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, config: QuantConfig, *,
                  input_amax: torch.Tensor | None = None, backend: str = "auto",
-                 input_transform: torch.nn.Module | None = None) -> None:  # fmt: skip
+                 input_transform: torch.nn.Module | None = None, kept_index: torch.Tensor | None = None,
+                 kept_weight: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
         # applied to the input before it is quantized (a rotation or smoothing folded into W)
         self.input_transform = input_transform
@@ -81,6 +85,22 @@ class QuantizedLinear(torch.nn.Module):
             if not (torch.isfinite(amax) and amax > 0):
                 raise MinifloatError(f"input_amax must be a finite number > 0, got {float(amax)}")
         self.register_buffer("input_amax", amax)
+        if (kept_index is None) != (kept_weight is None):
+            raise MinifloatError("kept input channels need both kept_index and kept_weight")
+        if kept_index is not None:
+            kept_index = torch.as_tensor(kept_index, dtype=torch.int64).detach().clone().reshape(-1)
+            if kept_index.numel() and not (0 <= int(kept_index.min()) and int(kept_index.max()) < self.in_features
+                                           and len(kept_index.unique()) == kept_index.numel()):  # fmt: skip
+                raise MinifloatError(f"kept_index must hold distinct input channels in [0, {self.in_features}), got "
+                                     f"{kept_index.tolist()}")  # fmt: skip
+            if tuple(kept_weight.shape) != (self.out_features, kept_index.numel()):
+                raise MinifloatError(f"kept_weight must be ({self.out_features}, {kept_index.numel()}): the weight's "
+                                     f"columns of the kept channels; got {tuple(kept_weight.shape)}")  # fmt: skip
+            kept_index = kept_index.to(weight.data.device)
+            kept_weight = kept_weight.detach().to(KEPT_DTYPE).clone().to(weight.data.device)
+        # input channels kept out of the quantized product, multiplied in BF16 (`minifloat.infer.ptq.outliers`)
+        self.register_buffer("kept_index", kept_index)
+        self.register_buffer("kept_weight", kept_weight)
         self._compute: QuantizedTensor | None = None  # the compute layout, made once (`prepare`)
         self.prepare()
 
@@ -102,7 +122,8 @@ class QuantizedLinear(torch.nn.Module):
             weight = weight_quantizer(w, config, stats)
         return cls(weight, linear.bias, config, input_amax=input_amax, backend=backend, input_transform=input_transform)
 
-    _EXACT = ("weight_scale", "weight_tensor_scale", "input_amax")  # float32 by the formats' definition
+    # float32 by the formats' definition; the kept channels' weight BF16 (what the layer multiplies)
+    _EXACT = ("weight_scale", "weight_tensor_scale", "input_amax", "kept_weight")
 
     def _apply(self, fn, recurse=True):
         """``.to(device)`` moves every part; ``.half()`` / ``.to(bf16)`` converts only the bias:
@@ -143,6 +164,15 @@ class QuantizedLinear(torch.nn.Module):
         self._prepacked = prepack(self._compute, self.backend)  # a decode step's GEMV, planned once
         return self
 
+    def beyond_weight(self) -> str | None:
+        """What the layer computes besides its packed weight's product, which no checkpoint reader
+        applies (an input transform, kept input channels), or None."""
+        if self.input_transform is not None:
+            return f"transforms its input before the GEMM ({type(self.input_transform).__name__})"
+        if self.kept_index is not None:
+            return f"keeps {self.kept_index.numel()} input channels out of the quantized product (in BF16)"
+        return None
+
     def compute_extra_nbytes(self) -> int:
         """Bytes the compute layout holds beyond the checkpoint buffers (the block padding)."""
         return self.weight_data.untyped_storage().nbytes() - self.weight_data.nbytes
@@ -160,6 +190,10 @@ class QuantizedLinear(torch.nn.Module):
         x2 = x.reshape(math.prod(lead), self.in_features)
         if self.input_transform is not None:
             x2 = self.input_transform(x2)
+        kept = None
+        if self.kept_index is not None:
+            kept = x2.index_select(1, self.kept_index)
+            x2 = x2.index_fill(1, self.kept_index, 0.0)  # out of the quantized product and its scales
         c = self.config
         if c.activation is None:  # weight-only: the high-precision input times the exact weight
             y = self._prepacked(x2)
@@ -171,6 +205,8 @@ class QuantizedLinear(torch.nn.Module):
                 y = self._prepacked(qx.dequantize(torch.float32))
             else:
                 y = scaled_mm(qx, self.weight, out_dtype=torch.float32, backend=self.backend)
+        if kept is not None:  # BF16 operands, FP32 products and sum
+            y = y + kept.to(KEPT_DTYPE).float() @ self.kept_weight.float().T
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*lead, self.out_features)
@@ -200,7 +236,10 @@ class DifferentiableLinear(torch.nn.Module):
         super().__init__()
         self.config, self.input_transform = layer.config, layer.input_transform
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        w = layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features]
+        w = layer.weight.dequantize(torch.float32)[: layer.out_features, : layer.in_features].clone()
+        self.kept_index = layer.kept_index
+        if self.kept_index is not None:  # the kept columns' BF16 weights in place of the quantized zeros
+            w[:, self.kept_index] = layer.kept_weight.float()
         self.register_buffer("weight", w.contiguous())
         self.register_buffer("bias", None if layer.bias is None else layer.bias.float())
         self.register_buffer("input_amax", layer.input_amax)
@@ -212,7 +251,12 @@ class DifferentiableLinear(torch.nn.Module):
             x2 = self.input_transform(x2)
         c = self.config
         x2 = x2.float()
+        if self.kept_index is not None:
+            kept = x2.index_select(1, self.kept_index).to(KEPT_DTYPE).float()
+            x2 = x2.index_fill(1, self.kept_index, 0.0)
         if c.activation is not None:
             x2 = fake_quantize(x2, c.activation_scheme, amax=self.input_amax if c.static else None)
+        if self.kept_index is not None:
+            x2 = x2.index_copy(1, self.kept_index, kept)
         y = torch.nn.functional.linear(x2, self.weight, self.bias)
         return y.to(x.dtype).reshape(*lead, self.out_features)
