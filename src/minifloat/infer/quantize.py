@@ -33,8 +33,13 @@ from minifloat.infer.modules.accounting import layer_bytes, model_bytes
 from minifloat.infer.modules.embedding import QuantizedEmbedding
 from minifloat.infer.modules.linear import QuantizedLinear
 from minifloat.infer.ptq.config import MIN_FEATURES, QuantConfig, get_quant_config, weight_only
-from minifloat.infer.ptq.gptq import refit
-from minifloat.infer.ptq.method import PTQMethod, config_for, quantize_weight, resolve_method
+from minifloat.infer.ptq.method import (
+    PTQMethod,
+    config_for,
+    quantize_weight,
+    refit_if_asymmetric,
+    resolve_method,
+)
 from minifloat.infer.ptq.norm_tuning import TuningResult, tune_norms
 from minifloat.infer.ptq.observers import AmaxObserver, observe
 from minifloat.infer.ptq.outliers import choose_channels, condition, split
@@ -446,8 +451,7 @@ def _quantize_keeping(group: Group, name: str, config: QuantConfig, stats: dict,
     kept = choose_channels(h, method.keep_channels)
     if not len(kept):
         return quantize_weight(w, config, stats, method, amax=shared, name=name, dtype=dtype), None
-    if method.method == "gptq" and method.gptq.asymmetric is not None and stats.get("reference") is not None:
-        w = refit(w.float(), h, stats["reference"], method.gptq.asymmetric, name=name)  # on the whole weight, then split
+    w = refit_if_asymmetric(w, stats, method, name)  # on the whole weight, then split
     stats = {k: v for k, v in stats.items() if k != "reference"}
     rest = split(w, kept)
     if shared is not None:  # NVFP4's tensor amax, shared by the group: over the quantized parts only

@@ -185,6 +185,15 @@ def config_for(config: QuantConfig, method: PTQMethod) -> QuantConfig:
     return next((c for c in QUANT_CONFIGS.values() if dataclasses.replace(c, name=twin.name) == twin), twin)
 
 
+def refit_if_asymmetric(weight: torch.Tensor, stats: dict, method: PTQMethod, name: str = "the layer") -> torch.Tensor:
+    """`weight` as float32, refit to the full-precision model's outputs (`refit`) where `method` is
+    asymmetric GPTQ and the layer has a ``stats["reference"]``."""
+    w = weight.detach().float()
+    if method.method == "gptq" and method.gptq.asymmetric is not None and stats.get("reference") is not None:
+        w = refit(w, stats["hessian"], stats["reference"], method.gptq.asymmetric, name=name)
+    return w
+
+
 def quantize_weight(weight: torch.Tensor, config: QuantConfig, stats: dict, method: PTQMethod, *,
                     amax: torch.Tensor | None = None, name: str = "the layer",
                     dtype: torch.dtype | None = None) -> QuantizedTensor:  # fmt: skip
@@ -193,9 +202,7 @@ def quantize_weight(weight: torch.Tensor, config: QuantConfig, stats: dict, meth
     layer's ``stats["hessian"]`` (asymmetric: on the weight refit to ``stats["reference"]`` first,
     where the layer has one). The result's original dtype is `dtype` (`weight`'s by default)."""
     ws = config.weight_scheme
-    w = weight.detach().float()
-    if method.method == "gptq" and method.gptq.asymmetric is not None and stats.get("reference") is not None:
-        w = refit(w, stats["hessian"], stats["reference"], method.gptq.asymmetric, name=name)
+    w = refit_if_asymmetric(weight, stats, method, name)
     if amax is None:
         amax = tensor_amax([w], config)
     if method.method == "rtn" and method.observer != "mse":
